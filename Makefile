@@ -1,0 +1,29 @@
+# `make run`: set up and train the default job on 2 workers. `make test`: set up and run every test.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# One compute thread per worker: workers are pinned one per core.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install run test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# Pinned: these releases are on this machine's disk; an open range would download a newer multi-GB build.
+	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: install
+	$(BIN)/ringtrain train configs/digits_mlp.toml --nproc 2 --run-dir runs/digits_mlp-$$(date +%Y%m%d-%H%M%S)
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

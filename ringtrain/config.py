@@ -1,0 +1,324 @@
+"""Typed, documented, validated configuration.
+
+A run is described by a TOML file with one table per section (``[model]``, ``[data]``, ``[train]``,
+``[dist]``, ``[comm]``, ``[checkpoint]``, ``[monitor]``), plus ``--set section.field=value`` overrides.
+Every field is declared once below with its type, default and a docstring; ``ringtrain config`` prints them.
+
+Validation happens here, in the launching process, before any worker starts or any port opens. Errors
+are one line that names the field, the value and the fix::
+
+    unknown key 'train.lrate' in configs/x.toml; did you mean 'train.lr'?
+    train.global_batch_size (96) must be divisible by train.local_batch_size (16) * world_size (4)
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import os
+import tomllib
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ringtrain.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "ModelConfig",
+    "DataConfig",
+    "TrainConfig",
+    "DistConfig",
+    "CommConfig",
+    "CheckpointConfig",
+    "MonitorConfig",
+    "load_config",
+    "parse_override",
+    "validate_for_world_size",
+    "grad_accum_steps_for",
+]
+
+
+class Section(BaseModel):
+    # strict: a string where a number belongs is an error, not a silent conversion.
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
+
+
+class ModelConfig(Section):
+    name: Literal["mlp"] = "mlp"
+    """Architecture: 'mlp' (Linear-ReLU-Linear-ReLU-Linear, for the digits data)."""
+
+    hidden_sizes: list[int] = Field(default=[128, 64], min_length=1)
+    """Widths of the MLP's hidden layers, input side first."""
+
+    @model_validator(mode="after")
+    def _positive_sizes(self) -> ModelConfig:
+        for size in self.hidden_sizes:
+            if size <= 0:
+                raise ValueError(f"hidden_sizes must all be positive, got {self.hidden_sizes}")
+        return self
+
+
+class DataConfig(Section):
+    dataset: Literal["digits"] = "digits"
+    """Dataset: 'digits' (scikit-learn's bundled 8x8 handwritten digits, 1,797 images, no download)."""
+
+    test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """Share of the dataset held out for evaluation (stratified by class)."""
+
+    split_seed: int = 0
+    """Seed of the fixed train/test split; keep it constant to compare runs."""
+
+    num_workers: int = Field(default=0, ge=0)
+    """DataLoader worker processes per training process (0 loads in the training process)."""
+
+
+class TrainConfig(Section):
+    epochs: int = Field(default=20, gt=0)
+    """Passes over the training set."""
+
+    max_steps: int | None = Field(default=None, gt=0)
+    """Stop after this many optimizer steps, even mid-epoch (unset: run all epochs)."""
+
+    global_batch_size: int = Field(default=64, gt=0)
+    """Samples per optimizer step across all workers: local_batch_size * grad_accum_steps * world_size."""
+
+    local_batch_size: int = Field(default=32, gt=0)
+    """Samples per micro-batch on one worker (one forward/backward)."""
+
+    grad_accum_steps: int | None = Field(default=None, gt=0)
+    """Micro-batches per optimizer step; unset: derived as global / (local * world_size)."""
+
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    """Optimizer: 'sgd' (with momentum) or 'adamw'."""
+
+    lr: float = Field(default=0.1, gt=0.0, allow_inf_nan=False)
+    """Peak learning rate."""
+
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """SGD momentum (ignored by adamw)."""
+
+    weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    """Weight decay (decoupled for adamw)."""
+
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """Learning-rate schedule after warm-up: 'constant' or 'cosine' (decays to 0 at the last step)."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warm-up from 0 to lr."""
+
+    grad_clip_norm: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """Clip the synchronised gradient to this global L2 norm (unset: no clipping)."""
+
+    seed: int = 0
+    """Seed of model initialisation and of the data order (the order depends on seed and epoch only)."""
+
+
+class DistConfig(Section):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: 'auto' picks NCCL when CUDA is available, else Gloo."""
+
+    timeout_s: float = Field(default=120.0, gt=0.0, allow_inf_nan=False)
+    """Seconds a collective may wait for a peer before failing (a stopped or dead worker)."""
+
+    pin_cpu: bool = True
+    """On CPU, pin each worker to its own core (round robin when workers outnumber cores)."""
+
+    threads_per_worker: int = Field(default=1, gt=0)
+    """Intra-op compute threads per worker (1 avoids oversubscribing the cores)."""
+
+
+class CommConfig(Section):
+    strategy: Literal["ddp"] = "ddp"
+    """Gradient synchronisation: 'ddp' (torch DistributedDataParallel)."""
+
+    bucket_mb: float = Field(default=25.0, gt=0.0, allow_inf_nan=False)
+    """Gradient bucket size in MB (DDP's bucket_cap_mb)."""
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(default=100, gt=0)
+    """Save a checkpoint every this many optimizer steps (and always at the end)."""
+
+    keep_last: int = Field(default=3, gt=0)
+    """Number of most recent checkpoints kept; older ones are deleted."""
+
+    dir: str = "checkpoints"
+    """Checkpoint folder, relative to the run directory (it must stay inside it)."""
+
+    @model_validator(mode="after")
+    def _inside_run_dir(self) -> CheckpointConfig:
+        path = PurePosixPath(self.dir)
+        if not self.dir or path.is_absolute() or ".." in path.parts:
+            raise ValueError(
+                f"dir must be a relative path inside the run directory, got {self.dir!r} "
+                "(use e.g. 'checkpoints')"
+            )
+        return self
+
+
+class MonitorConfig(Section):
+    log_every_steps: int = Field(default=10, gt=0)
+    """Write a metrics record (metrics.jsonl) every this many optimizer steps."""
+
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    eval_every_epochs: int = Field(default=1, ge=0)
+    """Evaluate on the test split every this many epochs (0: only at the end)."""
+
+
+class Config(Section):
+    run_dir: str | None = None
+    """Where the run writes config.toml, metrics.jsonl, summary.json and checkpoints/
+    (unset: runs/<config file name>)."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    dist: DistConfig = DistConfig()
+    comm: CommConfig = CommConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    monitor: MonitorConfig = MonitorConfig()
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (unset optional fields are left out)."""
+        return tomli_w.dumps(self.model_dump(exclude_none=True))
+
+    def digest(self) -> str:
+        """sha256 of the resolved config; a checkpoint records it to detect a changed job."""
+        canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None) -> Config:
+    """Read ``path``, apply ``--set`` overrides and an explicit run directory, and validate.
+
+    Raises ConfigError with a one-line message for anything a user could get wrong.
+    """
+    path = Path(path)
+    raw = _read_toml(path)
+    origins: dict[tuple[str, ...], str] = {}
+    for override in overrides:
+        keys, value = parse_override(override)
+        _set_nested(raw, keys, value)
+        origins[keys] = f"--set {override}"
+    if run_dir is not None:
+        raw["run_dir"] = run_dir
+    raw.setdefault("run_dir", str(Path("runs") / path.stem))
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, str(path), origins)) from None
+
+
+def parse_override(override: str) -> tuple[tuple[str, ...], Any]:
+    """``'train.lr=0.1'`` -> ``(('train', 'lr'), 0.1)``; the value is read as a TOML value, else a string."""
+    key, sep, text = override.partition("=")
+    keys = tuple(part.strip() for part in key.split("."))
+    if not sep or not all(keys):
+        raise ConfigError(f"bad override {override!r}: write it as section.field=value, e.g. train.lr=0.05")
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as mlp or gloo
+    return keys, value
+
+
+def grad_accum_steps_for(train: TrainConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step at this world size (validated by validate_for_world_size)."""
+    return train.global_batch_size // (train.local_batch_size * world_size)
+
+
+def validate_for_world_size(config: Config, world_size: int) -> None:
+    """Check what depends on the number of workers; raise ConfigError naming the numbers and the fix."""
+    train = config.train
+    per_step = train.local_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
+            f"train.local_batch_size ({train.local_batch_size}) * world_size ({world_size}); "
+            f"try global_batch_size = {max(1, round(train.global_batch_size / per_step)) * per_step}"
+        )
+    derived = train.global_batch_size // per_step
+    if train.grad_accum_steps is not None and train.grad_accum_steps != derived:
+        raise ConfigError(
+            f"train.grad_accum_steps ({train.grad_accum_steps}) disagrees with global_batch_size "
+            f"({train.global_batch_size}) / (local_batch_size ({train.local_batch_size}) * world_size "
+            f"({world_size})) = {derived}; set it to {derived} or leave it unset"
+        )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass a TOML file such as configs/digits_mlp.toml")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+
+
+def _set_nested(raw: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    node = raw
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _describe(err: ValidationError, source: str, origins: dict[tuple[str, ...], str]) -> str:
+    """One line for the first problem (and a count of the others)."""
+    first = err.errors()[0]
+    loc = tuple(str(part) for part in first["loc"] if not isinstance(part, int))
+    where = next((origins[k] for k in origins if loc[: len(k)] == k), source)
+    dotted = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        message = f"unknown key '{dotted}' in {where}{_did_you_mean(loc)}"
+    elif not loc:  # a whole-model validator
+        message = f"{where}: {first['msg']}"
+    else:
+        shown = first["input"]
+        value = "" if isinstance(shown, dict) else f" = {_toml_repr(shown)}"
+        message = f"{dotted}{value} in {where}: {_plain(first['msg'])}"
+    more = len(err.errors()) - 1
+    return message + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def _did_you_mean(loc: tuple[str, ...]) -> str:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    prefix = ".".join(loc[:-1])
+    matches = _closest(loc[-1], list(model.model_fields))
+    if not matches:
+        known = ", ".join(model.model_fields)
+        return f"; known keys{' in [' + prefix + ']' if prefix else ''}: {known}"
+    return f"; did you mean '{'.'.join((*loc[:-1], matches[0]))}'?"
+
+
+def _closest(word: str, known: list[str]) -> list[str]:
+    """Known keys that ``word`` is a likely typo of: an abbreviation or extension first, then look-alikes."""
+    extended = [k for k in known if len(k) >= 2 and (word.startswith(k) or k.startswith(word))]
+    if extended:
+        return [max(extended, key=lambda k: (len(os.path.commonprefix([k, word])), -len(k)))]
+    return difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+
+
+def _plain(message: str) -> str:
+    return message.replace("Value error, ", "")
+
+
+def _toml_repr(value: Any) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return repr(value)

@@ -1,0 +1,124 @@
+"""Loaders: a train loader that yields this rank's whole share of each optimizer step, and an eval loader.
+
+The train loader's unit is the optimizer step, not the micro-batch: each item is a ``StepBatch`` holding
+every sample this rank uses in one step, with their ids. The training loop cuts it into micro-batches, so
+the micro-batch size can change at run time (dynamic batch sizing) without touching the data pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import default_collate
+
+from ringtrain.data.sampler import ResumableSampler, eval_shard
+
+__all__ = ["StepBatch", "build_train_loader", "build_eval_loader"]
+
+
+@dataclass
+class StepBatch:
+    """One rank's samples for one optimizer step."""
+
+    indices: torch.Tensor
+    """Dataset ids of the samples (what the exactly-once ledger records)."""
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def micro_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Split into ``count`` near-equal micro-batches; some are empty when there are fewer samples.
+
+        Every rank must run the same number of forward passes per step (DDP's buffer broadcast and the
+        gradient all-reduce are collectives), so the count is chosen by the caller for all ranks alike.
+        """
+        return list(zip(torch.tensor_split(self.inputs, count), torch.tensor_split(self.targets, count)))
+
+    def to(self, device: torch.device) -> StepBatch:
+        non_blocking = device.type == "cuda"
+        return StepBatch(
+            self.indices,
+            self.inputs.to(device, non_blocking=non_blocking),
+            self.targets.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> StepBatch:
+        return StepBatch(self.indices, self.inputs.pin_memory(), self.targets.pin_memory())
+
+
+class _Indexed(Dataset):
+    """Yields (id, sample...) so a StepBatch knows which samples it holds."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return (index, *self.dataset[index])
+
+
+class _StepCollator:
+    """Stacks one step's samples; an empty share (a short last window) still gets tensors of 0 rows."""
+
+    def __init__(self, dataset: Dataset):
+        self.example = default_collate([dataset[0]])
+
+    def __call__(self, samples: Sequence[tuple]) -> StepBatch:
+        if not samples:
+            empty = [t[:0] for t in self.example]
+            return StepBatch(torch.empty(0, dtype=torch.long), *empty)
+        ids, inputs, targets = default_collate(samples)
+        return StepBatch(ids, inputs, targets)
+
+
+class _StepShards(Sampler[list[int]]):
+    """Batch sampler over the ResumableSampler: one item per remaining optimizer step of the epoch."""
+
+    def __init__(self, sampler: ResumableSampler, rank: int, world_size: int):
+        self.sampler = sampler
+        self.rank = rank
+        self.world_size = world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.sampler.iter_shards(self.rank, self.world_size)
+
+    def __len__(self) -> int:
+        return self.sampler.remaining_steps()
+
+
+def build_train_loader(
+    dataset: Dataset,
+    sampler: ResumableSampler,
+    rank: int,
+    world_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """A loader that restarts from the sampler's cursor each time it is iterated."""
+    return DataLoader(
+        _Indexed(dataset),
+        batch_sampler=_StepShards(sampler, rank, world_size),
+        collate_fn=_StepCollator(dataset),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )
+
+
+def build_eval_loader(
+    dataset: Dataset, rank: int, world_size: int, batch_size: int, num_workers: int = 0
+) -> DataLoader:
+    """Every test sample exactly once across ranks (ranks may get one sample more or less)."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=eval_shard(len(dataset), rank, world_size),
+        num_workers=num_workers,
+    )

@@ -1,0 +1,67 @@
+"""Everything a worker learns from its environment, read in this one place.
+
+Under ``ringtrain train`` and under plain ``torchrun`` the elastic agent sets ``RANK``, ``WORLD_SIZE`` and
+friends. Started by hand with none of them, a worker is a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR"]
+
+# Both set by `ringtrain train`, never by torchrun.
+BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
+"""The address this host's listening sockets must bind to."""
+LAUNCHER_VAR = "RINGTRAIN_LAUNCHER"
+"""Present when `ringtrain train` started the worker (it then reports worker errors itself)."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Rank, sizes and rendezvous details of this worker process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    """How many times the elastic agent has restarted this job's workers (0 on the first attempt)."""
+    use_agent_store: bool = False
+    """True when torchrun shares its rendezvous TCPStore with workers (they must connect as clients)."""
+    bind_addr: str | None = None
+    """Address to bind listening sockets to; None leaves the choice to torch (plain torchrun)."""
+    run_id: str | None = None
+    launched_by_ringtrain: bool = False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        env = os.environ if environ is None else environ
+        if "RANK" not in env:
+            return cls(bind_addr=env.get(BIND_ADDR_VAR), launched_by_ringtrain=LAUNCHER_VAR in env)
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env["WORLD_SIZE"]),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "False").lower() == "true",
+            bind_addr=env.get(BIND_ADDR_VAR),
+            run_id=env.get("TORCHELASTIC_RUN_ID"),
+            launched_by_ringtrain=LAUNCHER_VAR in env,
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.master_addr is not None
+
+    @property
+    def is_restart(self) -> bool:
+        """The elastic agent restarted the workers: the run must resume from its last checkpoint."""
+        return self.restart_count > 0

@@ -1,0 +1,157 @@
+"""Process-group lifetime: backend choice, loopback-bound store, thread count, core pinning.
+
+``init_distributed`` is a context manager so the group is destroyed even when training raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from ringtrain.config import DistConfig
+from ringtrain.dist.env import DistEnv
+from ringtrain.errors import LaunchError
+
+__all__ = ["DistContext", "init_distributed", "resolve_backend", "interface_for_address"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What a worker knows about its place in the job once the process group is up."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+    host_rank: int
+    """Index of this worker among the workers on its host (equals local_rank with one agent per host)."""
+    host_world_size: int
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+def resolve_backend(requested: str) -> str:
+    """'auto' -> NCCL when CUDA is available, else Gloo; an impossible request is a user error."""
+    has_cuda = torch.cuda.is_available()
+    if requested == "auto":
+        return "nccl" if has_cuda else "gloo"
+    if requested == "nccl" and not has_cuda:
+        raise LaunchError("dist.backend = 'nccl' needs CUDA GPUs and none is available; use 'gloo' or 'auto'")
+    return requested
+
+
+@contextmanager
+def init_distributed(env: DistEnv, config: DistConfig) -> Iterator[DistContext]:
+    """Create the default process group for this worker and destroy it on the way out."""
+    backend = resolve_backend(config.backend)
+    torch.set_num_threads(config.threads_per_worker)
+    device = _device_for(backend, env.local_rank)
+    if env.bind_addr:
+        _bind_collectives_to(env.bind_addr)
+    timeout = timedelta(seconds=config.timeout_s)
+    dist.init_process_group(
+        backend, store=_build_store(env, timeout), rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
+    try:
+        host_rank, host_world_size = _host_placement()
+        if device.type == "cpu" and config.pin_cpu:
+            _pin_to_core(host_rank)
+        yield DistContext(env, backend, device, host_rank, host_world_size)
+    finally:
+        # DDP keeps the group alive from inside reference cycles. Collect them now: left to the
+        # interpreter's shutdown, a Gloo thread would free a tensor after Python is gone and abort.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def interface_for_address(address: str) -> str:
+    """Name of the network interface that holds ``address`` (e.g. '127.0.0.1' -> 'lo')."""
+    ip = socket.gethostbyname(address)
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses):
+            return name
+    known = sorted(
+        a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET
+    )
+    raise LaunchError(f"{address} is not an address of this host; pass --local-addr with one of {known}")
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _bind_collectives_to(address: str) -> None:
+    # Gloo and NCCL pick their interface from these variables; without them Gloo binds to whatever
+    # the host name resolves to, which can be a public interface.
+    interface = interface_for_address(address)
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    os.environ["NCCL_SOCKET_IFNAME"] = interface
+
+
+def _build_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    if not env.is_distributed:
+        return dist.HashStore()
+    if env.use_agent_store:
+        # Plain torchrun shares its rendezvous store; the prefix keeps restarts apart, as torch's env:// does.
+        client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"/worker/attempt_{env.restart_count}", client)
+    if env.rank == 0:
+        # torch's TCPStore listens on every interface; hand it a socket bound to one address instead.
+        listener = _listen_on(env.bind_addr or env.master_addr, env.master_port)
+        return dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+    return dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+
+
+def _listen_on(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        return socket.create_server((address, port), family=family, backlog=1024)
+    except OSError as err:
+        raise LaunchError(f"cannot listen on {address}:{port} ({err.strerror}); choose another port") from None
+
+
+def _host_placement() -> tuple[int, int]:
+    """(index among this host's workers, number of workers on this host), from one all_gather."""
+    hosts: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    mine = socket.gethostname()
+    same_host = [rank for rank, host in enumerate(hosts) if host == mine]
+    return same_host.index(dist.get_rank()), len(same_host)
+
+
+def _pin_to_core(host_rank: int) -> None:
+    """Pin every thread of this process to one core, so co-located workers do not migrate and collide."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[host_rank % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:  # a thread that ended meanwhile
+            pass

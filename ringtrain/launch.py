@@ -1,0 +1,213 @@
+"""Start workers through torch's elastic launcher (the engine of torchrun), not a home-made spawner.
+
+``ringtrain train`` calls ``launch``: this process runs torch's elastic agent, which rendezvouses with
+the agents of the other nodes (c10d rendezvous) and starts ``python -m ringtrain.worker`` once per local
+worker, restarting them up to ``max_restarts`` times when one fails.
+
+Every listening socket binds to loopback (127.0.0.1) unless the user names another address:
+- the rendezvous store is hosted here, by node 0's launcher, on a socket bound to the endpoint's address
+  (torch's own would listen on every interface), and every agent joins it as a client;
+- the workers' store is hosted by worker 0 the same way (``dist/group.py``), and Gloo/NCCL are told the
+  interface that holds the bind address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ringtrain.dist.env import BIND_ADDR_VAR, LAUNCHER_VAR
+from ringtrain.errors import LaunchError, RingtrainError
+
+__all__ = ["LaunchOptions", "WorkerFailed", "JobStopped", "launch"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class WorkerFailed(RingtrainError):
+    """A worker exited with an error or was killed, and no restarts were left."""
+
+    exit_code = 1
+
+
+class JobStopped(RingtrainError):
+    """The launcher itself got SIGINT/SIGTERM; its workers were stopped."""
+
+    def __init__(self, signal_number: int):
+        name = signal.Signals(signal_number).name
+        super().__init__(f"stopped by {name}; the workers were stopped (continue later with --resume)")
+        self.exit_code = 128 + signal_number
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """The launch flags; they mirror torchrun's."""
+
+    nproc: int = 1
+    """Workers on this node (torchrun's --nproc-per-node)."""
+    nnodes: str = "1"
+    """Number of nodes, or MIN:MAX for an elastic job."""
+    node_rank: int = 0
+    """This node's index; node 0 hosts the rendezvous store."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the rendezvous; unset on a single node: a free port on 127.0.0.1."""
+    local_addr: str | None = None
+    """Address of this node that workers bind to (default: loopback, or the endpoint's host on node 0)."""
+    max_restarts: int = 0
+    """Restarts of the worker group after a failure before the job fails."""
+    run_id: str = ""
+    """Rendezvous id shared by all nodes of the job (default: derived from the endpoint)."""
+    log_dir: str | None = None
+    """Where the agent keeps per-attempt error files (default: a temporary folder)."""
+
+    def node_range(self) -> tuple[int, int]:
+        text = self.nnodes.strip()
+        try:
+            low, _, high = text.partition(":")
+            min_nodes, max_nodes = int(low), int(high or low)
+        except ValueError:
+            raise LaunchError(f"--nnodes {self.nnodes!r} is not N or MIN:MAX (e.g. 2 or 1:2)") from None
+        if not 1 <= min_nodes <= max_nodes:
+            raise LaunchError(f"--nnodes {self.nnodes!r}: need 1 <= MIN <= MAX")
+        return min_nodes, max_nodes
+
+    @property
+    def max_world_size(self) -> int:
+        return self.nproc * self.node_range()[1]
+
+    def validate(self) -> None:
+        """Raise LaunchError for flag combinations that cannot work; call before any port opens."""
+        _, max_nodes = self.node_range()
+        if self.nproc < 1:
+            raise LaunchError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not 0 <= self.node_rank < max_nodes:
+            raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {max_nodes}) for --nnodes {self.nnodes}")
+        if max_nodes > 1 and not self.rdzv_endpoint:
+            raise LaunchError("a multi-node job needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.rdzv_endpoint:
+            _, port = _split_endpoint(self.rdzv_endpoint)
+            if port == 0 and max_nodes > 1:
+                raise LaunchError(f"--rdzv-endpoint {self.rdzv_endpoint}: a multi-node job needs a fixed port")
+
+
+def launch(options: LaunchOptions, worker_args: list[str]) -> None:
+    """Run ``python -m ringtrain.worker *worker_args`` under torch's elastic agent on this node.
+
+    Raises WorkerFailed naming the first failed rank, or LaunchError when the rendezvous fails.
+    """
+    options.validate()
+    min_nodes, max_nodes = options.node_range()
+    host, port = _split_endpoint(options.rdzv_endpoint or f"{LOOPBACK}:0")
+    bind_addr = options.local_addr or (host if _is_loopback(host) or options.node_rank == 0 else None)
+    store = _host_rendezvous_store(host, port) if options.node_rank == 0 else None
+    if store is not None:
+        port = store.port
+    _export_worker_env(bind_addr)
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=options.nproc,
+        run_id=options.run_id or f"ringtrain-{host}-{port}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{_bracket(host)}:{port}",
+        # Node 0's launcher hosts the store above; every agent, node 0's included, joins as a client.
+        rdzv_configs={"is_host": False},
+        max_restarts=options.max_restarts,
+        local_addr=bind_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "ringtrain.worker", *worker_args)
+    except ChildFailedError as err:
+        raise WorkerFailed(_describe_failure(err)) from None
+    except SignalException as err:
+        raise JobStopped(err.sigval) from None
+    except RendezvousError as err:
+        raise LaunchError(f"rendezvous at {host}:{port} failed: {err}") from None
+    finally:
+        # The rendezvous store lives exactly as long as this node's agent.
+        del store
+
+
+def _export_worker_env(bind_addr: str | None) -> None:
+    # The agent passes this process's environment on to every worker it starts.
+    os.environ[LAUNCHER_VAR] = "1"
+    if bind_addr:
+        os.environ[BIND_ADDR_VAR] = bind_addr
+    # Workers host their own loopback-bound store (dist/group.py) instead of sharing the agent's,
+    # which torch would open on every interface.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+
+def _host_rendezvous_store(host: str, port: int) -> dist.TCPStore:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        listener = socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as err:
+        raise LaunchError(
+            f"cannot listen on {host}:{port} for the rendezvous ({err.strerror}); "
+            "choose another --rdzv-endpoint port, or stop the job that holds it"
+        ) from None
+    bound_port = listener.getsockname()[1]
+    return dist.TCPStore(
+        host,
+        bound_port,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+        master_listen_fd=listener.detach(),
+    )
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port_text = endpoint.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise LaunchError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. 127.0.0.1:29500)")
+    return host, int(port_text)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _describe_failure(err: ChildFailedError) -> str:
+    """One line naming the worker that failed first: a worker killed from outside (not by the agent's
+    SIGTERM) is the cause; otherwise the earliest error report."""
+    killed = [(rank, f) for rank, f in err.failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"]
+    rank, failure = killed[0] if killed else err.get_first_failure()
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    lines = (message or "").strip().splitlines()
+    detail = lines[0] if lines and not lines[0].startswith(("To enable traceback", "Signal ")) else ""
+    others = len(err.failures) - 1
+    text = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
+    if detail:
+        text += f": {detail}"
+    if others:
+        text += f" ({others} other worker{'s' * (others > 1)} stopped too)"
+    return text

@@ -1,0 +1,169 @@
+"""Where metrics go: a progress bar for people, files for tools, nothing on ranks other than 0.
+
+Every logger has the same four calls, so the training loop never asks which rank it is on:
+``start`` once, ``on_step`` after every optimizer step (cheap), ``log`` for each metrics record and
+``finish`` with the run's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ringtrain.config import Config, MonitorConfig
+
+__all__ = ["Logger", "NullLogger", "ConsoleLogger", "RunDirLogger", "MultiLogger", "build_logger"]
+
+
+class Logger:
+    """The interface; also the null logger every rank but 0 gets."""
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None: ...
+
+    def on_step(self, step: int, epoch: int) -> None: ...
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def finish(self, summary: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+NullLogger = Logger
+
+
+class ConsoleLogger(Logger):
+    """A rich progress bar on stderr (epoch, step, loss, samples/s, ETA) and a summary table on stdout."""
+
+    def __init__(self, progress: bool = True):
+        self.show_progress = progress
+        self.progress: Progress | None = None
+        self.task = None
+        self.epochs = 1
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
+        self.epochs = math.ceil(total_steps / steps_per_epoch)
+        if not self.show_progress:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]epoch {task.fields[epoch]}/" + str(self.epochs)),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[throughput]} samples/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(file=sys.stderr),
+        )
+        self.task = self.progress.add_task(
+            "train", total=total_steps, completed=start_step, epoch=1, loss="-", throughput="-"
+        )
+        self.progress.start()
+
+    def on_step(self, step: int, epoch: int) -> None:
+        if self.progress is not None:
+            # After the last step of an epoch the loop has already moved to the next one.
+            self.progress.update(self.task, completed=step, epoch=min(epoch + 1, self.epochs))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.progress is not None and record.get("type") == "train":
+            self.progress.update(
+                self.task, loss=f"{record['loss']:.4f}", throughput=f"{record['samples_per_s']:,.0f}"
+            )
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.close()
+        table = Table(title="ringtrain summary", show_header=False)
+        for key, value in _flatten(summary).items():
+            table.add_row(key, _format(value))
+        Console(file=sys.stdout).print(table)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+class RunDirLogger(Logger):
+    """Writes the run directory's files: config.toml, metrics.jsonl (one record a line), summary.json."""
+
+    def __init__(self, run_dir: str | Path, config: Config):
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.metrics = None
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        # Appending keeps the history of a resumed run in one file.
+        self.metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.close()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+class MultiLogger(Logger):
+    def __init__(self, *loggers: Logger):
+        self.loggers = loggers
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
+        for logger in self.loggers:
+            logger.start(total_steps, start_step, steps_per_epoch)
+
+    def on_step(self, step: int, epoch: int) -> None:
+        for logger in self.loggers:
+            logger.on_step(step, epoch)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log(record)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.finish(summary)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def build_logger(config: Config, rank: int, run_dir: str | Path) -> Logger:
+    """Real loggers on rank 0, the null logger elsewhere."""
+    if rank != 0:
+        return NullLogger()
+    monitor: MonitorConfig = config.monitor
+    return MultiLogger(ConsoleLogger(progress=monitor.progress), RunDirLogger(run_dir, config))
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:,.4f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)

@@ -1,0 +1,57 @@
+"""Step timing: wall time per phase, averaged over a logging interval.
+
+    clock = StepClock()
+    with clock.phase("data"):
+        batch = next(batches)
+    ...
+    clock.end_step(samples=64)
+    record = clock.flush()   # {'step_time_s': ..., 'samples_per_s': ..., 'time/data_s': ...}
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["StepClock"]
+
+
+class StepClock:
+    """Accumulates per-phase wall time and samples between two flushes."""
+
+    def __init__(self):
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self.interval_start = now
+        self.phase_totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.samples = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_totals[name] += time.perf_counter() - start
+
+    def end_step(self, samples: int) -> None:
+        self.steps += 1
+        self.samples += samples
+
+    def flush(self) -> dict[str, float]:
+        """Means over the steps since the last flush, then start a new interval."""
+        now = time.perf_counter()
+        elapsed = now - self.interval_start
+        steps = max(1, self.steps)
+        record = {
+            "step_time_s": elapsed / steps,
+            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+        }
+        for name, total in self.phase_totals.items():
+            record[f"time/{name}_s"] = total / steps
+        self._reset(now)
+        return record

@@ -1,0 +1,32 @@
+"""Data-parallel strategies: how gradients are synchronised across workers.
+
+A strategy has ``wrap(model)``, ``no_sync(model)`` (a context that skips synchronisation for
+accumulation micro-steps) and ``unwrap(model)``. The training loop only talks to that interface.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ringtrain.config import CommConfig
+from ringtrain.parallel.ddp import DDPStrategy
+
+__all__ = ["Strategy", "DDPStrategy", "build_strategy"]
+
+
+class Strategy(Protocol):
+    name: str
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def no_sync(self, model: torch.nn.Module): ...
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+
+def build_strategy(config: CommConfig, device: torch.device) -> Strategy:
+    if config.strategy == "ddp":
+        return DDPStrategy(device, bucket_mb=config.bucket_mb)
+    raise ValueError(f"unknown strategy {config.strategy!r}")  # unreachable: the config validates the name

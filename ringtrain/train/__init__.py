@@ -1,0 +1,1 @@
+"""Training: state, the loop, optimizers and schedules, evaluation."""

@@ -1,0 +1,26 @@
+"""TrainState: the loop's position, saved in every checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["TrainState"]
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps committed so far."""
+    epoch: int = 0
+    """The epoch being trained (0-based); equals the number of completed epochs."""
+    samples_seen: int = 0
+    """Training samples consumed by committed steps, over all workers and epochs."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.samples_seen = int(state["samples_seen"])

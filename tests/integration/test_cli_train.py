@@ -1,0 +1,109 @@
+"""The product as a user runs it: `ringtrain train`, plain torchrun, two nodes on one host, resume."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_cli
+
+
+def summary(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_default_job_on_two_workers_reaches_97_percent(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    got = summary(run_dir)
+    print(f"default job: accuracy {got['eval']['accuracy']:.4f}, {got['samples_per_s']:.0f} samples/s, "
+          f"{got['wall_s']:.2f} s of training")
+    assert got["world_size"] == 2
+    assert got["eval"]["accuracy"] >= 0.97
+    assert got["steps"] == 40 * 23 and got["epochs"] == 40
+    assert "ringtrain summary" in result.stdout and "eval.accuracy" in result.stdout
+    records = metrics(run_dir)
+    train_records = [r for r in records if r["type"] == "train"]
+    for key in ("step", "epoch", "loss", "lr", "samples_per_s", "step_time_s"):
+        assert key in train_records[0]
+    assert train_records[-1]["loss"] < train_records[0]["loss"] / 10
+    assert (run_dir / "config.toml").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step_00000920.pt"
+
+
+def test_same_job_under_plain_torchrun(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "ringtrain.worker", "configs/debug_mlp.toml", "--run-dir", str(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert summary(run_dir)["world_size"] == 2
+
+
+def test_two_nodes_on_one_host(tmp_path):
+    run_dir = tmp_path / "run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["train", "configs/debug_mlp.toml", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
+            "--run-dir", str(run_dir)]
+    node0 = subprocess.Popen([sys.executable, "-m", "ringtrain", *args, "--node-rank", "0"], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    node1 = run_cli(*args, "--node-rank", "1")
+    out0, err0 = node0.communicate(timeout=180)
+    assert node1.returncode == 0, node1.stderr
+    assert node0.returncode == 0, err0
+    assert summary(run_dir)["world_size"] == 2
+
+
+def final_weights(run_dir, step) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)
+
+
+def test_resume_continues_from_the_saved_step(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = ["configs/debug_mlp.toml", "--nproc", "2", "--set", "train.epochs=3"]
+    assert run_cli("train", *common, "--run-dir", str(straight)).returncode == 0
+    first = run_cli("train", *common, "--run-dir", str(split), "--set", "train.max_steps=30")
+    assert first.returncode == 0, first.stderr
+    assert summary(split)["steps"] == 30
+    second = run_cli("train", *common, "--run-dir", str(split), "--resume")
+    assert second.returncode == 0, second.stderr
+
+    steps = [r["step"] for r in metrics(split) if r["type"] == "train"]
+    assert steps == [r["step"] for r in metrics(straight) if r["type"] == "train"], "steps repeated or skipped"
+    a, b = final_weights(straight, 69), final_weights(split, 69)
+    assert b["train_state"] == a["train_state"]
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), f"{name} differs after resume"
+    momentum = b["optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, a["optimizer"]["state"][0]["momentum_buffer"])
+
+
+def test_corrupt_checkpoint_on_resume_fails_with_one_line_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir)).returncode == 0
+    latest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    latest.write_bytes(latest.read_bytes()[:100])
+    result = run_cli("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir), "--resume")
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ringtrain: error: worker rank") and latest.name in last, result.stderr
