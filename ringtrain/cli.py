@@ -1,6 +1,7 @@
 """The ``ringtrain`` command: argv in, a launched job or a report out; no training logic here.
 
     ringtrain train configs/digits_mlp.toml --nproc 2 [--run-dir runs/x] [--set train.lr=0.1] [--resume]
+    ringtrain report RUN_DIR [--compare OTHER_RUN_DIR]         # plots + where the time went
     ringtrain config [configs/digits_mlp.toml] [--set ...]   # the resolved config, or every field documented
 """
 
@@ -22,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
+    _add_bench(commands)
+    _add_report(commands)
     _add_config(commands)
     return parser
 
@@ -57,6 +60,35 @@ def _add_train(commands) -> None:
     launch.add_argument("--local-addr", help="this node's address for worker sockets (default: loopback)")
     launch.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker failure (default 0)")
     train.set_defaults(handler=_train)
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (results written to files)",
+                                description="Benchmarks; each writes JSON, a Markdown table and PNG plots to --out.")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    train = kinds.add_parser(
+        "train", help="throughput, scaling efficiency, exposed communication, overhead against bare DDP",
+        description="Run `ringtrain train` and a bare PyTorch DDP loop for each (workers, strategy, accumulation).",
+    )
+    _add_config_arguments(train)
+    train.add_argument("--nproc", default="1,2", help="worker counts, comma separated (default 1,2)")
+    train.add_argument("--strategies", default="ddp", help="STRATEGY[:ALGORITHM],... e.g. ddp,ddp:shm,manual")
+    train.add_argument("--accum", default="1", help="gradient accumulation steps, comma separated (default 1)")
+    train.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
+    train.add_argument("--interval", type=int, default=5, help="steps per timing interval (default 5)")
+    train.add_argument("--out", default="bench-out/train", help="output folder (default bench-out/train)")
+    train.set_defaults(handler=_bench_train)
+
+
+def _add_report(commands) -> None:
+    report = commands.add_parser(
+        "report", help="plots and a summary of where a run's time went",
+        description="Turn RUN_DIR/metrics.jsonl into PNG plots and report.md; --compare explains scaling.",
+    )
+    report.add_argument("run_dir", help="a run directory written by `ringtrain train`")
+    report.add_argument("--compare", metavar="OTHER_RUN_DIR", help="a second run to put side by side")
+    report.add_argument("--out", help="output folder (default: RUN_DIR/report or RUN_DIR/report-vs-OTHER)")
+    report.set_defaults(handler=_report)
 
 
 def _add_config(commands) -> None:
@@ -99,6 +131,51 @@ def _train(args: argparse.Namespace) -> int:
         worker_args.append("--resume")
     launch(replace(options, log_dir=str(Path(config.run_dir) / "logs")), worker_args)
     print(f"run directory: {config.run_dir}")
+    return 0
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from ringtrain.bench.training import parse_strategies, run_train_bench
+    from ringtrain.bench.training_report import write_train_bench
+
+    if args.steps < 3 * args.interval:
+        raise RingtrainError(f"--steps ({args.steps}) must be at least 3 x --interval ({args.interval}): "
+                             "the first interval is warm-up and a median needs more")
+    results = run_train_bench(
+        args.config,
+        nprocs=_int_list(args.nproc, "--nproc"),
+        strategies=parse_strategies(args.strategies),
+        accums=_int_list(args.accum, "--accum"),
+        out_dir=Path(args.out),
+        steps=args.steps,
+        interval=args.interval,
+        overrides=args.overrides,
+    )
+    print(write_train_bench(results, Path(args.out), "ringtrain " + " ".join(sys.argv[1:])), end="")
+    print(f"results: {Path(args.out) / 'train_bench.json'} (Markdown table and plots beside it)")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise RingtrainError(f"{flag} {text!r} is not a comma-separated list of whole numbers, e.g. 1,2") from None
+    if not values or min(values) < 1:
+        raise RingtrainError(f"{flag} {text!r} needs positive whole numbers, e.g. 1,2")
+    return values
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ringtrain.monitor.report import load_run, write_report
+
+    runs = [load_run(args.run_dir)]
+    if args.compare:
+        runs.append(load_run(args.compare))
+    default_out = "report" if not args.compare else f"report-vs-{Path(args.compare).name}"
+    report = write_report(runs, args.out or Path(args.run_dir) / default_out)
+    print(report.read_text(), end="")
+    print(f"report: {report} (plots beside it)")
     return 0
 
 

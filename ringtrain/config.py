@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -170,6 +171,18 @@ class MonitorConfig(Section):
 
     eval_every_epochs: int = Field(default=1, ge=0)
     """Evaluate on the test split every this many epochs (0: only at the end)."""
+
+    csv: bool = True
+    """Also write the training records as metrics.csv."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (needs: pip install 'ringtrain[tensorboard]')."""
+
+    @model_validator(mode="after")
+    def _tensorboard_installed(self) -> MonitorConfig:
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("tensorboard = true needs the tensorboard package: pip install 'ringtrain[tensorboard]'")
+        return self
 
 
 class Config(Section):

@@ -149,8 +149,15 @@ def build_logger(config: Config, rank: int, run_dir: str | Path) -> Logger:
     """Real loggers on rank 0, the null logger elsewhere."""
     if rank != 0:
         return NullLogger()
+    from ringtrain.monitor.sinks import CsvLogger, TensorBoardLogger
+
     monitor: MonitorConfig = config.monitor
-    return MultiLogger(ConsoleLogger(progress=monitor.progress), RunDirLogger(run_dir, config))
+    loggers: list[Logger] = [ConsoleLogger(progress=monitor.progress), RunDirLogger(run_dir, config)]
+    if monitor.csv:
+        loggers.append(CsvLogger(Path(run_dir) / "metrics.csv"))
+    if monitor.tensorboard:
+        loggers.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
+    return MultiLogger(*loggers)
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

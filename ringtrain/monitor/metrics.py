@@ -38,6 +38,12 @@ class StepClock:
         finally:
             self.phase_totals[name] += time.perf_counter() - start
 
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Re-book ``seconds`` measured inside phase ``source`` as phase ``target`` (e.g. the part of
+        backward that waited for communication)."""
+        self.phase_totals[source] -= seconds
+        self.phase_totals[target] += seconds
+
     def end_step(self, samples: int) -> None:
         self.steps += 1
         self.samples += samples

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from ringtrain.config import CommConfig
+from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.ddp import DDPStrategy
 
 __all__ = ["Strategy", "DDPStrategy", "build_strategy"]
@@ -18,6 +19,8 @@ __all__ = ["Strategy", "DDPStrategy", "build_strategy"]
 
 class Strategy(Protocol):
     name: str
+    comm_timer: CommTimer
+    """Times the gradient communication the strategy runs."""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 

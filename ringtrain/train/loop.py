@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
@@ -30,7 +29,9 @@ from ringtrain.data.loader import StepBatch
 from ringtrain.data.sampler import ResumableSampler
 from ringtrain.dist.group import DistContext
 from ringtrain.monitor.loggers import Logger
+from ringtrain.monitor.memory import memory_mb
 from ringtrain.monitor.metrics import StepClock
+from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
 from ringtrain.parallel import Strategy
 from ringtrain.train.evaluate import evaluate
 from ringtrain.train.state import TrainState
@@ -63,6 +64,7 @@ class Trainer:
         self.parts = parts
         self.model = parts.model
         self.module = parts.strategy.unwrap(parts.model)
+        self.comm_timer = parts.strategy.comm_timer
         self.logger = logger
         self.checkpoints = checkpoints
         self.state = TrainState()
@@ -124,7 +126,8 @@ class Trainer:
                 self.train_step(batch)
                 if sampler.epoch_finished:
                     self._end_epoch()
-                self.logger.on_step(self.state.step, self.state.epoch)
+                with self.clock.phase("monitor"):
+                    self.logger.on_step(self.state.step, self.state.epoch)
                 self._maybe_log()
                 self._maybe_checkpoint()
         wall_s = time.perf_counter() - start
@@ -141,10 +144,10 @@ class Trainer:
         # Same micro-batch count on every rank (each forward/backward may run collectives).
         micro_count = max(1, math.ceil(math.ceil(window / world_size) / self.micro_batch_size))
         loss_scale = world_size / window
-        batch = batch.to(self.ctx.device)
-        micro_batches = batch.micro_batches(micro_count)
+        with self.clock.phase("data"):
+            micro_batches = batch.to(self.ctx.device).micro_batches(micro_count)
         loss_sum = torch.zeros((), device=self.ctx.device)
-        with self.clock.phase("compute"):
+        with self.clock.phase("forward_backward"):
             for index, (inputs, targets) in enumerate(micro_batches):
                 is_last = index == len(micro_batches) - 1
                 # Accumulation micro-steps skip gradient sync; only the last backward all-reduces.
@@ -152,6 +155,8 @@ class Trainer:
                     loss = self.parts.task.loss_sum(self.model(inputs), targets)
                     (loss * loss_scale).backward()
                 loss_sum += loss.detach()
+        # Backward included the wait for the gradient all-reduce; book that part as communication.
+        self.clock.move("forward_backward", "comm_exposed", self.comm_timer.backward_done())
         with self.clock.phase("optimizer"):
             if self.config.train.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip_norm)
@@ -162,6 +167,7 @@ class Trainer:
         self.state.step += 1
         self.state.samples_seen += window
         self.clock.end_step(window)
+        self.comm_timer.end_step()
         self._step_loss = (loss_sum, window)
 
     def _end_epoch(self) -> None:
@@ -169,29 +175,47 @@ class Trainer:
         self.parts.sampler.set_epoch(self.state.epoch)
         every = self.config.monitor.eval_every_epochs
         if every and self.state.epoch % every == 0 and not self.finished:
-            self.last_eval = self._evaluate()
+            with self.clock.phase("eval"):
+                self.last_eval = self._evaluate()
 
     def _maybe_log(self) -> None:
         if self.state.step % self.config.monitor.log_every_steps and not self.finished:
             return
-        # All ranks take part (the mean loss is a collective); only rank 0's logger writes it.
+        # The interval ends here; the cost of this record is booked in the next one.
+        timing = self.clock.flush()
+        with self.clock.phase("monitor"):
+            memory = memory_mb(self.ctx.device)
         loss_sum, window = self._step_loss
-        total = loss_sum.detach().to(torch.float64).reshape(1)
-        dist.all_reduce(total)
-        self.last_loss = total.item() / window
+        busy_s = timing.get("time/data_s", 0.0) + timing.get("time/forward_backward_s", 0.0)
+        # Every rank takes part in this collective; only rank 0's logger writes the record. It waits for
+        # the slowest rank like the gradient all-reduce would, so it is booked as exposed communication.
+        with self.clock.phase("comm_exposed"):
+            ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"])
+        with self.clock.phase("monitor"):
+            self._log_train_record(timing, memory, ranks, window)
+
+    def _log_train_record(self, timing: dict, memory: dict, ranks: RankStats, window: int) -> None:
+        self.last_loss = ranks.loss_sum / window
         record = {
             "type": "train",
             "step": self.state.step,
             "epoch": self.state.epoch,
             "loss": self.last_loss,
             "lr": self.parts.scheduler.get_last_lr()[0],
-            **self.clock.flush(),
+            **timing,
+            **self.comm_timer.flush(),
+            "comm_fraction": timing.get("time/comm_exposed_s", 0.0) / timing["step_time_s"],
+            **memory,
+            "memory/peak_rss_mb": ranks.peak_rss_mb,
+            "straggler/rank": ranks.slowest_rank,
+            "straggler/lag_s": ranks.lag_s,
         }
         self.logger.log(record)
 
     def _maybe_checkpoint(self) -> None:
         if self.state.step % self.config.checkpoint.every_steps == 0 and not self.finished:
-            self._save_checkpoint()
+            with self.clock.phase("checkpoint"):
+                self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
         self.checkpoints.save(self.state.step, self.state_dict())

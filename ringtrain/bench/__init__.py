@@ -1,0 +1,1 @@
+"""Benchmarks: training throughput and scaling (and, with ringtrain.comm, collectives)."""

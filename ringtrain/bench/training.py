@@ -1,0 +1,215 @@
+"""``ringtrain bench train``: training throughput, scaling efficiency, exposed communication and overhead.
+
+For every (workers, strategy, accumulation) it runs the real `ringtrain train` for a fixed number of steps
+(per-worker batch fixed: weak scaling), and a bare PyTorch DDP loop (`bench/bare_ddp.py`) on the same
+model, data, optimizer and sample order, one after the other in the same run. From the runs' metrics:
+
+- median step time (of ``interval``-step means), samples/s;
+- weak-scaling efficiency ``thr_n / (n · thr_1)``;
+- exposed-communication fraction of the step, peak memory, the mean step-time breakdown;
+- ringtrain's overhead: median step time of ringtrain DDP / bare DDP, and whether their final weights are
+  bit-identical.
+
+    ringtrain bench train configs/bench_mlp.toml --nproc 1,2 --strategies ddp --accum 1,4 --out bench-out/train
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ringtrain.errors import RingtrainError
+
+__all__ = ["TrainCase", "parse_strategies", "run_train_bench"]
+
+# Phases of the step breakdown, as the loop books them (time/<phase>_s).
+_PHASES = ("data", "forward_backward", "comm_exposed", "optimizer", "monitor")
+
+
+@dataclass(frozen=True)
+class TrainCase:
+    runner: str
+    """'ringtrain' or 'bare' (the plain PyTorch DDP reference)."""
+    world_size: int
+    grad_accum_steps: int
+    strategy: str = "ddp"
+    algorithm: str = "torch"
+
+    @property
+    def name(self) -> str:
+        what = "bare-ddp" if self.runner == "bare" else f"{self.strategy}-{self.algorithm}"
+        return f"{what}-n{self.world_size}-accum{self.grad_accum_steps}"
+
+    @property
+    def label(self) -> str:
+        if self.runner == "bare":
+            return "bare DDP"
+        return self.strategy if self.algorithm == "torch" else f"{self.strategy}:{self.algorithm}"
+
+
+@dataclass
+class TrainResult:
+    case: TrainCase
+    median_step_s: float
+    samples_per_s: float
+    global_batch_size: int
+    breakdown_s: dict[str, float] = field(default_factory=dict)
+    comm_exposed_fraction: float = 0.0
+    monitor_fraction: float = 0.0
+    """Share of the step spent in ringtrain's monitoring (progress bar, metric records, their collective)."""
+    peak_rss_mb: float = 0.0
+    scaling_efficiency: float | None = None
+    overhead_vs_bare: float | None = None
+    bit_identical_to_bare: bool | None = None
+
+    def row(self) -> dict[str, Any]:
+        row = {**asdict(self.case), "name": self.case.name, "label": self.case.label}
+        row.update({k: v for k, v in asdict(self).items() if k != "case"})
+        return row
+
+
+def parse_strategies(text: str) -> list[tuple[str, str]]:
+    """'ddp,ddp:shm,manual' -> [('ddp', 'torch'), ('ddp', 'shm'), ('manual', 'torch')]."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        strategy, _, algorithm = item.partition(":")
+        pairs.append((strategy, algorithm or "torch"))
+    if not pairs:
+        raise RingtrainError("--strategies is empty; name at least one, e.g. ddp or ddp:shm")
+    return pairs
+
+
+def run_train_bench(
+    config: str,
+    nprocs: list[int],
+    strategies: list[tuple[str, str]],
+    accums: list[int],
+    out_dir: Path,
+    steps: int = 40,
+    interval: int = 5,
+    overrides: list[str] = (),
+) -> list[TrainResult]:
+    """Run every case one after another (never two at once: they would share the cores)."""
+    from ringtrain.config import load_config
+
+    base = load_config(config, list(overrides))
+    local = base.train.local_batch_size
+    results = []
+    for accum in accums:
+        for nproc in nprocs:
+            settings = [
+                *overrides,
+                f"train.global_batch_size={local * accum * nproc}",
+                f"train.max_steps={steps}",
+                # A constant lr and no mid-run evaluation or checkpoint: the bare loop has none of them.
+                "train.lr_schedule=constant",
+                "train.warmup_steps=0",
+                "monitor.eval_every_epochs=0",
+                f"monitor.log_every_steps={interval}",
+                "monitor.progress=false",
+                f"checkpoint.every_steps={steps + 1}",
+            ]
+            bare = _run_bare(config, TrainCase("bare", nproc, accum), settings, out_dir, steps, interval)
+            results.append(bare)
+            for strategy, algorithm in strategies:
+                case = TrainCase("ringtrain", nproc, accum, strategy, algorithm)
+                result = _run_ringtrain(config, case, settings, out_dir)
+                _compare_with_bare(result, bare, out_dir)
+                results.append(result)
+    _add_scaling_efficiency(results)
+    return results
+
+
+def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: Path) -> TrainResult:
+    run_dir = _fresh_run_dir(out_dir, case)
+    args = ["train", config, "--nproc", str(case.world_size), "--run-dir", str(run_dir)]
+    for setting in [*settings, f"comm.strategy={case.strategy}"] + (
+        [f"comm.algorithm={case.algorithm}"] if case.algorithm != "torch" else []
+    ):
+        args += ["--set", setting]
+    _run([sys.executable, "-m", "ringtrain", *args], case)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if r.get("type") == "train"][1:]  # the first interval is warm-up
+    if not steady:
+        raise RingtrainError(f"{case.name}: too few logged intervals; raise --steps")
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    breakdown = {p: statistics.fmean(r.get(f"time/{p}_s", 0.0) for r in steady) for p in _PHASES}
+    mean_step = statistics.fmean(r["step_time_s"] for r in steady)
+    return TrainResult(
+        case=case,
+        median_step_s=step_s,
+        samples_per_s=statistics.median(r["samples_per_s"] for r in steady),
+        global_batch_size=_global_batch(run_dir),
+        breakdown_s=breakdown,
+        comm_exposed_fraction=breakdown["comm_exposed"] / mean_step,
+        monitor_fraction=breakdown["monitor"] / mean_step,
+        peak_rss_mb=max(r.get("memory/peak_rss_mb", 0.0) for r in steady),
+    )
+
+
+def _run_bare(config: str, case: TrainCase, settings: list[str], out_dir: Path, steps: int, interval: int) -> TrainResult:
+    run_dir = _fresh_run_dir(out_dir, case)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.world_size),
+               "-m", "ringtrain.bench.bare_ddp", config, "--steps", str(steps), "--interval", str(interval),
+               "--out", str(run_dir)]
+    for setting in settings:
+        command += ["--set", setting]
+    _run(command, case)
+    result = json.loads((run_dir / "result.json").read_text())
+    times = result["interval_step_times_s"][1:]
+    batch = _global_batch_from_settings(settings)
+    return TrainResult(case, statistics.median(times), batch / statistics.median(times), batch)
+
+
+def _compare_with_bare(result: TrainResult, bare: TrainResult, out_dir: Path) -> None:
+    result.overhead_vs_bare = result.median_step_s / bare.median_step_s
+    if result.case.strategy != "ddp" or result.case.algorithm != "torch":
+        return  # other algorithms round differently; only plain DDP must match bit for bit
+    from ringtrain.checkpoint.manager import CheckpointManager
+
+    manager = CheckpointManager(out_dir / "runs" / result.case.name / "checkpoints", is_writer=False)
+    ours = manager.load(manager.latest())["model"]
+    theirs = torch.load(out_dir / "runs" / bare.case.name / "final_model.pt", weights_only=True)
+    result.bit_identical_to_bare = ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def _add_scaling_efficiency(results: list[TrainResult]) -> None:
+    for result in results:
+        case = result.case
+        single = [r for r in results if r.case == TrainCase(case.runner, 1, case.grad_accum_steps, case.strategy, case.algorithm)]
+        if single and single[0].samples_per_s:
+            result.scaling_efficiency = result.samples_per_s / (case.world_size * single[0].samples_per_s)
+
+
+def _fresh_run_dir(out_dir: Path, case: TrainCase) -> Path:
+    """The case's scratch run directory under OUT/runs, emptied: a re-run replaces the last one."""
+    run_dir = out_dir / "runs" / case.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return run_dir
+
+
+def _run(command: list[str], case: TrainCase) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RingtrainError(f"bench case {case.name} failed: {last}")
+
+
+def _global_batch(run_dir: Path) -> int:
+    import tomllib
+
+    return tomllib.loads((run_dir / "config.toml").read_text())["train"]["global_batch_size"]
+
+
+def _global_batch_from_settings(settings: list[str]) -> int:
+    return int(next(s for s in settings if s.startswith("train.global_batch_size=")).split("=")[1])

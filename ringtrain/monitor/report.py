@@ -1,0 +1,216 @@
+"""``ringtrain report RUN_DIR [--compare OTHER_RUN]``: a run's metrics as plots and a short Markdown summary.
+
+The summary answers "where does the time go?": the mean step split into its phases (data wait,
+forward/backward, exposed communication, optimizer, ...), how much communication hid behind compute, the
+straggler, memory. With ``--compare`` it answers "why is the bigger run not N× faster?": scaling
+efficiency, and the change of each phase of the step between the two runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ringtrain.errors import RingtrainError
+
+__all__ = ["RunMetrics", "load_run", "write_report", "PHASES"]
+
+# Step phases in the order they happen, as the loop books them (metric key: time/<phase>_s).
+PHASES = ("data", "forward_backward", "comm_exposed", "optimizer", "monitor", "eval", "checkpoint")
+_PHASE_LABELS = {
+    "data": "data wait",
+    "forward_backward": "forward+backward",
+    "comm_exposed": "exposed communication",
+    "optimizer": "optimizer",
+    "monitor": "monitoring",
+    "eval": "evaluation",
+    "checkpoint": "checkpointing",
+}
+
+
+@dataclass
+class RunMetrics:
+    """What a run directory holds, parsed; ``steady`` are the training records after warm-up."""
+
+    name: str
+    path: Path
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+    @property
+    def steady(self) -> list[dict[str, Any]]:
+        # The first interval holds start-up costs (allocations, first-touch, DDP's first bucket rebuild).
+        return self.train[1:] if len(self.train) > 2 else self.train
+
+    @property
+    def world_size(self) -> int:
+        return int(self.summary.get("world_size", 1))
+
+    def median(self, key: str) -> float:
+        values = [r[key] for r in self.steady if isinstance(r.get(key), (int, float))]
+        return statistics.median(values) if values else 0.0
+
+    def mean(self, key: str) -> float:
+        """Mean over steady records; a record without ``key`` counts as 0 (a phase that did not run)."""
+        values = [r.get(key, 0.0) for r in self.steady]
+        return statistics.fmean(values) if values else 0.0
+
+    def phase_means(self) -> dict[str, float]:
+        """Seconds per step of each phase. Means, not medians: means add up to the mean step time."""
+        return {phase: self.mean(f"time/{phase}_s") for phase in PHASES}
+
+
+def load_run(path: str | Path) -> RunMetrics:
+    """Parse RUN_DIR/metrics.jsonl (and summary.json when the run finished)."""
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise RingtrainError(f"{path} has no metrics.jsonl; pass a run directory written by `ringtrain train`")
+    records = []
+    for number, line in enumerate(metrics.read_text().splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise RingtrainError(f"{metrics}:{number} is not JSON; the file is damaged") from None
+    train = [r for r in records if r.get("type") == "train"]
+    if not train:
+        raise RingtrainError(f"{metrics} holds no training records yet; report a run that has logged a step")
+    summary_file = path / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    return RunMetrics(path.name, path, train, [r for r in records if r.get("type") == "eval"], summary)
+
+
+def write_report(runs: list[RunMetrics], out_dir: str | Path) -> Path:
+    """Write PNG plots and report.md into ``out_dir``; returns the Markdown file."""
+    from ringtrain.monitor.report_plots import plot_report
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    images = plot_report(runs, out_dir)
+    text = _markdown(runs, images)
+    report = out_dir / "report.md"
+    report.write_text(text)
+    return report
+
+
+def _markdown(runs: list[RunMetrics], images: list[Path]) -> str:
+    lines = [f"# ringtrain report: {' vs '.join(run.name for run in runs)}", ""]
+    for run in runs:
+        lines += _run_section(run)
+    if len(runs) == 2:
+        lines += _comparison(*runs)
+    lines += ["## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images] + [""]
+    return "\n".join(lines)
+
+
+def _run_section(run: RunMetrics) -> list[str]:
+    step_s = run.mean("step_time_s")
+    phases = run.phase_means()
+    lines = [f"## {run.name}", ""]
+    s = run.summary
+    if s:
+        evaluation = ", ".join(f"{k} {v:.4g}" for k, v in s.get("eval", {}).items())
+        lines.append(
+            f"{s.get('world_size', '?')} workers, {s.get('steps', '?')} steps in {s.get('wall_s', 0):.1f} s, "
+            f"{s.get('samples_per_s', 0):,.0f} samples/s, final loss {s.get('final_loss') or float('nan'):.4g}"
+            + (f", eval: {evaluation}" if evaluation else "")
+            + "."
+        )
+        lines.append("")
+    lines += [
+        f"Median step: **{run.median('step_time_s') * 1e3:.2f} ms**, {run.median('samples_per_s'):,.0f} samples/s "
+        f"(mean step {step_s * 1e3:.2f} ms, split below).",
+        "",
+        "| phase | ms per step (mean) | share of step |",
+        "| --- | ---: | ---: |",
+    ]
+    for phase in PHASES:
+        if phases[phase] > 0 or phase in ("data", "forward_backward", "comm_exposed", "optimizer"):
+            share = phases[phase] / step_s if step_s else 0.0
+            lines.append(f"| {_PHASE_LABELS[phase]} | {phases[phase] * 1e3:.2f} | {share:.1%} |")
+    accounted = sum(phases.values())
+    lines += ["", f"The phases account for {accounted / step_s:.0%} of the step." if step_s else "", ""]
+    comm_s = run.mean("time/comm_s")
+    exposed_s = phases["comm_exposed"]
+    if comm_s > 0:
+        hidden = max(0.0, comm_s - exposed_s) / comm_s
+        lines.append(
+            f"Gradient communication takes {comm_s * 1e3:.2f} ms per step; {exposed_s * 1e3:.2f} ms of it is exposed "
+            f"(the step waits), so {hidden:.0%} hides behind compute."
+        )
+    lines += _straggler_lines(run)
+    peak = max((r.get("memory/peak_rss_mb", 0.0) for r in run.train), default=0.0)
+    if peak:
+        lines.append(f"Peak resident memory (largest rank): {peak:,.0f} MB.")
+    return lines + [""]
+
+
+def _straggler_lines(run: RunMetrics) -> list[str]:
+    ranks = [r["straggler/rank"] for r in run.steady if "straggler/rank" in r]
+    if run.world_size < 2 or not ranks:
+        return []
+    most = max(set(ranks), key=ranks.count)
+    lag = run.median("straggler/lag_s")
+    return [
+        f"Slowest rank: {most} in {ranks.count(most) / len(ranks):.0%} of intervals; the median lag behind the "
+        f"fastest rank is {lag * 1e3:.2f} ms per step ({lag / max(run.median('step_time_s'), 1e-12):.1%} of the step)."
+    ]
+
+
+def _comparison(base: RunMetrics, other: RunMetrics) -> list[str]:
+    """Why is ``other`` (more workers) not proportionally faster than ``base``?
+
+    Each phase of ``base`` is scaled to the work per worker of ``other`` (the same for weak scaling,
+    smaller for strong scaling): what the step would cost if adding workers were free. The difference
+    is the cost of scaling, phase by phase.
+    """
+    if other.world_size < base.world_size:
+        base, other = other, base
+    ratio = other.world_size / base.world_size
+    base_thr, other_thr = base.median("samples_per_s"), other.median("samples_per_s")
+    efficiency = other_thr / (ratio * base_thr) if base_thr else 0.0
+    work = _samples_per_worker_step(other) / max(_samples_per_worker_step(base), 1e-12)
+    lines = [
+        f"## {other.name} ({other.world_size} workers) against {base.name} ({base.world_size})",
+        "",
+        f"Throughput {base_thr:,.0f} → {other_thr:,.0f} samples/s: {other_thr / base_thr if base_thr else 0:.2f}× "
+        f"for {ratio:g}× the workers, a scaling efficiency of **{efficiency:.0%}** "
+        f"(throughput / (workers ratio × base throughput); 100% is linear).",
+        "",
+        f"Per step, each worker of {other.name} processes {work:.2g}× the samples of one in {base.name}. "
+        f"With free scaling every phase would take the base time × {work:.2g}; the difference is what "
+        "scaling costs:",
+        "",
+        "| phase (mean ms per step) | base (scaled) | other | cost of scaling |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    base_phases, other_phases = base.phase_means(), other.phase_means()
+    costs = {}
+    for phase in PHASES:
+        expected = base_phases[phase] * work
+        costs[phase] = other_phases[phase] - expected
+        if expected or other_phases[phase]:
+            lines.append(
+                f"| {_PHASE_LABELS[phase]} | {expected * 1e3:.2f} | {other_phases[phase] * 1e3:.2f} "
+                f"| {costs[phase] * 1e3:+.2f} |"
+            )
+    expected_step = base.mean("step_time_s") * work
+    step_cost = other.mean("step_time_s") - expected_step
+    lines.append(f"| **step** | {expected_step * 1e3:.2f} | {other.mean('step_time_s') * 1e3:.2f} "
+                 f"| {step_cost * 1e3:+.2f} |")
+    if step_cost > 0:
+        culprit = max(costs, key=costs.get)
+        lines += ["", f"The largest cost of scaling is **{_PHASE_LABELS[culprit]}**: "
+                  f"{costs[culprit] * 1e3:+.2f} ms of the {step_cost * 1e3:+.2f} ms per step."]
+        lag = other.median("straggler/lag_s")
+        if lag > 0.1 * step_cost:
+            lines.append(f"Uneven ranks add to it: the slowest rank lags the fastest by {lag * 1e3:.2f} ms per step.")
+    return lines + [""]
+
+
+def _samples_per_worker_step(run: RunMetrics) -> float:
+    return run.median("samples_per_s") * run.median("step_time_s") / run.world_size
