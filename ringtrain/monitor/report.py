@@ -209,6 +209,8 @@ def _comparison(base: RunMetrics, other: RunMetrics) -> list[str]:
         lag = other.median("straggler/lag_s")
         if lag > 0.1 * step_cost:
             lines.append(f"Uneven ranks add to it: the slowest rank lags the fastest by {lag * 1e3:.2f} ms per step.")
+    else:
+        lines += ["", "Scaling cost no step time here: each worker's step took no longer than the scaled base."]
     return lines + [""]
 
 
