@@ -27,7 +27,7 @@ from typing import Any
 __all__ = ["run_distributed", "DistributedTestError"]
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy", "sklearn.datasets"])
 
 
 class DistributedTestError(AssertionError):
