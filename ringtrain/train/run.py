@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,7 @@ from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
 
-__all__ = ["check_run_dir", "check_resume", "run_training"]
+__all__ = ["check_run_dir", "check_resume", "run_training", "RunDirLock"]
 
 
 def check_run_dir(config: Config, resume: bool) -> None:
@@ -66,9 +70,55 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan) -> dict[str
     job_store = connect_job_store(ctx.env, is_writer=ctx.rank == 0)
     trainer = build_trainer(config, ctx, job_store)
     # The heartbeat lets a failed collective name the rank that stopped responding.
-    with Heartbeat(job_store, ctx.rank):
+    with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank):
         trainer.resume(plan)
         return trainer.fit()
+
+
+class RunDirLock:
+    """The writer's exclusive lock on a run directory, held while it trains.
+
+    Two groups writing one run directory would interleave checkpoints and ledgers: a user starting the
+    same run twice, or an elastic job split in two by a badly tuned rendezvous. The lock (flock, released
+    by the kernel when the process dies) makes the second writer wait for the first, then fail naming it.
+    """
+
+    def __init__(self, run_dir: str | Path, timeout_s: float = 60.0):
+        self.path = Path(run_dir) / ".lock"
+        self.timeout_s = timeout_s
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunDirLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise ConfigError(
+                        f"run directory {self.path.parent} is in use by another training process ({holder}) since "
+                        f"{self.timeout_s:g} s; two jobs must not share a run directory: pass --run-dir NEW_DIR"
+                    ) from None
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+
+
+def _writer_lock(config: Config, rank: int) -> AbstractContextManager:
+    # Only the writer (rank 0) writes the run directory; the other ranks hold nothing.
+    return RunDirLock(config.run_dir) if rank == 0 else nullcontext()
 
 
 def _manager(config: Config) -> CheckpointManager:
