@@ -179,6 +179,11 @@ def _join(args: argparse.Namespace) -> int:
 
     if args.spec is None and args.run_dir is None:
         raise ConfigError("join needs the job's RUN_DIR, e.g. ringtrain join runs/digits_mlp")
+    if args.spec:
+        from ringtrain.dist.lifetime import exit_with_parent
+
+        # One of the launcher's own agents: it goes when the launcher (and its rendezvous store) goes.
+        exit_with_parent()
     spec = JobSpec.from_json(args.spec) if args.spec else JobSpec.read(args.run_dir)
     join_job(spec, args.local_addr)
     return 0
@@ -195,13 +200,30 @@ def _ledger(args: argparse.Namespace) -> int:
         reports = check_ledger(path)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    for r in reports:
+    for first, last, r in _epoch_ranges(reports):
+        epochs = f"epoch {first}" if first == last else f"epochs {first}-{last}"
         sizes = " -> ".join(map(str, r.world_sizes))
-        state = "" if r.complete else f" (unfinished: {r.missing} not reached yet)"
-        missing = 0 if not r.complete else r.missing
-        print(f"epoch {r.epoch}: {r.used} uses, {r.duplicates} duplicates, {missing} missing; "
-              f"world size {sizes}{state}")
+        missing = f"{r.missing} missing" if r.complete else f"unfinished ({r.missing} not reached yet)"
+        each = " each" if first != last else ""
+        print(f"{epochs}: {r.used} sample uses{each}, {r.duplicates} duplicates, {missing}; world size {sizes}")
+    duplicates = sum(r.duplicates for r in reports)
+    missing = sum(r.missing for r in reports if r.complete)
+    verdict = "every sample exactly once per epoch" if not duplicates and not missing else "NOT exactly once"
+    print(f"{verdict}: {len(reports)} epochs, {duplicates} duplicates, {missing} missing")
     return 0 if all(r.exactly_once for r in reports) else 1
+
+
+def _epoch_ranges(reports):
+    """(first epoch, last epoch, report) for runs of consecutive epochs that read the same."""
+    ranges: list = []
+    for r in reports:
+        same = ranges and (ranges[-1][2].used, ranges[-1][2].duplicates, ranges[-1][2].missing, ranges[-1][2].complete,
+                           ranges[-1][2].world_sizes) == (r.used, r.duplicates, r.missing, r.complete, r.world_sizes)
+        if same:
+            ranges[-1][1] = r.epoch
+        else:
+            ranges.append([r.epoch, r.epoch, r])
+    return ranges
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
 
 from ringtrain.errors import LaunchError
 from ringtrain.launch import JobStopped, LaunchOptions, WorkerFailed, host_rendezvous_store, split_endpoint, launch
@@ -191,8 +189,9 @@ def _collect(agents: list[_Agent], min_workers: int) -> list[tuple[int, str]]:
 def _check_running(spec: JobSpec) -> None:
     host, port = split_endpoint(spec.rdzv_endpoint)
     try:
-        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
-    except (RuntimeError, OSError):
+        # A plain connection: torch's TCPStore client would retry for its whole timeout and log each try.
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError:
         raise LaunchError(
             f"no job is running at {spec.rdzv_endpoint} (run id {spec.run_id}); start it again with "
             "ringtrain train ... --resume"

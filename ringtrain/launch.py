@@ -55,7 +55,8 @@ class JobStopped(RingtrainError):
 
     def __init__(self, signal_number: int):
         name = signal.Signals(signal_number).name
-        super().__init__(f"stopped by {name}; the workers were stopped (continue later with --resume)")
+        super().__init__(f"stopped by {name}; workers that were training saved the step they reached "
+                         "(continue later with --resume)")
         self.exit_code = 128 + signal_number
 
 

@@ -96,10 +96,10 @@ class CheckpointManager:
                 skipped.append(str(err))
                 continue
             for reason in skipped:
-                warn(f"skipping {reason}; resuming from {path.name} instead")
+                warn(f"{reason}; skipping it and resuming from {path.name}")
             return path, state
         for reason in skipped:
-            warn(f"skipping {reason}; no older valid checkpoint in {self.directory}")
+            warn(f"{reason}; skipping it (no older valid checkpoint)")
         return None
 
     def _prune(self) -> None:

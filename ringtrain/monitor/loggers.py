@@ -77,7 +77,7 @@ class ConsoleLogger(Logger):
         if record.get("type") in ("warning", "skip", "resume"):
             line = notice_line(record)
             if self.progress is not None:
-                self.progress.console.print(line, markup=False, highlight=False)
+                self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
             else:
                 print(line, file=sys.stderr, flush=True)
             return

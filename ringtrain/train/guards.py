@@ -5,8 +5,8 @@ window of samples is consumed, the parameters and optimizer state stay as they w
 identical across ranks. After ``max_consecutive`` bad steps in a row the job stops with an error naming
 the ranks and steps.
 
-Stop: SIGTERM on any rank (the elastic agent restarting the group to admit a worker, a scheduler
-preempting the job). The ranks finish the step together, save a checkpoint and exit, so nothing is lost.
+Stop: SIGTERM or SIGINT on any rank (the elastic agent restarting the group to admit a worker, a scheduler
+preempting the job, Ctrl-C). The ranks finish the step together, save a checkpoint and exit, so nothing is lost.
 
     verdict = guard.agree(loss_sum, model.parameters(), step)   # a collective: every rank calls it
     if not verdict.skip:
@@ -51,23 +51,25 @@ class ReplicasDiverged(RingtrainError):
 
 
 class StopSignal:
-    """Turns SIGTERM into a request to stop at the next step boundary (installed while training)."""
+    """Turns SIGTERM and SIGINT into a request to stop at the next step boundary (installed while training)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signal_number: int | None = None
         self._received = threading.Event()
-        self._previous = None
+        self._previous: dict = {}
 
     def __enter__(self) -> StopSignal:
-        # Python delivers signals to the main thread only; elsewhere (a test thread) leave SIGTERM alone.
+        # Python delivers signals to the main thread only; elsewhere (a test thread) leave them alone.
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     @property
     def requested(self) -> bool:
@@ -91,7 +93,7 @@ class Verdict:
     grad_ranks: tuple[int, ...]
     """Ranks whose gradient was not finite (after synchronisation: usually all, when any)."""
     stop: bool
-    """Some rank was asked to stop (SIGTERM)."""
+    """Some rank was asked to stop (SIGTERM, SIGINT)."""
 
     @property
     def skip(self) -> bool:

@@ -16,6 +16,7 @@ operation and the step.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -266,16 +267,17 @@ class Trainer:
         self._saved_step = self.state.step
 
     def _stop(self) -> None:
-        """A rank got SIGTERM: every rank checkpoints this step and exits; the restart loses nothing."""
+        """A rank got SIGTERM or SIGINT: every rank checkpoints this step and exits; nothing is lost."""
         if self._saved_step != self.state.step:
             self._save_checkpoint()
         # A peer's signal stopped us; our own agent usually sends us one too (it restarts every worker). Wait
         # for it briefly, so the agent sees a worker it stopped, not one that failed on its own.
         own = self.stop_signal.wait(timeout_s=5.0)
         name = self.checkpoints.path_for(self.state.step).name
+        number = self.stop_signal.signal_number or signal.SIGTERM
         who = "this worker" if own else "a peer"
-        raise Stopped(f"stopped at step {self.state.step} after saving {name} (SIGTERM to {who}); "
-                      "it continues from there (--resume)", signal_number=15)
+        raise Stopped(f"stopped at step {self.state.step} after saving {name} ({signal.Signals(number).name} to "
+                      f"{who}); training continues from there (--resume)", signal_number=number)
 
     def _log_notices(self) -> None:
         for record in self.notices:

@@ -10,6 +10,7 @@ time each line arrived, and the run directory's records as they are written.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -23,11 +24,11 @@ import psutil
 
 from tests.conftest import REPO
 
-__all__ = ["Job", "records", "last_step", "ledger_steps"]
+__all__ = ["Job", "records", "last_step", "ledger_steps", "assert_loopback_only"]
 
 
 class Job:
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, watch_sockets: bool = False):
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         self.started = time.monotonic()
         self.process = subprocess.Popen([sys.executable, "-m", "ringtrain", *args], cwd=REPO, env=full_env,
@@ -36,8 +37,25 @@ class Job:
         self.stdout: list[str] = []
         self._readers = [threading.Thread(target=self._read, args=(self.process.stderr, self.lines), daemon=True),
                          threading.Thread(target=self._read, args=(self.process.stdout, None), daemon=True)]
+        self.listening: dict[tuple, str] = {}
+        """(pid, ip, port) -> 'worker' | 'launcher/agent' of every listening socket seen (watch_sockets)."""
+        if watch_sockets:
+            self._readers.append(threading.Thread(target=self._watch_sockets, daemon=True))
         for reader in self._readers:
             reader.start()
+
+    def _watch_sockets(self) -> None:
+        while self.process.poll() is None:
+            for proc in self.tree():
+                try:
+                    kind = "worker" if "ringtrain.worker" in " ".join(proc.cmdline()) else "launcher/agent"
+                    sockets = proc.net_connections(kind="inet")
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                for sock in sockets:
+                    if sock.status == psutil.CONN_LISTEN:
+                        self.listening[(proc.pid, sock.laddr.ip, sock.laddr.port)] = kind
+            time.sleep(0.02)
 
     def _read(self, stream, sink) -> None:
         for line in stream:
@@ -136,3 +154,12 @@ def last_step(run_dir: Path) -> int:
 
 def ledger_steps(run_dir: Path) -> list[dict]:
     return [r for r in _json_lines(run_dir / "ledger.jsonl") if "ids" in r]
+
+
+def assert_loopback_only(listening: dict[tuple, str], what: str) -> None:
+    """Chaos 11: every socket a job listened on (``Job(watch_sockets=True)``) was bound to loopback."""
+    exposed = [key for key in listening if not ipaddress.ip_address(key[1]).is_loopback]
+    kinds = sorted(set(listening.values()))
+    print(f"listening sockets ({what}): {len(listening)} seen ({', '.join(kinds)}), {len(exposed)} off loopback")
+    assert not exposed, f"sockets listening beyond loopback: {exposed}"
+    assert "worker" in kinds and "launcher/agent" in kinds, f"sampling missed the job's listeners: {listening}"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ringtrain.data.ledger import check_ledger
-from tests.chaos.jobs import Job, last_step, ledger_steps, records
+from tests.chaos.jobs import Job, assert_loopback_only, last_step, ledger_steps, records
 from tests.conftest import run_cli
 
 STEPS_PER_EPOCH = 23  # 1,437 training samples, 64 a step
@@ -28,7 +28,7 @@ STEPS_PER_EPOCH = 23  # 1,437 training samples, 64 a step
 ARGS = ["configs/debug_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--max-restarts", "3",
         # Test timing: a lost agent is noticed after 3 s without heartbeats, stragglers get 1 s.
         "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
-        "--set", "data.ledger=true", "--set", "train.epochs=6", "--set", "checkpoint.every_steps=5",
+        "--set", "data.ledger=true", "--set", "train.epochs=3", "--set", "checkpoint.every_steps=5",
         "--set", "monitor.log_every_steps=1", "--set", "model.hidden_sizes=[256, 256]"]
 
 
@@ -41,6 +41,7 @@ class Scenario:
     shrink_s: float
     """Seconds from the SIGKILL of the agent to the first step with one worker."""
     stderr: str
+    listening: dict
 
 
 def sigterm_pending(pid: int) -> bool:
@@ -58,7 +59,7 @@ def position_in_epoch(run_dir: Path) -> int:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     run_dir = tmp_path_factory.mktemp("elastic") / "run"
-    with Job("train", *ARGS, "--run-dir", str(run_dir)) as job, contextlib.ExitStack() as joined:
+    with Job("train", *ARGS, "--run-dir", str(run_dir), watch_sockets=True) as job, contextlib.ExitStack() as joined:
         # 2 -> 1: the agent of rank 1 is lost in the middle of epoch 0.
         job.wait_for(lambda: last_step(run_dir) >= 8, what="step 8")
         kill_step = last_step(run_dir)
@@ -76,7 +77,8 @@ def scenario(tmp_path_factory) -> Scenario:
         lone.resume()
         code = job.finish()
         join_code = joiner.finish(timeout=60)
-    return Scenario(run_dir, code, join_code, kill_step, shrink_s, job.stderr + "\n[join]\n" + joiner.stderr)
+    return Scenario(run_dir, code, join_code, kill_step, shrink_s, job.stderr + "\n[join]\n" + joiner.stderr,
+                    job.listening)
 
 
 def test_scale_down_two_to_one_mid_epoch_uses_every_sample_exactly_once(scenario):
@@ -106,7 +108,12 @@ def test_scale_up_one_to_two_mid_epoch_exactly_once_and_identical_parameters(sce
           f"{grow['steps_lost']}; {len(reports)} epochs: {duplicates} duplicates, {missing} missing; world sizes "
           f"{transitions}; parameter sha256 {summary['param_sha256'][0][:12]} on {len(summary['param_sha256'])} ranks")
     assert transitions == [2, 1, 2]
-    assert len(reports) == 6 and all(r.exactly_once and r.complete for r in reports)
+    assert len(reports) == 3 and all(r.exactly_once and r.complete for r in reports)
     assert duplicates == 0 and missing == 0
     assert summary["world_size"] == 2 and len(set(summary["param_sha256"])) == 1 and len(summary["param_sha256"]) == 2
     assert run_cli("ledger", str(scenario.run_dir)).returncode == 0
+
+
+def test_an_elastic_run_listens_on_loopback_only(scenario):
+    """Chaos 11 for the elastic launcher: its rendezvous store, the agents and the workers."""
+    assert_loopback_only(scenario.listening, "elastic run")

@@ -14,24 +14,31 @@ import re
 import signal
 import time
 
+import numpy as np
 import torch
 
+from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, last_step, records
 from tests.conftest import run_cli
+from tests.distributed import run_distributed
+from tests.inprocess import train_uninterrupted
 
 # Long enough to be hit mid-run (4 epochs, 92 steps), checkpoints every 10 steps, a record per step.
-JOB = ["configs/debug_mlp.toml", "--nproc", "2", "--set", "train.epochs=4", "--set", "monitor.log_every_steps=1",
-       "--set", "checkpoint.every_steps=10", "--set", "model.hidden_sizes=[256, 256]"]
+CONFIG = "configs/debug_mlp.toml"
+OVERRIDES = ["train.epochs=4", "monitor.log_every_steps=1", "checkpoint.every_steps=10", "model.hidden_sizes=[256, 256]"]
+JOB = [CONFIG, "--nproc", "2", *(arg for override in OVERRIDES for arg in ("--set", override))]
 
 
-def final_params(run_dir) -> dict:
-    return torch.load(run_dir / "checkpoints" / "step_00000092.pt", weights_only=True)["model"]
+def assert_same_as_uninterrupted(run_dir, tmp_path, extra: list[str] = ()) -> None:
+    """The job's final parameters equal, bit for bit, those of the same job trained in one go (in-process)."""
+    want = run_distributed(train_uninterrupted, 2, CONFIG, [*OVERRIDES, *extra], str(tmp_path / "reference"))[0]
+    got = torch.load(run_dir / "checkpoints" / "step_00000092.pt", weights_only=True)["model"]
+    differing = [name for name in want if not np.array_equal(want[name], got[name].numpy())]
+    assert not differing, f"final parameters differ from the uninterrupted run: {differing}"
 
 
 def test_sigkill_at_a_random_step_restarts_and_finishes_as_if_nothing_happened(tmp_path):
-    straight, chaos = tmp_path / "straight", tmp_path / "chaos"
-    reference = run_cli("train", *JOB, "--run-dir", str(straight))
-    assert reference.returncode == 0, reference.stderr
+    chaos = tmp_path / "chaos"
 
     target, rank = random.randint(12, 60), random.randint(0, 1)
     with Job("train", *JOB, "--run-dir", str(chaos), "--max-restarts", "1") as job:
@@ -48,8 +55,7 @@ def test_sigkill_at_a_random_step_restarts_and_finishes_as_if_nothing_happened(t
     assert resumed["step"] + resumed["steps_lost"] >= killed_at
     steps = [r["step"] for r in records(chaos, "train")]
     assert sorted(set(steps)) == list(range(1, 93)), "a step is missing from the metrics"
-    want, got = final_params(straight), final_params(chaos)
-    assert all(torch.equal(want[name], got[name]) for name in want), "final parameters differ from the uninterrupted run"
+    assert_same_as_uninterrupted(chaos, tmp_path)
 
 
 def test_sigkill_with_no_restart_left_fails_naming_the_rank(tmp_path):
@@ -88,3 +94,31 @@ def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_
     assert code != 0
     last = job.stderr.strip().splitlines()[-1]
     assert last.startswith("ringtrain: error: worker rank 0") and "rank 1 did not respond" in last, job.stderr
+
+
+def test_sigterm_to_the_launcher_saves_the_step_reached_and_the_resume_loses_nothing(tmp_path):
+    """Preemption: the launcher gets SIGTERM (a scheduler, or Ctrl-C as SIGINT); the workers finish the step,
+    checkpoint it and exit; --resume continues from exactly there (the step counter, optimizer and data
+    position restored): no step repeated or skipped, no sample twice, and the final parameters equal an
+    uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    args = [*JOB, "--set", "data.ledger=true", "--run-dir", str(run_dir)]
+    with Job("train", *args) as job:
+        job.wait_for(lambda: last_step(run_dir) >= 15, what="step 15")
+        job.process.send_signal(signal.SIGTERM)
+        code = job.finish()
+    assert code == 128 + signal.SIGTERM, job.stderr
+    stopped = re.search(r"\[rank 0\] stopped at step (\d+) after saving (step_\d+\.pt)", job.stderr)
+    assert stopped, job.stderr
+    step = int(stopped.group(1))
+    assert (run_dir / "checkpoints" / stopped.group(2)).exists() and last_step(run_dir) == step
+    resumed = run_cli("train", *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    first_resumed = min(r["step"] for r in records(run_dir, "train") if r["step"] > step)
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    print(f"SIGTERM at step {step}: checkpoint {stopped.group(2)}, resumed at step {first_resumed} "
+          f"(steps lost 0); ledger: {sum(r.duplicates for r in reports)} duplicates, {sum(r.missing for r in reports)} missing")
+    assert first_resumed == step + 1
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 93)), "steps repeated or skipped"
+    assert all(r.exactly_once and r.complete for r in reports) and len(reports) == 4
+    assert_same_as_uninterrupted(run_dir, tmp_path, ["data.ledger=true"])

@@ -18,14 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.config import load_config
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import JobStore
 from ringtrain.dist.watch import CollectiveFailed, CollectiveWatch, Heartbeat
-from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import DistributedTestError, run_distributed
+from tests.inprocess import params_of, trainer_here
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 
@@ -63,10 +60,7 @@ class NaNTask(NoisyTask):
 
 
 def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume: bool, nan: dict | None = None):
-    config = load_config(DEBUG, ["monitor.log_every_steps=1", *overrides], run_dir=run_dir)
-    env = DistEnv(rank=rank, world_size=world_size, local_world_size=world_size)
-    ctx = DistContext(env, "gloo", torch.device("cpu"), rank, world_size)
-    trainer = build_trainer(config, ctx)
+    trainer = trainer_here(rank, world_size, str(DEBUG), ["monitor.log_every_steps=1", *overrides], run_dir)
     if nan is None:
         trainer.parts.task = NoisyTask(trainer.parts.task)
         torch.manual_seed(100 + rank)  # a different stream per rank; a resume must restore each one
@@ -74,9 +68,7 @@ def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume
         trainer.parts.task = NaNTask(trainer.parts.task, trainer, **nan)
     trainer.resume(ResumePlan(resume=resume, required=resume))
     summary = trainer.fit()
-    # As numpy arrays: tensors would cross the result queue as shared memory of a process about to exit.
-    params = {name: p.detach().numpy().copy() for name, p in trainer.module.named_parameters()}
-    return summary, params, trainer.state.state_dict()
+    return summary, params_of(trainer), trainer.state.state_dict()
 
 
 def losses(run_dir: Path) -> dict[int, float]:
