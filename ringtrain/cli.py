@@ -231,7 +231,11 @@ def _export(args: argparse.Namespace) -> int:
     from ringtrain.checkpoint.manager import CheckpointManager
     from ringtrain.config import load_config
 
+    from ringtrain.errors import ConfigError
+
     run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (it has no config.toml); pass the --run-dir of a run")
     config = load_config(run_dir / "config.toml", run_dir=str(run_dir))
     checkpoints = CheckpointManager(run_dir / config.checkpoint.dir, is_writer=False)
     out = Path(args.out) if args.out else run_dir / "model.safetensors"

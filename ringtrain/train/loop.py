@@ -131,25 +131,30 @@ class Trainer:
         """Called once before fit() on every start: continue from the checkpoint the plan picks (every rank
         picks the same one), or return None to start fresh."""
         self.previous = self.parts.job_store.begin_attempt()
-        warn = lambda message: self.notices.append({"type": "warning", "message": message})  # noqa: E731
-        found = pick_checkpoint(self.checkpoints, plan, warn)
+        found = pick_checkpoint(self.checkpoints, plan, self._warn)
         check_same_choice(-1 if found is None else found[1]["train_state"]["step"])
         if found is None:
             if self.previous.last_step is not None:  # a restart before the first checkpoint: start over
                 self.notices.append(resume_record(None, 0, self.ctx.world_size, self.previous))
             return None
         path, state = found
-        changed = config_changes(state.get("config", ""), self.config) if "config" in state else []
+        self._load_checkpoint(path, state)
+        self.notices.append(resume_record(path, self.state.step, self.ctx.world_size, self.previous))
+        return path
+
+    def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        changed = config_changes(state["config"], self.config) if "config" in state else []
         if changed:
-            warn(f"resuming {path.name} with a changed config: {'; '.join(changed)}")
+            self._warn(f"resuming {path.name} with a changed config: {'; '.join(changed)}")
         try:
             self.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError) as err:
-            detail = _first_line(err)
-            raise CheckpointError(f"checkpoint {path} does not fit this job ({detail})"
-                                  + (f"; its config differs: {'; '.join(changed)}" if changed else "")) from None
-        self.notices.append(resume_record(path, self.state.step, self.ctx.world_size, self.previous))
-        return path
+            differs = f"; its config differs: {'; '.join(changed)}" if changed else ""
+            raise CheckpointError(f"checkpoint {path} does not fit this job ({_first_line(err)}){differs}") from None
+
+    def _warn(self, message: str) -> None:
+        # Kept until fit() starts the loggers; rank 0's console shows them, metrics.jsonl records them.
+        self.notices.append({"type": "warning", "message": message})
 
     # --- the loop ------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:

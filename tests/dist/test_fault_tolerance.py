@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.dist.jobstore import JobStore
+from ringtrain.errors import CheckpointError
 from ringtrain.dist.watch import CollectiveFailed, CollectiveWatch, Heartbeat
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import DistributedTestError, run_distributed
-from tests.inprocess import params_of, trainer_here
+from tests.inprocess import params_of, train_uninterrupted, trainer_here
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 
@@ -140,3 +141,20 @@ def test_a_rank_that_leaves_a_collective_is_named_with_operation_and_step():
     message, _ = run_distributed(leave_or_all_reduce, 2, server.port)
     print(f"dead peer: {message}")
     assert message.startswith("step 7: all_reduce (DDP gradient sync) failed: rank 1 is gone"), message
+
+
+def resume_into(rank: int, world_size: int, run_dir: str, overrides: list[str]) -> str:
+    trainer = trainer_here(rank, world_size, str(DEBUG), overrides, run_dir)
+    try:
+        trainer.resume(ResumePlan(resume=True, required=True))
+    except CheckpointError as err:
+        return str(err)
+    return "resumed"
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_names_the_changed_fields(tmp_path):
+    run_dir = str(tmp_path / "run")
+    run_distributed(train_uninterrupted, 1, str(DEBUG), ["train.max_steps=10"], run_dir)
+    [message] = run_distributed(resume_into, 1, run_dir, ["model.hidden_sizes=[64]"])
+    assert "step_00000010.pt does not fit this job" in message, message
+    assert "its config differs: model.hidden_sizes: [32, 32] -> [64]; train.max_steps: 10 -> unset" in message
