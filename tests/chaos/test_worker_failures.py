@@ -15,6 +15,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from ringtrain.data.ledger import check_ledger
@@ -29,15 +30,20 @@ OVERRIDES = ["train.epochs=4", "monitor.log_every_steps=1", "checkpoint.every_st
 JOB = [CONFIG, "--nproc", "2", *(arg for override in OVERRIDES for arg in ("--set", override))]
 
 
-def assert_same_as_uninterrupted(run_dir, tmp_path, extra: list[str] = ()) -> None:
-    """The job's final parameters equal, bit for bit, those of the same job trained in one go (in-process)."""
-    want = run_distributed(train_uninterrupted, 2, CONFIG, [*OVERRIDES, *extra], str(tmp_path / "reference"))[0]
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """Final parameters of the job trained in one go, in-process (the ledger, off here, changes no number)."""
+    return run_distributed(train_uninterrupted, 2, CONFIG, OVERRIDES, str(tmp_path_factory.mktemp("reference")))[0]
+
+
+def assert_same_as_uninterrupted(run_dir, want: dict) -> None:
+    """The job's final parameters equal those of the uninterrupted run, bit for bit."""
     got = torch.load(run_dir / "checkpoints" / "step_00000092.pt", weights_only=True)["model"]
     differing = [name for name in want if not np.array_equal(want[name], got[name].numpy())]
     assert not differing, f"final parameters differ from the uninterrupted run: {differing}"
 
 
-def test_sigkill_at_a_random_step_restarts_and_finishes_as_if_nothing_happened(tmp_path):
+def test_sigkill_at_a_random_step_restarts_and_finishes_as_if_nothing_happened(tmp_path, uninterrupted):
     chaos = tmp_path / "chaos"
 
     target, rank = random.randint(12, 60), random.randint(0, 1)
@@ -55,7 +61,7 @@ def test_sigkill_at_a_random_step_restarts_and_finishes_as_if_nothing_happened(t
     assert resumed["step"] + resumed["steps_lost"] >= killed_at
     steps = [r["step"] for r in records(chaos, "train")]
     assert sorted(set(steps)) == list(range(1, 93)), "a step is missing from the metrics"
-    assert_same_as_uninterrupted(chaos, tmp_path)
+    assert_same_as_uninterrupted(chaos, uninterrupted)
 
 
 def test_sigkill_with_no_restart_left_fails_naming_the_rank(tmp_path):
@@ -96,7 +102,7 @@ def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_
     assert last.startswith("ringtrain: error: worker rank 0") and "rank 1 did not respond" in last, job.stderr
 
 
-def test_sigterm_to_the_launcher_saves_the_step_reached_and_the_resume_loses_nothing(tmp_path):
+def test_sigterm_to_the_launcher_saves_the_step_reached_and_the_resume_loses_nothing(tmp_path, uninterrupted):
     """Preemption: the launcher gets SIGTERM (a scheduler, or Ctrl-C as SIGINT); the workers finish the step,
     checkpoint it and exit; --resume continues from exactly there (the step counter, optimizer and data
     position restored): no step repeated or skipped, no sample twice, and the final parameters equal an
@@ -121,4 +127,4 @@ def test_sigterm_to_the_launcher_saves_the_step_reached_and_the_resume_loses_not
     assert first_resumed == step + 1
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 93)), "steps repeated or skipped"
     assert all(r.exactly_once and r.complete for r in reports) and len(reports) == 4
-    assert_same_as_uninterrupted(run_dir, tmp_path, ["data.ledger=true"])
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
