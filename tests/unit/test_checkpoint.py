@@ -152,3 +152,18 @@ def test_export_writes_the_newest_valid_weights_as_safetensors(tmp_path):
     weights = load_file(tmp_path / "model.safetensors")
     assert torch.equal(weights["w"], torch.full((64, 32), 20.0))
     assert read_verified(manager.path_for(20))  # exporting changed nothing
+
+
+def test_the_export_command_writes_safetensors_from_a_run_directory(tmp_path, capsys):
+    from ringtrain.cli import main
+    from ringtrain.config import load_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(load_config("configs/debug_mlp.toml", run_dir=str(run_dir)).to_toml())
+    CheckpointManager(run_dir / "checkpoints").save(10, state_for(10))
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "w.safetensors")]) == 0
+    assert "from " + str(run_dir / "checkpoints" / "step_00000010.pt") in capsys.readouterr().out
+    assert torch.equal(load_file(tmp_path / "w.safetensors")["w"], torch.full((64, 32), 10.0))
+    assert main(["export", str(tmp_path / "nothing-here")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
