@@ -45,16 +45,20 @@ class Job:
             reader.start()
 
     def _watch_sockets(self) -> None:
+        kinds: dict[int, str] = {}
         while self.process.poll() is None:
             for proc in self.tree():
                 try:
-                    kind = "worker" if "ringtrain.worker" in " ".join(proc.cmdline()) else "launcher/agent"
                     sockets = proc.net_connections(kind="inet")
+                    # Named once, while the command line is readable (an exiting process shows an empty one).
+                    command = " ".join(proc.cmdline())
+                    if command and proc.pid not in kinds:
+                        kinds[proc.pid] = "worker" if "ringtrain.worker" in command else "launcher/agent"
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
                 for sock in sockets:
                     if sock.status == psutil.CONN_LISTEN:
-                        self.listening[(proc.pid, sock.laddr.ip, sock.laddr.port)] = kind
+                        self.listening[(proc.pid, sock.laddr.ip, sock.laddr.port)] = kinds.get(proc.pid, "unknown")
             time.sleep(0.02)
 
     def _read(self, stream, sink) -> None:

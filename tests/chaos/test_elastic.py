@@ -108,6 +108,9 @@ def test_scale_up_one_to_two_mid_epoch_exactly_once_and_identical_parameters(sce
           f"{grow['steps_lost']}; {len(reports)} epochs: {duplicates} duplicates, {missing} missing; world sizes "
           f"{transitions}; parameter sha256 {summary['param_sha256'][0][:12]} on {len(summary['param_sha256'])} ranks")
     assert transitions == [2, 1, 2]
+    # The global batch stayed 64 at every size (the last window of an epoch holds the remaining 29).
+    windows = {sum(len(ids) for ids in r["ids"]) for r in ledger_steps(scenario.run_dir)}
+    assert windows == {64, 1437 - 22 * 64}, windows
     assert len(reports) == 3 and all(r.exactly_once and r.complete for r in reports)
     assert duplicates == 0 and missing == 0
     assert summary["world_size"] == 2 and len(set(summary["param_sha256"])) == 1 and len(summary["param_sha256"]) == 2
