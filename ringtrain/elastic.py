@@ -86,8 +86,10 @@ def launch_worker_agents(options: LaunchOptions, worker_args: list[str], run_dir
     if options.node_rank == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         (Path(run_dir) / JOB_FILE).write_text(spec.to_json() + "\n")
+    # Node 0's workers bind where its rendezvous listens; other nodes' to --local-addr (or torch's choice).
+    local_addr = options.local_addr or (host if options.node_rank == 0 else None)
     try:
-        agents = [_Agent(spec, options.local_addr, index) for index in range(options.nproc)]
+        agents = [_Agent(spec, local_addr, index) for index in range(options.nproc)]
         _wait(agents, min_workers)
     finally:
         del store  # the rendezvous lives exactly as long as this launcher

@@ -143,8 +143,9 @@ def launch(options: LaunchOptions, worker_args: list[str]) -> None:
     options.validate()
     min_nodes, max_nodes = options.node_range()
     host, port = split_endpoint(options.rdzv_endpoint or f"{LOOPBACK}:0")
-    bind_addr = options.local_addr or (host if _is_loopback(host) or options.node_rank == 0 else None)
-    store = host_rendezvous_store(host, port) if options.node_rank == 0 and not options.join else None
+    hosts_store = options.node_rank == 0 and not options.join
+    bind_addr = options.local_addr or (host if _is_loopback(host) or hosts_store else None)
+    store = host_rendezvous_store(host, port) if hosts_store else None
     if store is not None:
         port = store.port
     _export_worker_env(bind_addr, f"{_bracket(host)}:{port}")
