@@ -3,6 +3,9 @@
     ringtrain train configs/digits_mlp.toml --nproc 2 [--run-dir runs/x] [--set train.lr=0.1] [--resume]
     ringtrain report RUN_DIR [--compare OTHER_RUN_DIR]         # plots + where the time went
     ringtrain config [configs/digits_mlp.toml] [--set ...]   # the resolved config, or every field documented
+    ringtrain join RUN_DIR            # add a worker to a running elastic job (--min-nproc below --nproc)
+    ringtrain ledger RUN_DIR          # prove every epoch used each sample exactly once ([data] ledger = true)
+    ringtrain export RUN_DIR          # the newest valid checkpoint's weights as model.safetensors
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(commands)
     _add_report(commands)
     _add_config(commands)
+    _add_fault_tolerance_tools(commands)
     return parser
 
 
@@ -51,7 +55,9 @@ def _add_train(commands) -> None:
     train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
     _add_config_arguments(train)
     train.add_argument("--run-dir", help="where the run writes its files (default: runs/<config name>)")
-    train.add_argument("--resume", action="store_true", help="continue the run directory's latest checkpoint")
+    train.add_argument("--resume", action="store_true", help="continue the run directory's latest valid checkpoint")
+    train.add_argument("--resume-from", metavar="PATH",
+                       help="start a new run (an empty --run-dir) from this checkpoint, e.g. another run's")
     launch = train.add_argument_group("launch (as torchrun)")
     launch.add_argument("--nproc", type=int, default=1, help="workers on this node (default 1)")
     launch.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (default 1)")
@@ -59,6 +65,10 @@ def _add_train(commands) -> None:
     launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: a free port on 127.0.0.1)")
     launch.add_argument("--local-addr", help="this node's address for worker sockets (default: loopback)")
     launch.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker failure (default 0)")
+    launch.add_argument("--min-nproc", type=int,
+                        help="elastic: the fewest workers on this node the job may shrink to (default: --nproc)")
+    launch.add_argument("--rdzv-conf", default="", metavar="KEY=SECONDS,...",
+                        help="rendezvous timing, e.g. last_call_timeout=5,keep_alive_interval=1 (as torchrun)")
     train.set_defaults(handler=_train)
 
 
@@ -105,7 +115,7 @@ def _train(args: argparse.Namespace) -> int:
     from ringtrain.config import load_config, validate_for_world_size
     from ringtrain.dist.group import resolve_backend
     from ringtrain.launch import LaunchOptions, launch
-    from ringtrain.train.run import check_run_dir
+    from ringtrain.train.run import check_resume
 
     options = LaunchOptions(
         nproc=args.nproc,
@@ -114,22 +124,33 @@ def _train(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         local_addr=args.local_addr,
         max_restarts=args.max_restarts,
+        min_nproc=args.min_nproc,
+        rdzv_conf=args.rdzv_conf,
     )
     # Everything a user can get wrong is checked here, before any worker starts or any port opens.
     options.validate()
     config = load_config(args.config, args.overrides, run_dir=args.run_dir)
-    min_nodes, max_nodes = options.node_range()
-    for nodes in range(min_nodes, max_nodes + 1):
-        validate_for_world_size(config, nodes * options.nproc)
+    min_workers, max_workers = options.world_size_range()
+    for world_size in range(min_workers, max_workers + 1):
+        validate_for_world_size(config, world_size)
     resolve_backend(config.dist.backend)
-    check_run_dir(config, args.resume)
+    check_resume(config, args.resume, args.resume_from)
 
-    worker_args = [args.config, "--run-dir", config.run_dir]
+    # Absolute paths: an agent that joins later (ringtrain join) may start from another folder.
+    worker_args = [str(Path(args.config).resolve()), "--run-dir", str(Path(config.run_dir).resolve())]
     for override in args.overrides:
         worker_args += ["--set", override]
     if args.resume:
         worker_args.append("--resume")
-    launch(replace(options, log_dir=str(Path(config.run_dir) / "logs")), worker_args)
+    if args.resume_from:
+        worker_args += ["--resume-from", str(Path(args.resume_from).resolve())]
+    log_dir = str(Path(config.run_dir) / "logs")
+    if options.per_worker_agents:
+        from ringtrain.elastic import launch_worker_agents
+
+        launch_worker_agents(options, worker_args, config.run_dir, log_dir)
+    else:
+        launch(replace(options, log_dir=log_dir), worker_args)
     print(f"run directory: {config.run_dir}")
     return 0
 
@@ -202,6 +223,103 @@ def _describe_fields(model, prefix: str = "") -> str:
         doc = " ".join((field.description or "").split())
         lines.append(f"{prefix}{name} = {field.default!r}\n    {doc}\n")
     return "".join(lines)
+
+
+def _add_fault_tolerance_tools(commands) -> None:
+    join = commands.add_parser(
+        "join", help="add a worker to a running elastic job",
+        description="Start one more worker agent for the elastic job running in RUN_DIR (started with --min-nproc "
+                    "below --nproc). It is admitted when the job next re-forms: at once, after the current step.",
+    )
+    join.add_argument("run_dir", nargs="?", help="the job's run directory (it holds job.json)")
+    join.add_argument("--local-addr", help="this host's address for worker sockets (default: loopback)")
+    join.add_argument("--spec", help=argparse.SUPPRESS)  # the job description inline (the launcher's own agents)
+    join.set_defaults(handler=_join)
+
+    ledger = commands.add_parser("ledger", help="check a run's sample ledger: every sample once per epoch",
+                                 description="Read RUN_DIR/ledger.jsonl ([data] ledger = true) and count, per epoch, "
+                                             "the samples used, duplicated and missing. Exit 1 on any violation.")
+    ledger.add_argument("run_dir")
+    ledger.set_defaults(handler=_ledger)
+
+    export = commands.add_parser("export", help="write a checkpoint's model weights as safetensors",
+                                 description="Export the newest valid checkpoint (or --checkpoint) of RUN_DIR.")
+    export.add_argument("run_dir")
+    export.add_argument("--checkpoint", metavar="PATH", help="the checkpoint to export (default: the newest valid one)")
+    export.add_argument("--out", metavar="FILE", help="output file (default: RUN_DIR/model.safetensors)")
+    export.set_defaults(handler=_export)
+
+
+def _join(args: argparse.Namespace) -> int:
+    from ringtrain.elastic import JobSpec, join_job
+    from ringtrain.errors import ConfigError
+
+    if args.spec is None and args.run_dir is None:
+        raise ConfigError("join needs the job's RUN_DIR, e.g. ringtrain join runs/digits_mlp")
+    if args.spec:
+        from ringtrain.dist.lifetime import exit_with_parent
+
+        # One of the launcher's own agents: it goes when the launcher (and its rendezvous store) goes.
+        exit_with_parent()
+    spec = JobSpec.from_json(args.spec) if args.spec else JobSpec.read(args.run_dir)
+    join_job(spec, args.local_addr)
+    return 0
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    from ringtrain.data.ledger import LEDGER_FILE, check_ledger
+    from ringtrain.errors import ConfigError
+
+    path = Path(args.run_dir) / LEDGER_FILE
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: train with --set data.ledger=true to record one")
+    try:
+        reports = check_ledger(path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for first, last, r in _epoch_ranges(reports):
+        epochs = f"epoch {first}" if first == last else f"epochs {first}-{last}"
+        sizes = " -> ".join(map(str, r.world_sizes))
+        missing = f"{r.missing} missing" if r.complete else f"unfinished ({r.missing} not reached yet)"
+        each = " each" if first != last else ""
+        print(f"{epochs}: {r.used} sample uses{each}, {r.duplicates} duplicates, {missing}; world size {sizes}")
+    duplicates = sum(r.duplicates for r in reports)
+    missing = sum(r.missing for r in reports if r.complete)
+    verdict = "every sample exactly once per epoch" if not duplicates and not missing else "NOT exactly once"
+    print(f"{verdict}: {len(reports)} epochs, {duplicates} duplicates, {missing} missing")
+    return 0 if all(r.exactly_once for r in reports) else 1
+
+
+def _epoch_ranges(reports):
+    """(first epoch, last epoch, report) for runs of consecutive epochs that read the same."""
+    ranges: list = []
+    for r in reports:
+        same = ranges and (ranges[-1][2].used, ranges[-1][2].duplicates, ranges[-1][2].missing, ranges[-1][2].complete,
+                           ranges[-1][2].world_sizes) == (r.used, r.duplicates, r.missing, r.complete, r.world_sizes)
+        if same:
+            ranges[-1][1] = r.epoch
+        else:
+            ranges.append([r.epoch, r.epoch, r])
+    return ranges
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ringtrain.checkpoint.export import export_model
+    from ringtrain.checkpoint.manager import CheckpointManager
+    from ringtrain.config import load_config
+
+    from ringtrain.errors import ConfigError
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (it has no config.toml); pass the --run-dir of a run")
+    config = load_config(run_dir / "config.toml", run_dir=str(run_dir))
+    checkpoints = CheckpointManager(run_dir / config.checkpoint.dir, is_writer=False)
+    out = Path(args.out) if args.out else run_dir / "model.safetensors"
+    warn = lambda message: print(f"ringtrain: warning: {message}", file=sys.stderr)  # noqa: E731
+    used = export_model(checkpoints, out, Path(args.checkpoint) if args.checkpoint else None, warn)
+    print(f"wrote {out} from {used}")
+    return 0
 
 
 if __name__ == "__main__":

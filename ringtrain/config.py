@@ -77,6 +77,10 @@ class DataConfig(Section):
     num_workers: int = Field(default=0, ge=0)
     """DataLoader worker processes per training process (0 loads in the training process)."""
 
+    ledger: bool = False
+    """Record in RUN_DIR/ledger.jsonl, per committed step and rank, the sample ids used (one gather per
+    step); `ringtrain ledger RUN_DIR` then proves every epoch used each sample exactly once."""
+
 
 class TrainConfig(Section):
     epochs: int = Field(default=20, gt=0)
@@ -117,6 +121,10 @@ class TrainConfig(Section):
 
     seed: int = 0
     """Seed of model initialisation and of the data order (the order depends on seed and epoch only)."""
+
+    max_consecutive_nonfinite_steps: int = Field(default=3, gt=0)
+    """A step whose loss or gradient is not finite on any rank is skipped by every rank; after this many
+    such steps in a row the job stops with an error."""
 
 
 class DistConfig(Section):

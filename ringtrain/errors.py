@@ -6,7 +6,14 @@ code 2, never as a traceback: its message must name the problem and the fix.
 
 from __future__ import annotations
 
-__all__ = ["RingtrainError", "ConfigError", "CheckpointError", "LaunchError"]
+__all__ = [
+    "RingtrainError",
+    "ConfigError",
+    "CheckpointError",
+    "CorruptCheckpoint",
+    "UnsafeCheckpoint",
+    "LaunchError",
+]
 
 
 class RingtrainError(Exception):
@@ -21,6 +28,20 @@ class ConfigError(RingtrainError):
 
 class CheckpointError(RingtrainError):
     """A checkpoint is missing, corrupt or does not match the run."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint fails its integrity check (truncated, altered, or never committed by a manifest).
+
+    An older valid checkpoint may stand in for it when the caller asked for "the latest".
+    """
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint's integrity is fine but it holds pickled objects ringtrain never stores.
+
+    Never skipped in silence and never loaded unsafely: someone must look at it.
+    """
 
 
 class LaunchError(RingtrainError):

@@ -9,6 +9,9 @@ Every listening socket binds to loopback (127.0.0.1) unless the user names anoth
   (torch's own would listen on every interface), and every agent joins it as a client;
 - the workers' store is hosted by worker 0 the same way (``dist/group.py``), and Gloo/NCCL are told the
   interface that holds the bind address.
+
+A job that may shrink and grow (``--min-nproc M`` below ``--nproc N``) runs one single-worker agent per
+worker instead (``elastic.py``); each of them is a ``launch`` with ``join=True``.
 """
 
 from __future__ import annotations
@@ -27,12 +30,18 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ringtrain.dist.env import BIND_ADDR_VAR, LAUNCHER_VAR
+from ringtrain.dist.env import BIND_ADDR_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.errors import LaunchError, RingtrainError
 
-__all__ = ["LaunchOptions", "WorkerFailed", "JobStopped", "launch"]
+__all__ = ["LaunchOptions", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS"]
 
 LOOPBACK = "127.0.0.1"
+
+RDZV_DEFAULTS = {"last_call_timeout": 5, "keep_alive_interval": 1, "keep_alive_max_attempt": 5}
+"""ringtrain's rendezvous timing (torch's: 30 s last call, a lost agent noticed after 15 s): after a lost
+worker the others re-form within about 10 s. ``--rdzv-conf`` overrides any of these (seconds)."""
+_RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+              "keep_alive_max_attempt")
 
 
 class WorkerFailed(RingtrainError):
@@ -46,7 +55,8 @@ class JobStopped(RingtrainError):
 
     def __init__(self, signal_number: int):
         name = signal.Signals(signal_number).name
-        super().__init__(f"stopped by {name}; the workers were stopped (continue later with --resume)")
+        super().__init__(f"stopped by {name}; workers that were training saved the step they reached "
+                         "(continue later with --resume)")
         self.exit_code = 128 + signal_number
 
 
@@ -66,6 +76,12 @@ class LaunchOptions:
     """Address of this node that workers bind to (default: loopback, or the endpoint's host on node 0)."""
     max_restarts: int = 0
     """Restarts of the worker group after a failure before the job fails."""
+    min_nproc: int | None = None
+    """Fewest workers on this node the job may shrink to (one agent per worker); unset: nproc, fixed size."""
+    rdzv_conf: str = ""
+    """torchrun's --rdzv-conf: KEY=SECONDS,... for the c10d rendezvous (see RDZV_DEFAULTS)."""
+    join: bool = False
+    """Join a job whose rendezvous store another process hosts (an elastic worker's agent)."""
     run_id: str = ""
     """Rendezvous id shared by all nodes of the job (default: derived from the endpoint)."""
     log_dir: str | None = None
@@ -86,6 +102,16 @@ class LaunchOptions:
     def max_world_size(self) -> int:
         return self.nproc * self.node_range()[1]
 
+    @property
+    def per_worker_agents(self) -> bool:
+        """An elastic job on this node: one single-worker agent per worker, so each can leave or join."""
+        return self.min_nproc is not None and self.min_nproc < self.nproc
+
+    def world_size_range(self) -> tuple[int, int]:
+        """Fewest and most workers the job may run with."""
+        min_nodes, max_nodes = self.node_range()
+        return min_nodes * (self.min_nproc or self.nproc), max_nodes * self.nproc
+
     def validate(self) -> None:
         """Raise LaunchError for flag combinations that cannot work; call before any port opens."""
         _, max_nodes = self.node_range()
@@ -93,12 +119,18 @@ class LaunchOptions:
             raise LaunchError(f"--nproc must be at least 1, got {self.nproc}")
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.min_nproc is not None and not 1 <= self.min_nproc <= self.nproc:
+            raise LaunchError(
+                f"--min-nproc ({self.min_nproc}) must be between 1 and --nproc ({self.nproc}): "
+                "the fewest workers cannot exceed the most"
+            )
+        parse_rdzv_conf(self.rdzv_conf)
         if not 0 <= self.node_rank < max_nodes:
             raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {max_nodes}) for --nnodes {self.nnodes}")
         if max_nodes > 1 and not self.rdzv_endpoint:
             raise LaunchError("a multi-node job needs --rdzv-endpoint HOST:PORT (the same on every node)")
         if self.rdzv_endpoint:
-            _, port = _split_endpoint(self.rdzv_endpoint)
+            _, port = split_endpoint(self.rdzv_endpoint)
             if port == 0 and max_nodes > 1:
                 raise LaunchError(f"--rdzv-endpoint {self.rdzv_endpoint}: a multi-node job needs a fixed port")
 
@@ -110,12 +142,13 @@ def launch(options: LaunchOptions, worker_args: list[str]) -> None:
     """
     options.validate()
     min_nodes, max_nodes = options.node_range()
-    host, port = _split_endpoint(options.rdzv_endpoint or f"{LOOPBACK}:0")
-    bind_addr = options.local_addr or (host if _is_loopback(host) or options.node_rank == 0 else None)
-    store = _host_rendezvous_store(host, port) if options.node_rank == 0 else None
+    host, port = split_endpoint(options.rdzv_endpoint or f"{LOOPBACK}:0")
+    hosts_store = options.node_rank == 0 and not options.join
+    bind_addr = options.local_addr or (host if _is_loopback(host) or hosts_store else None)
+    store = host_rendezvous_store(host, port) if hosts_store else None
     if store is not None:
         port = store.port
-    _export_worker_env(bind_addr)
+    _export_worker_env(bind_addr, f"{_bracket(host)}:{port}")
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -124,7 +157,7 @@ def launch(options: LaunchOptions, worker_args: list[str]) -> None:
         rdzv_backend="c10d",
         rdzv_endpoint=f"{_bracket(host)}:{port}",
         # Node 0's launcher hosts the store above; every agent, node 0's included, joins as a client.
-        rdzv_configs={"is_host": False},
+        rdzv_configs={**parse_rdzv_conf(options.rdzv_conf), "is_host": False},
         max_restarts=options.max_restarts,
         local_addr=bind_addr,
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
@@ -142,9 +175,30 @@ def launch(options: LaunchOptions, worker_args: list[str]) -> None:
         del store
 
 
-def _export_worker_env(bind_addr: str | None) -> None:
+def parse_rdzv_conf(text: str) -> dict[str, int]:
+    """'last_call_timeout=1,keep_alive_interval=1' -> ringtrain's defaults updated with those."""
+    conf = dict(RDZV_DEFAULTS)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if key not in _RDZV_KEYS:
+            raise LaunchError(f"--rdzv-conf: unknown key {key!r}; known: {', '.join(_RDZV_KEYS)}")
+        if not sep or not value.isdigit() or int(value) < 1:
+            raise LaunchError(f"--rdzv-conf {item!r}: give {key} as a whole number of at least 1, e.g. {key}=5")
+        conf[key] = int(value)
+    if conf["keep_alive_max_attempt"] < 3:
+        # torch's agent may beat only every second interval; with fewer attempts a live agent expires.
+        raise LaunchError(
+            f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']} would drop live agents "
+            "(they may beat only every other interval); use 3 or more"
+        )
+    return conf
+
+
+def _export_worker_env(bind_addr: str | None, job_store: str) -> None:
     # The agent passes this process's environment on to every worker it starts.
     os.environ[LAUNCHER_VAR] = "1"
+    # The rendezvous store outlives every worker: they keep progress and heartbeats there (dist/jobstore.py).
+    os.environ[JOB_STORE_VAR] = job_store
     if bind_addr:
         os.environ[BIND_ADDR_VAR] = bind_addr
     # Workers host their own loopback-bound store (dist/group.py) instead of sharing the agent's,
@@ -152,7 +206,7 @@ def _export_worker_env(bind_addr: str | None) -> None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
 
-def _host_rendezvous_store(host: str, port: int) -> dist.TCPStore:
+def host_rendezvous_store(host: str, port: int) -> dist.TCPStore:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         listener = socket.create_server((host, port), family=family, backlog=1024)
@@ -173,7 +227,7 @@ def _host_rendezvous_store(host: str, port: int) -> dist.TCPStore:
     )
 
 
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
+def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port_text = endpoint.strip().rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from ringtrain.config import load_config, validate_for_world_size
 from ringtrain.dist.env import DistEnv
 from ringtrain.dist.group import init_distributed
+from ringtrain.dist.lifetime import exit_with_parent
 from ringtrain.errors import RingtrainError
+from ringtrain.train.guards import Stopped
+from ringtrain.train.resume import ResumePlan
 from ringtrain.train.run import check_run_dir, run_training
 
-__all__ = ["main", "build_worker_parser"]
+__all__ = ["main", "build_worker_parser", "resume_plan"]
 
 
 def build_worker_parser() -> argparse.ArgumentParser:
@@ -28,26 +32,44 @@ def build_worker_parser() -> argparse.ArgumentParser:
                         help="override a config field (repeatable)")
     parser.add_argument("--run-dir", help="run directory (default: runs/<config name>)")
     parser.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    parser.add_argument("--resume-from", metavar="PATH", help="start from this checkpoint (a new run directory)")
     return parser
+
+
+def resume_plan(args: argparse.Namespace, env: DistEnv) -> ResumePlan:
+    """What to continue from. Under ``ringtrain train`` the launcher has checked the run directory, and a
+    worker that restarts or joins a running job continues from the job's latest checkpoint."""
+    if args.resume_from:
+        return ResumePlan(resume=True, source=Path(args.resume_from))
+    if args.resume:
+        return ResumePlan(resume=True, required=True)
+    if env.is_restart or env.launched_by_ringtrain:
+        return ResumePlan(resume=True)
+    return ResumePlan.fresh()
 
 
 @record
 def main(argv: list[str] | None = None) -> None:
     args = build_worker_parser().parse_args(argv)
     env = DistEnv.from_environ()
+    # A worker never outlives its agent: an orphan would keep training against a group that moved on.
+    exit_with_parent()
     try:
         config = load_config(args.config, args.overrides, run_dir=args.run_dir)
         validate_for_world_size(config, env.world_size)
-        # After an elastic restart the job continues from its own last checkpoint.
-        resume = args.resume or env.is_restart
-        check_run_dir(config, resume)
+        plan = resume_plan(args, env)
+        if not plan.resume:
+            check_run_dir(config, resume=False)
         with init_distributed(env, config.dist) as ctx:
-            run_training(config, ctx, resume=resume, resume_required=args.resume and not env.is_restart)
+            run_training(config, ctx, plan)
     except RingtrainError as err:
-        # The launcher reports the first failed rank with this message; plain torchrun shows it too.
+        # The launcher reports the first failed rank with this message; the line here comes at once,
+        # while the agent may still be stopping the other workers.
         ErrorHandler().record_exception(err)
-        if not env.launched_by_ringtrain:
-            print(f"ringtrain: error: [rank {env.rank}] {err}", file=sys.stderr)
+        if not isinstance(err, Stopped):
+            print(f"ringtrain: error: [rank {env.rank}] {err}", file=sys.stderr, flush=True)
+        elif env.rank == 0:
+            print(f"ringtrain: [rank 0] {err}", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
 
 

@@ -27,7 +27,10 @@ from typing import Any
 __all__ = ["run_distributed", "DistributedTestError"]
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+# Also what building a trainer imports: torch._dynamo (DDP's constructor imports it: seconds), sklearn, ringtrain.
+_CONTEXT.set_forkserver_preload(
+    ["torch", "torch.distributed", "numpy", "torch._dynamo", "sklearn.datasets", "ringtrain.train.build"]
+)
 
 
 class DistributedTestError(AssertionError):

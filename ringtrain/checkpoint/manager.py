@@ -1,26 +1,46 @@
-"""CheckpointManager: atomic saves, keep-last-K, safe loads.
+"""CheckpointManager: verified, atomic saves; keep-last-K; loads that never unpickle arbitrary objects.
 
 A checkpoint is whatever ``state_dict()``s the trainer hands over; the manager knows nothing of the
-trainer. A save is atomic: write a temp file in the same folder, fsync it, rename it into place, fsync
-the folder. A crash at any moment leaves either the previous set of checkpoints or the new one, never a
-half-written file under a checkpoint's name. Loading never unpickles arbitrary objects
-(``weights_only=True``).
+trainer. A save writes ``step_XXXXXXXX.pt`` atomically (temp file, fsync, rename, fsync the folder), then
+its sha256 manifest, the commit marker (``manifest.py``). A crash at any moment leaves the previous
+checkpoints intact and the new one either committed or visibly uncommitted.
+
+Loading checks the manifest first, then unpickles with ``weights_only=True``: tensors and plain
+containers only (ringtrain stores nothing else, so its allow-list adds no classes). There is no fallback
+to unsafe loading. Asked for "the latest", the manager skips broken newer checkpoints with a warning that
+names each one and the checkpoint used instead.
 """
 
 from __future__ import annotations
 
-import os
+import io
+import pickle
 import re
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ringtrain.errors import CheckpointError
+from ringtrain.checkpoint.manifest import (
+    HashingWriter,
+    manifest_path,
+    read_manifest,
+    read_verified,
+    write_atomic,
+    write_manifest,
+)
+from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "ALLOWED_GLOBALS", "load_checkpoint_file"]
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
+_TEMP = re.compile(r"^\.step_\d{8}\.(pt|manifest\.json)\.tmp-\d+$")
+
+ALLOWED_GLOBALS: tuple = ()
+"""Classes beyond torch's weights-only defaults that a ringtrain checkpoint may hold: none. Everything
+ringtrain saves is tensors, numbers, strings and containers; add a class here only if ringtrain stores it."""
 
 
 class CheckpointManager:
@@ -37,54 +57,107 @@ class CheckpointManager:
         return self.directory / f"step_{step:08d}.pt"
 
     def checkpoints(self) -> list[Path]:
-        """Existing checkpoints, oldest first."""
+        """Checkpoint data files, committed or not, oldest first."""
         if not self.directory.is_dir():
             return []
         found = [p for p in self.directory.iterdir() if _NAME.match(p.name)]
-        return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+        return sorted(found, key=_step_of)
 
     def latest(self) -> Path | None:
+        """The newest checkpoint file, without verifying it."""
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def save(self, step: int, state: dict[str, Any]) -> Path | None:
-        """Write ``state`` as the checkpoint of ``step`` (on the writer rank; others return None)."""
+    def save(self, step: int, state: dict[str, Any], **manifest_fields: Any) -> Path | None:
+        """Write ``state`` as the checkpoint of ``step`` and commit it (writer rank only; others: None)."""
         if not self.is_writer:
             return None
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.path_for(step)
-        temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        try:
-            with temp.open("wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, final)
-            _fsync_dir(self.directory)
-        finally:
-            temp.unlink(missing_ok=True)
+        # Uncommit first: a crash while the new data replaces an old file of the same step must not leave
+        # the old manifest vouching for the new bytes.
+        manifest_path(final).unlink(missing_ok=True)
+        digest = write_atomic(final, lambda f: _save_hashed(state, f))
+        write_manifest(final, digest, step=step, **manifest_fields)
         self._prune()
         return final
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        """Read a checkpoint with ``weights_only=True``; a bad file is a CheckpointError naming it."""
-        path = Path(path)
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {path} not found")
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # torch raises several types for truncated or foreign files
-            raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}); it is corrupt") from None
+        """Verify ``path`` against its manifest, then unpickle it weights-only."""
+        return load_checkpoint_file(Path(path))
+
+    def load_latest(self, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that verifies, and its state; ``warn`` hears about each broken newer one."""
+        skipped: list[str] = []
+        for path in reversed(self.checkpoints()):
+            try:
+                state = self.load(path)
+            except CorruptCheckpoint as err:
+                skipped.append(str(err))
+                continue
+            for reason in skipped:
+                warn(f"{reason}; skipping it and resuming from {path.name}")
+            return path, state
+        for reason in skipped:
+            warn(f"{reason}; skipping it (no older valid checkpoint)")
+        return None
 
     def _prune(self) -> None:
-        for old in self.checkpoints()[: -self.keep_last]:
-            old.unlink(missing_ok=True)
+        """Keep the newest ``keep_last`` committed checkpoints; drop older files and stale temp files."""
+        committed = [p for p in self.checkpoints() if manifest_path(p).exists()]
+        if len(committed) > self.keep_last:
+            oldest_kept = _step_of(committed[-self.keep_last])
+            for old in self.checkpoints():
+                if _step_of(old) < oldest_kept:
+                    # Manifest first: a crash in between leaves an uncommitted file, never a false commit.
+                    manifest_path(old).unlink(missing_ok=True)
+                    old.unlink(missing_ok=True)
+        # Only the writer saves here, and it is between saves: any temp file is a crashed save's leftover.
+        for leftover in self.directory.iterdir():
+            if _TEMP.match(leftover.name):
+                leftover.unlink(missing_ok=True)
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the folder's entry is on disk.
-    fd = os.open(directory, os.O_RDONLY)
+def load_checkpoint_file(path: Path) -> dict[str, Any]:
+    """Verify ``path`` against its manifest and unpickle it weights-only; errors name the file."""
+    if not path.is_file() and not manifest_path(path).is_file():
+        raise CheckpointError(f"checkpoint {path} not found")
+    payload = read_verified(path)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        # torch warns about pickle protocols it cannot vouch for; the refusal below says it better.
+        with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpoint(
+            f"checkpoint {path} holds {_forbidden_global(err)}, which ringtrain never stores; refusing to "
+            "unpickle it (it was not written by ringtrain, or it was tampered with)"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - torch raises several types for files that are not checkpoints
+        raise CorruptCheckpoint(f"checkpoint {path} matches its manifest but cannot be read ({type(err).__name__})") from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpoint(f"checkpoint {path} does not hold a state dictionary")
+    return state
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step recorded in ``path``'s manifest (None when it has none)."""
+    try:
+        return int(read_manifest(path)["step"])
+    except (CorruptCheckpoint, KeyError, TypeError, ValueError):
+        return None
+
+
+def _save_hashed(state: dict[str, Any], f) -> Any:
+    writer = HashingWriter(f)
+    torch.save(state, writer)
+    return writer.digest()
+
+
+def _step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
+def _forbidden_global(err: Exception) -> str:
+    match = re.search(r"GLOBAL ([\w.]+)", str(err))
+    return f"a pickled reference to {match.group(1)}" if match else "pickle instructions outside the weights-only subset"

@@ -109,6 +109,9 @@ def build_train_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        # Each iterator draws a seed for its workers; from its own generator, not the global RNG, so a
+        # resume mid-epoch (one iterator more than the uninterrupted run) leaves the global stream intact.
+        generator=torch.Generator().manual_seed(sampler.seed),
     )
 
 
@@ -121,4 +124,6 @@ def build_eval_loader(
         batch_size=batch_size,
         sampler=eval_shard(len(dataset), rank, world_size),
         num_workers=num_workers,
+        # Not from the global RNG: an evaluation must not shift the training's random stream.
+        generator=torch.Generator().manual_seed(0),
     )

@@ -10,13 +10,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR"]
+__all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
 """The address this host's listening sockets must bind to."""
 LAUNCHER_VAR = "RINGTRAIN_LAUNCHER"
 """Present when `ringtrain train` started the worker (it then reports worker errors itself)."""
+JOB_STORE_VAR = "RINGTRAIN_JOB_STORE"
+"""HOST:PORT of the launcher's rendezvous store, which outlives every worker (progress, heartbeats)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class DistEnv:
     """Address to bind listening sockets to; None leaves the choice to torch (plain torchrun)."""
     run_id: str | None = None
     launched_by_ringtrain: bool = False
+    job_store: str | None = None
+    """HOST:PORT of a store that outlives the workers: the launcher's, or torchrun's shared agent store."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -55,6 +59,7 @@ class DistEnv:
             bind_addr=env.get(BIND_ADDR_VAR),
             run_id=env.get("TORCHELASTIC_RUN_ID"),
             launched_by_ringtrain=LAUNCHER_VAR in env,
+            job_store=env.get(JOB_STORE_VAR) or _agent_store(env),
         )
 
     @property
@@ -65,3 +70,10 @@ class DistEnv:
     def is_restart(self) -> bool:
         """The elastic agent restarted the workers: the run must resume from its last checkpoint."""
         return self.restart_count > 0
+
+
+def _agent_store(env: Mapping[str, str]) -> str | None:
+    """Plain torchrun shares its rendezvous store with the workers; it outlives them too."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "False").lower() != "true" or "MASTER_PORT" not in env:
+        return None
+    return f"{env.get('MASTER_ADDR', '127.0.0.1')}:{env['MASTER_PORT']}"

@@ -74,6 +74,13 @@ class ConsoleLogger(Logger):
             self.progress.update(self.task, completed=step, epoch=min(epoch + 1, self.epochs))
 
     def log(self, record: dict[str, Any]) -> None:
+        if record.get("type") in ("warning", "skip", "resume"):
+            line = notice_line(record)
+            if self.progress is not None:
+                self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            else:
+                print(line, file=sys.stderr, flush=True)
+            return
         if self.progress is not None and record.get("type") == "train":
             self.progress.update(
                 self.task, loss=f"{record['loss']:.4f}", throughput=f"{record['samples_per_s']:,.0f}"
@@ -160,6 +167,25 @@ def build_logger(config: Config, rank: int, run_dir: str | Path) -> Logger:
     return MultiLogger(*loggers)
 
 
+def notice_line(record: dict[str, Any]) -> str:
+    """The console line of a warning, a skipped step or a resume record."""
+    kind = record["type"]
+    if kind == "warning":
+        return f"ringtrain: warning: {record['message']}"
+    if kind == "skip":
+        return f"ringtrain: step {record['step']} skipped on every rank: {record['reason']}"
+    workers = f"{record['world_size']} worker{'s' * (record['world_size'] != 1)}"
+    source = f"{record['checkpoint']} (step {record['step']})" if record["checkpoint"] else "the start (no checkpoint yet)"
+    if not record.get("restart"):
+        return f"ringtrain: resumed from {source} with {workers}"
+    line = f"ringtrain: restart {record['restart']}: resumed from {source} with {workers}"
+    if "steps_lost" in record:
+        line += f"; {record['steps_lost']} step{'s' * (record['steps_lost'] != 1)} lost"
+    if "restart_s" in record:
+        line += f"; training again {record['restart_s']:.1f} s after the last completed step"
+    return line
+
+
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in values.items():
@@ -171,6 +197,9 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _format(value: Any) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        # Per-rank digests: one value when the ranks agree.
+        return f"{value[0][:12]}… on all {len(value)} ranks" if len(set(value)) == 1 else ", ".join(value)
     if isinstance(value, float) and math.isfinite(value):
         return f"{value:,.4f}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)

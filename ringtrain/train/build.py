@@ -9,7 +9,9 @@ import torch
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import Config
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
+from ringtrain.data.ledger import build_ledger
 from ringtrain.dist.group import DistContext
+from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
@@ -20,7 +22,7 @@ from ringtrain.train.tasks import ClassificationTask
 __all__ = ["build_trainer", "planned_steps"]
 
 
-def build_trainer(config: Config, ctx: DistContext) -> Trainer:
+def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | None = None) -> Trainer:
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's anyway).
@@ -51,6 +53,8 @@ def build_trainer(config: Config, ctx: DistContext) -> Trainer:
         ),
         task=ClassificationTask(),
         total_steps=total_steps,
+        ledger=build_ledger(config.data.ledger, run_dir, len(data.train), ctx.rank),
+        job_store=job_store or NullJobStore(),
     )
     checkpoints = CheckpointManager(
         run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0

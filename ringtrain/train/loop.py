@@ -6,14 +6,20 @@ inside ``strategy.no_sync`` (no all-reduce); the last backward synchronises, so 
 gradient all-reduce per optimizer step. Losses are summed per item and scaled by
 ``world_size / items_in_window``, so after the strategy averages over workers the gradient is the mean
 over the whole window, exactly as one process would compute it on the full batch.
+
+After the backward, one small all-reduce (``StepGuard.agree``) tells every rank whether any rank saw a
+non-finite loss or gradient (then all skip the update) or a stop signal (then all checkpoint and exit).
+Collectives run under ``CollectiveWatch``, so a dead or stopped peer becomes one line naming the rank, the
+operation and the step.
 """
 
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +29,23 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.checkpoint.rng import gather_rng_states, restore_rng_state, seed_fresh_rank
 from ringtrain.config import Config
 from ringtrain.errors import CheckpointError
+from ringtrain.data.ledger import NullLedger
 from ringtrain.data.loader import StepBatch
 from ringtrain.data.sampler import ResumableSampler
 from ringtrain.dist.group import DistContext
+from ringtrain.dist.jobstore import NullJobStore, PreviousAttempt
+from ringtrain.dist.watch import CollectiveWatch
 from ringtrain.monitor.loggers import Logger
 from ringtrain.monitor.memory import memory_mb
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
 from ringtrain.parallel import Strategy
 from ringtrain.train.evaluate import evaluate
+from ringtrain.train.guards import StepGuard, Stopped, StopSignal, Verdict, check_replicas
+from ringtrain.train.resume import ResumePlan, check_same_choice, config_changes, pick_checkpoint, resume_record
 from ringtrain.train.state import TrainState
 from ringtrain.train.tasks import ClassificationTask
 
@@ -55,6 +67,10 @@ class TrainParts:
     task: ClassificationTask
     total_steps: int
     """Optimizer steps of the whole run (the lr schedule spans them)."""
+    ledger: NullLedger = field(default_factory=NullLedger)
+    """Records each step's sample ids (``[data] ledger``); the null ledger records nothing."""
+    job_store: NullJobStore = field(default_factory=NullJobStore)
+    """Keys that outlive the workers: progress and heartbeats (``dist/jobstore.py``)."""
 
 
 class Trainer:
@@ -73,6 +89,14 @@ class Trainer:
         self.total_steps = parts.total_steps
         self.last_loss = math.nan
         self.last_eval: dict[str, Any] = {}
+        self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s)
+        self.stop_signal = StopSignal()
+        self.guard = StepGuard(ctx.rank, ctx.world_size, ctx.device,
+                               config.train.max_consecutive_nonfinite_steps, self.stop_signal)
+        self.notices: list[dict[str, Any]] = []
+        """Records of the resume (warnings, the restart report), logged once training starts."""
+        self.previous = PreviousAttempt(starts=1, last_step=None, last_step_time=None)
+        self._saved_step = -1
 
     @property
     def finished(self) -> bool:
@@ -80,12 +104,16 @@ class Trainer:
 
     # --- what a checkpoint holds -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Everything a bit-exact resume needs. A collective: every rank calls it (RNG states gather)."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.parts.optimizer.state_dict(),
             "scheduler": self.parts.scheduler.state_dict(),
             "sampler": self.parts.sampler.state_dict(),
             "train_state": self.state.state_dict(),
+            "rng": gather_rng_states(),
+            "world_size": self.ctx.world_size,
+            "config": self.config.to_toml(),
             "config_digest": self.config.digest(),
         }
 
@@ -95,50 +123,82 @@ class Trainer:
         self.parts.scheduler.load_state_dict(state["scheduler"])
         self.parts.sampler.load_state_dict(state["sampler"])
         self.state.load_state_dict(state["train_state"])
+        rng = state.get("rng") or []
+        if self.ctx.rank < len(rng):
+            restore_rng_state(rng[self.ctx.rank])
+        else:  # the job grew: this rank has no saved generators
+            seed_fresh_rank(self.config.train.seed, self.ctx.rank, self.state.step)
 
-    def resume(self, required: bool) -> Path | None:
-        """Load the latest checkpoint; with none, start fresh unless ``required`` (an explicit --resume)."""
-        path = self.checkpoints.latest()
-        if path is None:
-            if required:
-                raise CheckpointError(
-                    f"--resume: no checkpoint in {self.checkpoints.directory}; run without --resume to start"
-                )
+    def resume(self, plan: ResumePlan) -> Path | None:
+        """Called once before fit() on every start: continue from the checkpoint the plan picks (every rank
+        picks the same one), or return None to start fresh."""
+        self.previous = self.parts.job_store.begin_attempt()
+        found = pick_checkpoint(self.checkpoints, plan, self._warn)
+        check_same_choice(-1 if found is None else found[1]["train_state"]["step"])
+        if found is None:
+            if self.previous.last_step is not None:  # a restart before the first checkpoint: start over
+                self.notices.append(resume_record(None, 0, self.ctx.world_size, self.previous))
             return None
-        self.load_state_dict(self.checkpoints.load(path))
+        path, state = found
+        self._load_checkpoint(path, state)
+        self.notices.append(resume_record(path, self.state.step, self.ctx.world_size, self.previous))
         return path
+
+    def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        changed = config_changes(state["config"], self.config) if "config" in state else []
+        if changed:
+            self._warn(f"resuming {path.name} with a changed config: {'; '.join(changed)}")
+        try:
+            self.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            differs = f"; its config differs: {'; '.join(changed)}" if changed else ""
+            raise CheckpointError(f"checkpoint {path} does not fit this job ({_first_line(err)}){differs}") from None
+
+    def _warn(self, message: str) -> None:
+        # Kept until fit() starts the loggers; rank 0's console shows them, metrics.jsonl records them.
+        self.notices.append({"type": "warning", "message": message})
 
     # --- the loop ------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to ``total_steps``, evaluate, checkpoint, and return the run's summary."""
         sampler = self.parts.sampler
         self.logger.start(self.total_steps, self.state.step, sampler.steps_per_epoch)
+        self._log_notices()
+        # The ledger keeps the history of the weights we resumed: steps redone after a crash appear once.
+        self.parts.ledger.start(self.state.step)
         start = time.perf_counter()
         start_samples = self.state.samples_seen
         self.clock = StepClock()
-        while not self.finished:
-            batches = iter(self.parts.train_loader)  # the rest of this epoch, from the sampler's cursor
+        with self.stop_signal:
             while not self.finished:
-                with self.clock.phase("data"):
-                    batch = next(batches, None)
-                if batch is None:
-                    break
-                self.train_step(batch)
-                if sampler.epoch_finished:
-                    self._end_epoch()
-                with self.clock.phase("monitor"):
-                    self.logger.on_step(self.state.step, self.state.epoch)
-                self._maybe_log()
-                self._maybe_checkpoint()
+                batches = iter(self.parts.train_loader)  # the rest of this epoch, from the sampler's cursor
+                while not self.finished:
+                    with self.clock.phase("data"):
+                        batch = next(batches, None)
+                    if batch is None:
+                        break
+                    verdict = self.train_step(batch)
+                    if sampler.epoch_finished:
+                        self._end_epoch()
+                    with self.clock.phase("monitor"):
+                        self.logger.on_step(self.state.step, self.state.epoch)
+                        self._log_restart_once()
+                    self._maybe_log()
+                    self._maybe_checkpoint()
+                    if verdict.stop:
+                        self._stop()
         wall_s = time.perf_counter() - start
         self.last_eval = self._evaluate()
         self._save_checkpoint()
         summary = self._summary(wall_s, self.state.samples_seen - start_samples)
+        self.parts.ledger.close()
         self.logger.finish(summary)
         return summary
 
-    def train_step(self, batch: StepBatch) -> None:
-        """One optimizer step on this rank's share of the next window."""
+    def train_step(self, batch: StepBatch) -> Verdict:
+        """One optimizer step on this rank's share of the next window (skipped on every rank when any
+        rank's loss or gradient is not finite)."""
+        step = self.state.step + 1
         world_size = self.ctx.world_size
         window = self.parts.sampler.next_window_size()
         # Same micro-batch count on every rank (each forward/backward may run collectives).
@@ -147,7 +207,7 @@ class Trainer:
         with self.clock.phase("data"):
             micro_batches = batch.to(self.ctx.device).micro_batches(micro_count)
         loss_sum = torch.zeros((), device=self.ctx.device)
-        with self.clock.phase("forward_backward"):
+        with self.clock.phase("forward_backward"), self.watch.op("all_reduce (DDP gradient sync)", step):
             for index, (inputs, targets) in enumerate(micro_batches):
                 is_last = index == len(micro_batches) - 1
                 # Accumulation micro-steps skip gradient sync; only the last backward all-reduces.
@@ -157,18 +217,31 @@ class Trainer:
                 loss_sum += loss.detach()
         # Backward included the wait for the gradient all-reduce; book that part as communication.
         self.clock.move("forward_backward", "comm_exposed", self.comm_timer.backward_done())
+        # One all-reduce: did any rank see a non-finite loss or gradient (all skip), or a stop signal?
         with self.clock.phase("optimizer"):
-            if self.config.train.grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip_norm)
-            self.parts.optimizer.step()
+            flags = self.guard.check(loss_sum, self.model.parameters())
+        with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
+            verdict = self.guard.agree(flags)
+        with self.clock.phase("optimizer"):
+            if not verdict.skip:
+                if self.config.train.grad_clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip_norm)
+                self.parts.optimizer.step()
             self.parts.scheduler.step()
             self.parts.optimizer.zero_grad(set_to_none=True)
+        with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
+            self.parts.ledger.record(step, self.state.epoch, batch.indices.tolist(), skipped=verdict.skip)
         self.parts.sampler.advance()
-        self.state.step += 1
+        self.state.step = step
         self.state.samples_seen += window
+        self.parts.job_store.record_progress(step)
         self.clock.end_step(window)
         self.comm_timer.end_step()
         self._step_loss = (loss_sum, window)
+        if verdict.skip:
+            self.logger.log({"type": "skip", "step": step, "reason": verdict.describe()})
+        self.guard.count(verdict, self.state, step)
+        return verdict
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1
@@ -189,7 +262,7 @@ class Trainer:
         busy_s = timing.get("time/data_s", 0.0) + timing.get("time/forward_backward_s", 0.0)
         # Every rank takes part in this collective; only rank 0's logger writes the record. It waits for
         # the slowest rank like the gradient all-reduce would, so it is booked as exposed communication.
-        with self.clock.phase("comm_exposed"):
+        with self.clock.phase("comm_exposed"), self.watch.op("all_gather (metrics of every rank)", self.state.step):
             ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"])
         with self.clock.phase("monitor"):
             self._log_train_record(timing, memory, ranks, window)
@@ -218,14 +291,51 @@ class Trainer:
                 self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
-        self.checkpoints.save(self.state.step, self.state_dict())
+        with self.watch.op("gather (RNG states for the checkpoint)", self.state.step):
+            state = self.state_dict()
+        self.checkpoints.save(self.state.step, state, config_sha256=self.config.digest())
+        self._saved_step = self.state.step
+
+    def _stop(self) -> None:
+        """A rank got SIGTERM or SIGINT: every rank checkpoints this step and exits; nothing is lost."""
+        if self._saved_step != self.state.step:
+            self._save_checkpoint()
+        # A peer's signal stopped us; our own agent usually sends us one too (it restarts every worker). Wait
+        # for it briefly, so the agent sees a worker it stopped, not one that failed on its own.
+        own = self.stop_signal.wait(timeout_s=5.0)
+        name = self.checkpoints.path_for(self.state.step).name
+        number = self.stop_signal.signal_number or signal.SIGTERM
+        who = "this worker" if own else "a peer"
+        raise Stopped(f"stopped at step {self.state.step} after saving {name} ({signal.Signals(number).name} to "
+                      f"{who}); training continues from there (--resume)", signal_number=number)
+
+    def _log_notices(self) -> None:
+        for record in self.notices:
+            if record["type"] != "resume":
+                self.logger.log(record)
+
+    def _log_restart_once(self) -> None:
+        """The resume record goes out after the first step, with the time it took to train again."""
+        resumed = [r for r in self.notices if r["type"] == "resume"]
+        if not resumed:
+            return
+        self.notices = [r for r in self.notices if r["type"] != "resume"]
+        record = resumed[0]
+        last = record.pop("last_step_time", None)
+        if last is not None:
+            record["restart_s"] = round(time.time() - last, 2)
+            self.parts.job_store.add_steps_lost(record["steps_lost"])
+        self.logger.log(record)
 
     def _evaluate(self) -> dict[str, Any]:
-        metrics = evaluate(self.module, self.parts.eval_loader, self.parts.task, self.ctx.device)
+        with self.watch.op("all_reduce (evaluation sums)", self.state.step):
+            metrics = evaluate(self.module, self.parts.eval_loader, self.parts.task, self.ctx.device)
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics
 
     def _summary(self, wall_s: float, samples: int) -> dict[str, Any]:
+        with self.watch.op("all_gather (parameter digests)", self.state.step):
+            digests = check_replicas(self.module, self.state.step)
         return {
             "world_size": self.ctx.world_size,
             "steps": self.state.step,
@@ -234,4 +344,13 @@ class Trainer:
             "samples_per_s": round(samples / wall_s, 1) if wall_s > 0 else 0.0,
             "final_loss": None if math.isnan(self.last_loss) else self.last_loss,
             "eval": {k: v for k, v in self.last_eval.items() if k != "count"},
+            "restarts": self.previous.starts - 1,
+            "steps_lost": self.parts.job_store.steps_lost(),
+            "skipped_steps": self.state.skipped_steps,
+            "param_sha256": digests,
         }
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

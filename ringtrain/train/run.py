@@ -1,25 +1,32 @@
-"""Run one training job inside an initialised process group."""
+"""Run one training job inside an initialised process group; check a run directory before that."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
 from ringtrain.dist.group import DistContext
-from ringtrain.errors import ConfigError
+from ringtrain.dist.jobstore import connect_job_store
+from ringtrain.dist.watch import Heartbeat
+from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from ringtrain.train.build import build_trainer
+from ringtrain.train.resume import ResumePlan
 
-__all__ = ["check_run_dir", "run_training"]
+__all__ = ["check_run_dir", "check_resume", "run_training", "RunDirLock"]
 
 
 def check_run_dir(config: Config, resume: bool) -> None:
     """Refuse to start a fresh run over a run directory that holds checkpoints: that would lose work."""
     if resume:
         return
-    directory = Path(config.run_dir) / config.checkpoint.dir
-    latest = CheckpointManager(directory, is_writer=False).latest()
+    latest = _manager(config).latest()
     if latest is not None:
         raise ConfigError(
             f"run directory {config.run_dir} already holds checkpoints (latest {latest.name}); "
@@ -27,9 +34,92 @@ def check_run_dir(config: Config, resume: bool) -> None:
         )
 
 
-def run_training(config: Config, ctx: DistContext, resume: bool, resume_required: bool) -> dict[str, Any]:
-    """Build the trainer, restore the latest checkpoint when resuming, train, return the summary."""
-    trainer = build_trainer(config, ctx)
-    if resume:
-        trainer.resume(required=resume_required)
-    return trainer.fit()
+def check_resume(config: Config, resume: bool, resume_from: str | None) -> None:
+    """Everything about resuming a user can get wrong, checked before any worker starts."""
+    if resume and resume_from:
+        raise ConfigError("pass --resume (continue this run) or --resume-from PATH (start a new run from PATH), not both")
+    if resume_from:
+        path = Path(resume_from)
+        if not path.is_file():
+            raise CheckpointError(f"--resume-from {path}: no such checkpoint file")
+        read_verified(path)  # CorruptCheckpoint names the file and what is wrong with it
+        latest = _manager(config).latest()
+        if latest is not None:
+            raise ConfigError(
+                f"--resume-from starts a new run, but {config.run_dir} already holds checkpoints (latest "
+                f"{latest.name}); pass --run-dir NEW_DIR, or use --resume to continue {config.run_dir}"
+            )
+        return
+    if not resume:
+        check_run_dir(config, resume=False)
+        return
+    manager = _manager(config)
+    problems = []
+    for path in reversed(manager.checkpoints()):
+        try:
+            read_verified(path)
+            return  # the workers start from this one (or warn about newer broken ones first)
+        except CorruptCheckpoint as err:
+            problems.append(str(err))
+    found = f" ({'; '.join(problems)})" if problems else ""
+    raise CheckpointError(f"--resume: no valid checkpoint in {manager.directory}{found}; run without --resume to start afresh")
+
+
+def run_training(config: Config, ctx: DistContext, plan: ResumePlan) -> dict[str, Any]:
+    """Build the trainer, continue from a checkpoint when the plan says so, train, return the summary."""
+    job_store = connect_job_store(ctx.env, is_writer=ctx.rank == 0)
+    trainer = build_trainer(config, ctx, job_store)
+    # The heartbeat lets a failed collective name the rank that stopped responding.
+    with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank):
+        trainer.resume(plan)
+        return trainer.fit()
+
+
+class RunDirLock:
+    """The writer's exclusive lock on a run directory, held while it trains.
+
+    Two groups writing one run directory would interleave checkpoints and ledgers: a user starting the
+    same run twice, or an elastic job split in two by a badly tuned rendezvous. The lock (flock, released
+    by the kernel when the process dies) makes the second writer wait for the first, then fail naming it.
+    """
+
+    def __init__(self, run_dir: str | Path, timeout_s: float = 60.0):
+        self.path = Path(run_dir) / ".lock"
+        self.timeout_s = timeout_s
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunDirLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise ConfigError(
+                        f"run directory {self.path.parent} is in use by another training process ({holder}) since "
+                        f"{self.timeout_s:g} s; two jobs must not share a run directory: pass --run-dir NEW_DIR"
+                    ) from None
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+
+
+def _writer_lock(config: Config, rank: int) -> AbstractContextManager:
+    # Only the writer (rank 0) writes the run directory; the other ranks hold nothing.
+    return RunDirLock(config.run_dir) if rank == 0 else nullcontext()
+
+
+def _manager(config: Config) -> CheckpointManager:
+    return CheckpointManager(Path(config.run_dir) / config.checkpoint.dir, is_writer=False)

@@ -84,11 +84,31 @@ BAD_CONFIGS = [
     (None, [], ["--nnodes", "2:1"], ["--nnodes", "MIN <= MAX"]),
     (None, [], ["--nnodes", "2"], ["--rdzv-endpoint"]),
     (None, [], ["--rdzv-endpoint", "localhost"], ["--rdzv-endpoint", "HOST:PORT"]),
+    # Fault tolerance (chaos 12): elastic ranges, resume flags, guards, rendezvous timing.
+    (None, [], ["--min-nproc", "3"], ["--min-nproc (3)", "--nproc (2)", "cannot exceed"]),
+    (None, [], ["--min-nproc", "0"], ["--min-nproc (0)", "between 1"]),
+    ("[train]\nglobal_batch_size = 64\nlocal_batch_size = 16\n", [], ["--nproc", "3", "--min-nproc", "2"],
+     ["global_batch_size (64)", "world_size (3)"]),
+    ("[train]\nmax_consecutive_nonfinite_steps = 0\n", [], [], ["train.max_consecutive_nonfinite_steps", "greater than 0"]),
+    (None, [], ["--rdzv-conf", "last_call_timeout=0"], ["--rdzv-conf", "last_call_timeout", "at least 1"]),
+    (None, [], ["--rdzv-conf", "keep_alive_max_attempt=2"], ["keep_alive_max_attempt=2", "use 3 or more"]),
+    (None, [], ["--rdzv-conf", "lastcall=5"], ["unknown key 'lastcall'", "last_call_timeout"]),
+    (None, [], ["--resume-from", "/nonexistent/step_00000010.pt"], ["--resume-from", "no such checkpoint file"]),
+    (None, [], ["--resume", "--resume-from", "x.pt"], ["--resume", "--resume-from", "not both"]),
+    ("[data]\nledger = \"yes\"\n", [], [], ["data.ledger", "'yes'", "boolean"]),
 ]
 
 
+@pytest.fixture(scope="module")
+def rejected():
+    """Counts the table's rows rejected as they should be, for the tally printed at the end."""
+    tally = []
+    yield tally
+    print(f"\ninvalid-config table: {sum(tally)}/{len(BAD_CONFIGS)} rejected before any worker started, naming the field")
+
+
 @pytest.mark.parametrize("text,overrides,flags,expected", BAD_CONFIGS, ids=[str(i) for i in range(len(BAD_CONFIGS))])
-def test_bad_input_is_one_line_exit_2_and_no_worker_starts(tmp_path, capsys, text, overrides, flags, expected):
+def test_bad_input_is_one_line_exit_2_and_no_worker_starts(tmp_path, capsys, rejected, text, overrides, flags, expected):
     path = DEFAULT if text is None else _write(tmp_path, text)
     run_dir = tmp_path / "run"
     argv = ["train", str(path), "--nproc", "2", "--run-dir", str(run_dir), *flags]
@@ -102,6 +122,7 @@ def test_bad_input_is_one_line_exit_2_and_no_worker_starts(tmp_path, capsys, tex
     for words in expected:
         assert words in lines[0], f"{words!r} missing from: {lines[0]}"
     assert not run_dir.exists(), "the launcher must not have started (it creates the run directory)"
+    rejected.append(1)
 
 
 def test_missing_config_file_is_named(tmp_path, capsys):

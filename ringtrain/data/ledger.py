@@ -1,0 +1,141 @@
+"""The exactly-once ledger: per committed step, the sample ids each rank used (``RUN_DIR/ledger.jsonl``).
+
+With ``[data] ledger = true`` every rank hands its step's ids to rank 0 (one gather per step), which
+appends one line per step::
+
+    {"step": 12, "epoch": 0, "world_size": 2, "ids": [[...rank 0...], [...rank 1...]], "skipped": false}
+
+On every (re)start the ledger is cut back to the step the job resumed from, so it always describes the
+history of the weights that exist: steps lost in a crash and redone after the restart appear once.
+``check_ledger`` (and ``ringtrain ledger RUN_DIR``) proves each epoch used every sample exactly once,
+across restarts and changes of the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Ledger", "NullLedger", "EpochReport", "read_ledger", "check_ledger", "build_ledger"]
+
+LEDGER_FILE = "ledger.jsonl"
+
+
+class NullLedger:
+    """Recording switched off: no collective, no file."""
+
+    def start(self, resumed_step: int) -> None: ...
+
+    def record(self, step: int, epoch: int, ids: list[int], skipped: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Ledger(NullLedger):
+    """Gathers every rank's ids each step; only the writer (rank 0) holds the file."""
+
+    def __init__(self, path: Path, num_samples: int, is_writer: bool):
+        self.path = path
+        self.num_samples = num_samples
+        self.is_writer = is_writer
+        self.file = None
+
+    def start(self, resumed_step: int) -> None:
+        """Cut the ledger back to ``resumed_step`` (the weights' history) and open it for appending."""
+        if not self.is_writer:
+            return
+        kept = [r for r in read_ledger(self.path) if r.get("step", 0) <= resumed_step and "ids" in r]
+        header = {"type": "header", "num_samples": self.num_samples}
+        lines = [json.dumps(header)] + [json.dumps(r) for r in kept]
+        temp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        temp.write_text("".join(line + "\n" for line in lines))
+        os.replace(temp, self.path)
+        self.file = self.path.open("a", encoding="utf-8")
+
+    def record(self, step: int, epoch: int, ids: list[int], skipped: bool) -> None:
+        """One committed step; every rank calls it (a gather to rank 0)."""
+        gathered = _gather_to_writer(ids, self.is_writer)
+        if self.file is None:
+            return
+        record = {"step": step, "epoch": epoch, "world_size": len(gathered), "ids": gathered, "skipped": skipped}
+        # One write per line and a flush: a crash tears at most the last line, which start() drops.
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def build_ledger(enabled: bool, run_dir: str | Path, num_samples: int, rank: int) -> NullLedger:
+    if not enabled:
+        return NullLedger()
+    return Ledger(Path(run_dir) / LEDGER_FILE, num_samples, is_writer=rank == 0)
+
+
+def read_ledger(path: str | Path) -> list[dict[str, Any]]:
+    """Every complete line of a ledger file (a torn last line from a crash is left out)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    epoch: int
+    used: int
+    """Sample uses recorded in this epoch (all ranks, all steps)."""
+    duplicates: int
+    """Uses beyond the first of the same sample."""
+    missing: int
+    """Samples of the dataset never used (0 for a complete epoch; the rest of the last, unfinished one)."""
+    complete: bool
+    world_sizes: tuple[int, ...]
+    """The world sizes this epoch ran at, in order of appearance."""
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.duplicates == 0 and (self.missing == 0 or not self.complete)
+
+
+def check_ledger(path: str | Path) -> list[EpochReport]:
+    """Per epoch: uses, duplicates and missing samples. Only the last epoch may be incomplete."""
+    records = read_ledger(path)
+    header = next((r for r in records if r.get("type") == "header"), None)
+    if header is None:
+        raise ValueError(f"{path} is not a ringtrain ledger (no header line)")
+    num_samples = header["num_samples"]
+    steps = [r for r in records if "ids" in r]
+    epochs = sorted({r["epoch"] for r in steps})
+    reports = []
+    for epoch in epochs:
+        in_epoch = [r for r in steps if r["epoch"] == epoch]
+        counts = Counter(i for r in in_epoch for ids in r["ids"] for i in ids)
+        used = sum(counts.values())
+        complete = epoch != epochs[-1] or len(counts) == num_samples
+        sizes = tuple(dict.fromkeys(r["world_size"] for r in in_epoch))
+        reports.append(EpochReport(epoch, used, used - len(counts), num_samples - len(counts), complete, sizes))
+    return reports
+
+
+def _gather_to_writer(ids: list[int], is_writer: bool) -> list[list[int]]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [ids]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if is_writer else None
+    dist.gather_object(ids, gathered, dst=0)
+    return gathered or []

@@ -1,0 +1,114 @@
+"""The job store: a few keys that outlive every worker, so a restart can tell what the last attempt did.
+
+Under ``ringtrain train`` it is the rendezvous store the launcher hosts (killing any worker or agent leaves
+it up); under plain torchrun it is the agent's shared store. Workers use it for:
+
+- progress: rank 0 records each committed step, so the next attempt can report the steps it lost;
+- starts: how many times the worker group has started (restarts = starts - 1);
+- heartbeats: every rank's counter, bumped by a background thread (``watch.py``), so a failed collective
+  can name the rank that stopped responding.
+
+Without such a store (a single process, or torchrun without a shared store) the ``NullJobStore`` answers
+"unknown" and nothing is reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ringtrain.dist.env import DistEnv
+
+__all__ = ["JobStore", "NullJobStore", "PreviousAttempt", "connect_job_store"]
+
+
+@dataclass(frozen=True)
+class PreviousAttempt:
+    """What the job store knew when this attempt started."""
+
+    starts: int
+    """Starts of the worker group so far, this one included (1 on a fresh job)."""
+    last_step: int | None
+    """The last step the previous attempt committed (None: no previous attempt, or no store)."""
+    last_step_time: float | None
+    """When it committed it (time.time())."""
+
+
+class NullJobStore:
+    """No store outlives the workers: nothing recorded, nothing known."""
+
+    def begin_attempt(self) -> PreviousAttempt:
+        return PreviousAttempt(starts=1, last_step=None, last_step_time=None)
+
+    def record_progress(self, step: int) -> None: ...
+
+    def add_steps_lost(self, steps: int) -> None: ...
+
+    def steps_lost(self) -> int | None:
+        """Steps redone after restarts, over the whole job (None: unknown)."""
+        return None
+
+    def beat(self, rank: int, count: int) -> None: ...
+
+    def beats(self, world_size: int) -> dict[int, int]:
+        return {}
+
+    def clone(self) -> NullJobStore:
+        return self
+
+
+class JobStore(NullJobStore):
+    """Keys under ``ringtrain/<run id>/`` in a store that outlives the workers."""
+
+    def __init__(self, host: str, port: int, prefix: str, is_writer: bool, timeout_s: float = 10.0):
+        self.host, self.port, self.prefix, self.is_writer = host, port, prefix, is_writer
+        self.timeout_s = timeout_s
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.store = dist.PrefixStore(prefix, client)
+
+    def begin_attempt(self) -> PreviousAttempt:
+        """Count this start (writer only) and read what the previous attempt committed."""
+        starts = self.store.add("starts", 1 if self.is_writer else 0)
+        if not self.store.check(["progress"]):
+            return PreviousAttempt(starts, None, None)
+        step, when = self.store.get("progress").decode().split()
+        return PreviousAttempt(starts, int(step), float(when))
+
+    def record_progress(self, step: int) -> None:
+        if self.is_writer:
+            self.store.set("progress", f"{step} {time.time()}")
+
+    def add_steps_lost(self, steps: int) -> None:
+        if self.is_writer:
+            self.store.add("steps_lost", steps)
+
+    def steps_lost(self) -> int | None:
+        return self.store.add("steps_lost", 0)
+
+    def beat(self, rank: int, count: int) -> None:
+        self.store.set(f"heartbeat/{rank}", str(count))
+
+    def beats(self, world_size: int) -> dict[int, int]:
+        """Each rank's heartbeat counter (ranks that never beat are left out)."""
+        keys = [f"heartbeat/{rank}" for rank in range(world_size)]
+        return {rank: int(self.store.get(key)) for rank, key in enumerate(keys) if self.store.check([key])}
+
+    def clone(self) -> JobStore:
+        """A second connection, for another thread (one client socket must not be shared)."""
+        return JobStore(self.host, self.port, self.prefix, self.is_writer, self.timeout_s)
+
+
+def connect_job_store(env: DistEnv, is_writer: bool) -> NullJobStore:
+    """The job store named by the environment, or the null one when there is none."""
+    if not env.job_store:
+        return NullJobStore()
+    host, _, port = env.job_store.rpartition(":")
+    prefix = f"ringtrain/{env.run_id or 'job'}/"
+    try:
+        return JobStore(host.strip("[]"), int(port), prefix, is_writer)
+    except (RuntimeError, ValueError):
+        # The launcher's store is gone (the job is being torn down); training does not need it.
+        return NullJobStore()

@@ -1,0 +1,140 @@
+"""Failed collectives that say which rank, which operation and which step, never a cryptic Gloo line.
+
+A collective fails in one of two ways: a peer died (Gloo: "Connection reset by peer", at once) or a peer
+stopped responding (Gloo: "Timed out waiting 10000ms for recv", after ``[dist] timeout_s``). Neither
+message names the rank. So every rank runs a ``Heartbeat`` thread that bumps a counter in the job store
+(which outlives the workers) every half second; a thread keeps beating while its rank waits inside a
+collective, and stops when the process is killed or stopped (SIGSTOP). When a collective fails,
+``CollectiveWatch`` compares the counters a moment apart and names the ranks whose counter stood still:
+
+    with watch.op("all_reduce (DDP gradient sync)", step=37):
+        loss.backward()
+    # CollectiveFailed: step 37: all_reduce (DDP gradient sync) failed: rank 1 did not respond within 10 s
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from ringtrain.dist.jobstore import NullJobStore
+from ringtrain.errors import RingtrainError
+
+__all__ = ["CollectiveFailed", "CollectiveWatch", "Heartbeat", "HEARTBEAT_INTERVAL_S"]
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+# Words in the errors Gloo and NCCL raise when a peer is gone or silent (torch raises plain RuntimeError).
+_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "pair closure", "broken pipe", "peer")
+
+
+class CollectiveFailed(RingtrainError):
+    """A collective failed because a peer died or stopped responding."""
+
+    exit_code = 1
+
+
+class Heartbeat:
+    """A daemon thread that bumps this rank's counter in the job store until stopped."""
+
+    def __init__(self, job_store: NullJobStore, rank: int, interval_s: float = HEARTBEAT_INTERVAL_S):
+        # Its own connection: the main thread keeps using the other one.
+        self.job_store = job_store.clone()
+        self.rank = rank
+        self.interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ringtrain-heartbeat-{rank}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        count = 0
+        while not self._stopped.is_set():
+            count += 1
+            try:
+                self.job_store.beat(self.rank, count)
+            except RuntimeError:
+                return  # the store is gone: the job is being torn down
+            self._stopped.wait(self.interval_s)
+
+
+class CollectiveWatch:
+    """Turns a failed collective into one line naming the operation, the step and the silent ranks."""
+
+    def __init__(self, job_store: NullJobStore, rank: int, world_size: int, timeout_s: float,
+                 interval_s: float = HEARTBEAT_INTERVAL_S):
+        self.job_store = job_store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+
+    @contextmanager
+    def op(self, name: str, step: int) -> Iterator[None]:
+        """Run a collective (or code that runs one, such as a DDP backward) under the watch."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, RingtrainError) or not is_comm_error(err):
+                raise
+            raise CollectiveFailed(self.describe(name, step, err)) from None
+
+    def describe(self, name: str, step: int, err: Exception) -> str:
+        text = str(err)
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        silent = self.silent_ranks()
+        what = f"step {step}: {name} failed"
+        if silent:
+            ranks = _ranks(silent)
+            if timed_out:
+                return f"{what}: {ranks} did not respond within {self.timeout_s:g} s (stopped or hung)"
+            verb, its = ("is", "its") if len(silent) == 1 else ("are", "their")
+            return f"{what}: {ranks} {verb} gone (connection lost; {its} heartbeat stopped)"
+        detail = _first_line(text)
+        if timed_out:
+            return f"{what}: no peer answered within {self.timeout_s:g} s ({detail})"
+        return f"{what}: {detail}"
+
+    def silent_ranks(self) -> list[int]:
+        """Ranks (other than this one) whose heartbeat did not move over a few beat intervals."""
+        try:
+            before = self.job_store.beats(self.world_size)
+            if not before:
+                return []
+            time.sleep(2.5 * self.interval_s)
+            after = self.job_store.beats(self.world_size)
+        except RuntimeError:
+            return []  # no store to ask
+        return [r for r in range(self.world_size) if r != self.rank and after.get(r) == before.get(r)]
+
+
+def is_comm_error(err: BaseException) -> bool:
+    """True for the errors a backend raises when a peer is lost or silent, not for bugs in the model."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return any(word in text for word in _COMM_WORDS)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    # Gloo prefixes its source location: "[/path/to/pair.cc:545] Read error ...".
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    return line.split(". This is typically")[0]

@@ -1,0 +1,200 @@
+"""Elastic jobs: one single-worker elastic agent per worker, joined by one c10d rendezvous.
+
+``ringtrain train CONFIG --nproc N --min-nproc M --max-restarts K`` is torchrun's ``--nnodes M:N`` on one
+host, the way PyTorch's own double-agent fault-tolerance tests run it: this process hosts the rendezvous
+store (on loopback) and starts N agents, ``python -m ringtrain join``, each one a torch elastic agent with
+one worker. Torch's agents then do the work:
+
+- a worker dies: its agent restarts it; every agent re-forms the group at the same size, and the workers
+  continue from the last checkpoint (one of K restarts);
+- an agent is lost (killed, its host gone) and cannot restart its worker: the others re-form without it,
+  down to M workers, once its rendezvous heartbeat expires;
+- an agent joins (``ringtrain join RUN_DIR``, or the same ``ringtrain train`` flags on another host): the
+  running workers checkpoint and stop at the next step, and the group re-forms one larger.
+
+The store lives in this process, so killing any agent or worker leaves it up. The job's description is
+written to ``RUN_DIR/job.json`` for ``ringtrain join``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ringtrain.errors import LaunchError
+from ringtrain.launch import JobStopped, LaunchOptions, WorkerFailed, host_rendezvous_store, split_endpoint, launch
+
+__all__ = ["JobSpec", "launch_worker_agents", "join_job", "JOB_FILE"]
+
+JOB_FILE = "job.json"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What an agent needs to join the job: the rendezvous and what its worker runs."""
+
+    rdzv_endpoint: str
+    run_id: str
+    min_workers: int
+    max_workers: int
+    max_restarts: int
+    rdzv_conf: str
+    worker_args: list[str]
+    log_dir: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls(**json.loads(text))
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> JobSpec:
+        path = Path(run_dir) / JOB_FILE
+        try:
+            return cls.from_json(path.read_text())
+        except FileNotFoundError:
+            raise LaunchError(
+                f"{path} not found: join works for a running job started with --min-nproc below --nproc"
+            ) from None
+        except (ValueError, TypeError) as err:
+            raise LaunchError(f"{path} is not a ringtrain job description ({err})") from None
+
+
+def launch_worker_agents(options: LaunchOptions, worker_args: list[str], run_dir: str, log_dir: str) -> None:
+    """Host the rendezvous (node 0), start one agent per local worker, wait for them all.
+
+    Returns when the job finished (an agent's workers completed it); raises WorkerFailed when every agent
+    failed, JobStopped when this process was told to stop.
+    """
+    options.validate()
+    min_workers, max_workers = options.world_size_range()
+    host, port = split_endpoint(options.rdzv_endpoint or "127.0.0.1:0")
+    store = host_rendezvous_store(host, port) if options.node_rank == 0 else None
+    port = store.port if store is not None else port
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    spec = JobSpec(endpoint, options.run_id or f"ringtrain-{host}-{port}", min_workers, max_workers,
+                   options.max_restarts, options.rdzv_conf, worker_args, log_dir)
+    if options.node_rank == 0:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / JOB_FILE).write_text(spec.to_json() + "\n")
+    # Node 0's workers bind where its rendezvous listens; other nodes' to --local-addr (or torch's choice).
+    local_addr = options.local_addr or (host if options.node_rank == 0 else None)
+    try:
+        agents = [_Agent(spec, local_addr, index) for index in range(options.nproc)]
+        _wait(agents, min_workers)
+    finally:
+        del store  # the rendezvous lives exactly as long as this launcher
+
+
+def join_job(spec: JobSpec, local_addr: str | None = None) -> None:
+    """Run one single-worker agent that joins the job's rendezvous (``ringtrain join``)."""
+    _check_running(spec)
+    options = LaunchOptions(
+        nproc=1,
+        nnodes=f"{spec.min_workers}:{spec.max_workers}",
+        rdzv_endpoint=spec.rdzv_endpoint,
+        local_addr=local_addr,
+        max_restarts=spec.max_restarts,
+        run_id=spec.run_id,
+        rdzv_conf=spec.rdzv_conf,
+        join=True,
+        log_dir=spec.log_dir,
+    )
+    launch(options, spec.worker_args)
+
+
+class _Agent:
+    """One ``ringtrain join`` child; its stderr is relayed line by line and its last error kept."""
+
+    def __init__(self, spec: JobSpec, local_addr: str | None, index: int):
+        command = [sys.executable, "-m", "ringtrain", "join", "--spec", spec.to_json()]
+        if local_addr:
+            command += ["--local-addr", local_addr]
+        self.index = index
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.last_error = ""
+        self._relay = threading.Thread(target=self._forward, daemon=True)
+        self._relay.start()
+
+    def _forward(self) -> None:
+        for line in self.process.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.startswith("ringtrain: error: worker rank"):
+                self.last_error = line.removeprefix("ringtrain: error: ").strip()
+
+    def finish(self) -> int:
+        code = self.process.wait()
+        self._relay.join(timeout=5)
+        return code
+
+    def describe_exit(self, code: int) -> str:
+        if self.last_error:
+            return self.last_error
+        if code < 0:
+            return f"worker agent {self.index} (pid {self.process.pid}) was killed by {signal.Signals(-code).name}"
+        return f"worker agent {self.index} (pid {self.process.pid}) exited with code {code}"
+
+
+def _wait(agents: list[_Agent], min_workers: int) -> None:
+    """Wait for every agent; forward SIGINT/SIGTERM to them; decide the job's outcome."""
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for agent in agents:
+            if agent.process.poll() is None:
+                agent.process.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        outcomes = _collect(agents, min_workers)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        raise JobStopped(received[0])
+    if any(code == 0 for code, _ in outcomes):
+        return
+    first = outcomes[0][1]
+    others = len(outcomes) - 1
+    raise WorkerFailed(first + (f" (and {others} other agent{'s' * (others > 1)} failed)" if others else ""))
+
+
+def _collect(agents: list[_Agent], min_workers: int) -> list[tuple[int, str]]:
+    """(exit code, description) of each agent, in the order they exited."""
+    outcomes: list[tuple[int, str]] = []
+    running = list(agents)
+    while running:
+        for agent in list(running):
+            if agent.process.poll() is None:
+                continue
+            running.remove(agent)
+            code = agent.finish()
+            outcomes.append((code, agent.describe_exit(code)))
+            if code < 0 and running:  # an agent lost from outside; a failure of its own ends the job anyway
+                print(f"ringtrain: {outcomes[-1][1]}; the job continues without it while {min_workers} or more "
+                      "workers remain", file=sys.stderr, flush=True)
+        time.sleep(0.1)
+    return outcomes
+
+
+def _check_running(spec: JobSpec) -> None:
+    host, port = split_endpoint(spec.rdzv_endpoint)
+    try:
+        # A plain connection: torch's TCPStore client would retry for its whole timeout and log each try.
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError:
+        raise LaunchError(
+            f"no job is running at {spec.rdzv_endpoint} (run id {spec.run_id}); start it again with "
+            "ringtrain train ... --resume"
+        ) from None

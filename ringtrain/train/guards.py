@@ -1,0 +1,185 @@
+"""What every rank must agree on after each step's backward, in one small all-reduce: skip it, or stop.
+
+Skip: a non-finite loss or gradient on any rank. Every rank skips the update of that step together (the
+window of samples is consumed, the parameters and optimizer state stay as they were), so parameters stay
+identical across ranks. After ``max_consecutive`` bad steps in a row the job stops with an error naming
+the ranks and steps.
+
+Stop: SIGTERM or SIGINT on any rank (the elastic agent restarting the group to admit a worker, a scheduler
+preempting the job, Ctrl-C). The ranks finish the step together, save a checkpoint and exit, so nothing is lost.
+
+    flags = guard.check(loss_sum, model.parameters())   # local: is this rank's loss or gradient finite?
+    verdict = guard.agree(flags)                         # a collective: every rank calls it
+    if not verdict.skip:
+        optimizer.step()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.errors import RingtrainError
+from ringtrain.train.state import TrainState
+
+__all__ = ["StepGuard", "StopSignal", "Verdict", "NonFiniteSteps", "Stopped", "ReplicasDiverged", "check_replicas"]
+
+
+class NonFiniteSteps(RingtrainError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+    exit_code = 1
+
+
+class Stopped(RingtrainError):
+    """The job stopped on a signal after checkpointing; it continues with --resume (or the agent's restart)."""
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.exit_code = 128 + signal_number
+
+
+class ReplicasDiverged(RingtrainError):
+    """Ranks hold different parameters: data parallelism's invariant is broken (a bug, not bad input)."""
+
+    exit_code = 1
+
+
+class StopSignal:
+    """Turns SIGTERM and SIGINT into a request to stop at the next step boundary (installed while training)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal_number: int | None = None
+        self._received = threading.Event()
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignal:
+        # Python delivers signals to the main thread only; elsewhere (a test thread) leave them alone.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self._received.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for this process's own signal (the agent sends it to every worker it restarts)."""
+        return self._received.wait(timeout_s)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_number = signum
+        self._received.set()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What all ranks agreed on for one step."""
+
+    loss_ranks: tuple[int, ...]
+    """Ranks whose loss was not finite."""
+    grad_ranks: tuple[int, ...]
+    """Ranks whose gradient was not finite (after synchronisation: usually all, when any)."""
+    stop: bool
+    """Some rank was asked to stop (SIGTERM, SIGINT)."""
+
+    @property
+    def skip(self) -> bool:
+        return bool(self.loss_ranks or self.grad_ranks)
+
+    def describe(self) -> str:
+        if self.loss_ranks:
+            return f"non-finite loss on {_ranks(self.loss_ranks)}"
+        return f"non-finite gradient on {_ranks(self.grad_ranks)}"
+
+
+class StepGuard:
+    """The per-step agreement, and the count of consecutive skipped steps."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, max_consecutive: int,
+                 stop_signal: StopSignal):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.max_consecutive = max_consecutive
+        self.stop_signal = stop_signal
+        self.last_problem = ""
+
+    def check(self, loss_sum: torch.Tensor, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+        """This rank's flags: [loss bad per rank, gradient bad per rank, stop] (only its own slots set)."""
+        size = self.world_size
+        flags = torch.zeros(2 * size + 1, device=self.device)
+        flags[self.rank] = float(not torch.isfinite(loss_sum.detach()).all())
+        flags[size + self.rank] = float(not _grads_finite(parameters))
+        flags[2 * size] = float(self.stop_signal.requested)
+        return flags
+
+    def agree(self, flags: torch.Tensor) -> Verdict:
+        """One all-reduce of every rank's ``check()`` flags; every rank must call it."""
+        size = self.world_size
+        if dist.is_initialized() and size > 1:
+            dist.all_reduce(flags)
+        values = flags.tolist()
+        return Verdict(
+            loss_ranks=tuple(r for r in range(size) if values[r]),
+            grad_ranks=tuple(r for r in range(size) if values[size + r]),
+            stop=values[2 * size] > 0,
+        )
+
+    def count(self, verdict: Verdict, state: TrainState, step: int) -> None:
+        """Update the run's skip counters; raise NonFiniteSteps after too many bad steps in a row."""
+        if not verdict.skip:
+            state.consecutive_skips = 0
+            return
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        self.last_problem = verdict.describe()
+        if state.consecutive_skips >= self.max_consecutive:
+            first = step - state.consecutive_skips + 1
+            raise NonFiniteSteps(
+                f"steps {first}-{step}: {self.last_problem} in {state.consecutive_skips} consecutive steps "
+                f"(train.max_consecutive_nonfinite_steps = {self.max_consecutive}); every one was skipped and the "
+                f"parameters are those of step {first - 1}: lower train.lr or set train.grad_clip_norm"
+            )
+
+
+def _grads_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return True
+    # One fused norm over all gradients: non-finite if any element is.
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def check_replicas(module: torch.nn.Module, step: int) -> list[str]:
+    """Every rank's parameter sha256 (one all_gather); raise ReplicasDiverged unless all are equal."""
+    digest = hashlib.sha256()
+    for name, param in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    mine = digest.hexdigest()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, mine)
+    if len(set(digests)) > 1:
+        shown = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+        raise ReplicasDiverged(f"after step {step} the ranks hold different parameters ({shown})")
+    return digests

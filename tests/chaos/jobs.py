@@ -1,0 +1,169 @@
+"""A ``ringtrain`` command running in the background, as a user's terminal would hold it, plus the means to
+hurt it: its worker and agent processes (found by their environment), its stderr line by line with the
+time each line arrived, and the run directory's records as they are written.
+
+    with Job("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir)) as job:
+        job.wait_for(lambda: last_step(run_dir) >= 10)
+        job.worker(rank=1).kill()
+        assert job.finish() == 0
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import REPO
+
+__all__ = ["Job", "records", "last_step", "ledger_steps", "assert_loopback_only"]
+
+
+class Job:
+    def __init__(self, *args: str, env: dict | None = None, watch_sockets: bool = False):
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+        self.started = time.monotonic()
+        self.process = subprocess.Popen([sys.executable, "-m", "ringtrain", *args], cwd=REPO, env=full_env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.lines: list[tuple[float, str]] = []
+        self.stdout: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(self.process.stderr, self.lines), daemon=True),
+                         threading.Thread(target=self._read, args=(self.process.stdout, None), daemon=True)]
+        self.listening: dict[tuple, str] = {}
+        """(pid, ip, port) -> 'worker' | 'launcher/agent' of every listening socket seen (watch_sockets)."""
+        if watch_sockets:
+            self._readers.append(threading.Thread(target=self._watch_sockets, daemon=True))
+        for reader in self._readers:
+            reader.start()
+
+    def _watch_sockets(self) -> None:
+        kinds: dict[int, str] = {}
+        while self.process.poll() is None:
+            for proc in self.tree():
+                try:
+                    sockets = proc.net_connections(kind="inet")
+                    # Named once, while the command line is readable (an exiting process shows an empty one).
+                    command = " ".join(proc.cmdline())
+                    if command and proc.pid not in kinds:
+                        kinds[proc.pid] = "worker" if "ringtrain.worker" in command else "launcher/agent"
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                for sock in sockets:
+                    if sock.status == psutil.CONN_LISTEN:
+                        self.listening[(proc.pid, sock.laddr.ip, sock.laddr.port)] = kinds.get(proc.pid, "unknown")
+            time.sleep(0.02)
+
+    def _read(self, stream, sink) -> None:
+        for line in stream:
+            if sink is None:
+                self.stdout.append(line)
+            else:
+                sink.append((time.monotonic(), line.rstrip("\n")))
+
+    # --- processes ------------------------------------------------------------------------------
+    def tree(self) -> list[psutil.Process]:
+        try:
+            return [psutil.Process(self.process.pid), *psutil.Process(self.process.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def workers(self) -> dict[int, psutil.Process]:
+        """The training workers, by rank (they are the processes with RANK in their environment)."""
+        found = {}
+        for proc in self.tree():
+            try:
+                if "ringtrain.worker" in " ".join(proc.cmdline()) and "RANK" in proc.environ():
+                    found[int(proc.environ()["RANK"])] = proc
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    def worker(self, rank: int, timeout: float = 60) -> psutil.Process:
+        self.wait_for(lambda: rank in self.workers(), timeout, f"worker rank {rank} to start")
+        return self.workers()[rank]
+
+    def agent_of(self, rank: int) -> psutil.Process:
+        """The elastic agent (a `ringtrain join` process) whose worker has this rank."""
+        return self.worker(rank).parent()
+
+    # --- waiting --------------------------------------------------------------------------------
+    def wait_for(self, predicate: Callable[[], object], timeout: float = 120, what: str = "the condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.process.poll() is not None and not predicate():
+                raise AssertionError(f"the job exited ({self.process.returncode}) before {what}:\n{self.stderr}")
+            time.sleep(0.01)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{self.stderr}")
+
+    def wait_for_line(self, text: str, timeout: float = 120) -> tuple[float, str]:
+        def found():
+            return next(((t, line) for t, line in self.lines if text in line), None)
+        return self.wait_for(found, timeout, f"a line containing {text!r}")
+
+    def finish(self, timeout: float = 180) -> int:
+        code = self.process.wait(timeout=timeout)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    # --- cleanup: no process of the job outlives the test -----------------------------------------
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in reversed(self.tree()):
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait(timeout=30)
+
+
+def _json_lines(path: Path) -> list[dict]:
+    """The complete JSON lines of a file being appended to (a line still being written is left out)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def records(run_dir: Path, kind: str | None = None) -> list[dict]:
+    return [r for r in _json_lines(run_dir / "metrics.jsonl") if kind is None or r.get("type") == kind]
+
+
+def last_step(run_dir: Path) -> int:
+    steps = [r["step"] for r in records(run_dir, "train")]
+    return max(steps, default=0)
+
+
+def ledger_steps(run_dir: Path) -> list[dict]:
+    return [r for r in _json_lines(run_dir / "ledger.jsonl") if "ids" in r]
+
+
+def assert_loopback_only(listening: dict[tuple, str], what: str) -> None:
+    """Chaos 11: every socket a job listened on (``Job(watch_sockets=True)``) was bound to loopback."""
+    exposed = [key for key in listening if not ipaddress.ip_address(key[1]).is_loopback]
+    kinds = sorted(set(listening.values()))
+    print(f"listening sockets ({what}): {len(listening)} seen ({', '.join(kinds)}), {len(exposed)} off loopback")
+    assert not exposed, f"sockets listening beyond loopback: {exposed}"
+    assert "worker" in kinds and "launcher/agent" in kinds, f"sampling missed the job's listeners: {listening}"
