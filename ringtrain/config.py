@@ -315,7 +315,7 @@ def _describe(err: ValidationError, source: str, origins: dict[tuple[str, ...], 
     if first["type"] == "extra_forbidden":
         message = f"unknown key '{dotted}' in {where}{_did_you_mean(loc)}"
     elif not loc:  # a whole-model validator
-        message = f"{where}: {first['msg']}"
+        message = f"{where}: {_plain(first['msg'])}"
     else:
         shown = first["input"]
         value = "" if isinstance(shown, dict) else f" = {_toml_repr(shown)}"

@@ -183,7 +183,7 @@ def _torch_reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup, timeout_
         padded[: flat.numel()].copy_(flat)
         padded[flat.numel():].zero_()
     out = scratch(per_shard, flat.dtype, flat.device, slot=1)
-    _wait(dist.reduce_scatter_tensor(out, padded, group=group, async_op=True), timeout_s)
+    _wait(dist.reduce_scatter_single(out, padded, group=group, async_op=True), timeout_s)
     lo, hi = bounds[rank]
     flat[lo:hi].copy_(out[: hi - lo])
     return flat[lo:hi]
@@ -197,5 +197,5 @@ def _torch_all_gather(flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: f
     mine = scratch(per_shard, flat.dtype, flat.device, slot=0)
     mine[: hi - lo].copy_(flat[lo:hi])
     gathered = scratch(per_shard * size, flat.dtype, flat.device, slot=1)
-    _wait(dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True), timeout_s)
+    _wait(dist.all_gather_single(gathered, mine, group=group, async_op=True), timeout_s)
     flat.copy_(gathered[: flat.numel()])

@@ -17,6 +17,7 @@ support (Gloo, NCCL)::
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import torch
@@ -92,7 +93,7 @@ class RingPeers:
         who = global_rank(self.group, peer)
         me = global_rank(self.group, self.me)
         direction = "sending to" if peer == self.right else "receiving from"
-        text = " ".join(str(err).split())
+        text = _first_sentence(str(err))
         if "timed out" in text.lower() or "timeout" in text.lower():
             return PeerTimeoutError(
                 f"{self.what}: rank {who} did not answer within {self.timeout.total_seconds():g} s while rank {me} "
@@ -100,7 +101,7 @@ class RingPeers:
                 peer=who,
             )
         return PeerDiedError(
-            f"{self.what}: lost rank {who} while rank {me} was {direction} it at step {step} of {steps} ({text[:200]})",
+            f"{self.what}: lost rank {who} while rank {me} was {direction} it at step {step} of {steps} ({text})",
             peer=who,
         )
 
@@ -110,6 +111,13 @@ class RingPeers:
             self.wait(work, self.left, step, steps)
         for work in send_works:
             self.wait(work, self.right, step, steps)
+
+
+def _first_sentence(message: str) -> str:
+    """Gloo's message without its source location and advice: 'Read error [127.0.0.1]:3478: Connection reset'."""
+    text = " ".join(message.split())
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return re.split(r"\.\s", text, maxsplit=1)[0][:160]
 
 
 def reduce_scatter(
