@@ -2,6 +2,7 @@
 
     ringtrain train configs/digits_mlp.toml --nproc 2 [--run-dir runs/x] [--set train.lr=0.1] [--resume]
     ringtrain config [configs/digits_mlp.toml] [--set ...]   # the resolved config, or every field documented
+    ringtrain bench collectives --nproc 2,4 --sizes 4K:64M --out bench-out   # all_reduce bandwidth sweep
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
     _add_config(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -66,6 +68,44 @@ def _add_config(commands) -> None:
     )
     _add_config_arguments(config, config_required=False)
     config.set_defaults(handler=_config)
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (collectives)", description="Benchmarks.")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    collectives = benchmarks.add_parser(
+        "collectives", help="all_reduce bandwidth: torch (Gloo) and ringtrain's algorithms, nccl-tests style",
+        description="Time all_reduce of every size with every algorithm, in one run; print p50, algbw, busbw "
+        "and the ratio to torch; write collectives.json, .csv and .png to --out.",
+    )
+    collectives.add_argument("--nproc", default="2", help="world sizes, comma-separated (default 2)")
+    collectives.add_argument("--algorithms", default="torch,ring,ring_chunked,shm",
+                             help="comma-separated: torch, ring, ring_chunked, shm, shm_inplace (default: the first four)")
+    collectives.add_argument("--sizes", default="4K:64M", help="MIN:MAX[:FACTOR] or a list, e.g. 4K:64M, 1M,16M (default 4K:64M)")
+    collectives.add_argument("--out", default="bench-out", help="folder for collectives.json/.csv/.png (default bench-out)")
+    collectives.add_argument("--iters", type=int, default=20, help="timed calls per point, at least (default 20)")
+    collectives.add_argument("--dtype", default="float32", help="element type (default float32)")
+    collectives.add_argument("--chunk-kb", type=int, help="ring_chunked's chunk in KiB (default: its measured default)")
+    collectives.set_defaults(handler=_bench_collectives)
+
+
+def _bench_collectives(args: argparse.Namespace) -> int:
+    from ringtrain.bench.options import BenchOptions, parse_sizes, parse_world_sizes
+
+    options = BenchOptions(
+        nprocs=parse_world_sizes(args.nproc),
+        algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
+        sizes=parse_sizes(args.sizes),
+        out=Path(args.out),
+        iters=args.iters,
+        dtype=args.dtype,
+        chunk_kb=args.chunk_kb,
+    )
+    options.validate()  # before torch is imported: mistakes are reported at once
+    from ringtrain.bench.collectives import run_collectives_bench
+
+    run_collectives_bench(options)
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
