@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ringtrain import comm
+from ringtrain.comm import shm
 from tests.distributed import run_distributed
 
 ALGORITHMS = ("ring", "ring_chunked", "shm")
@@ -64,7 +65,9 @@ def _tolerance(dtype: torch.dtype, sum_abs: torch.Tensor, world_size: int) -> to
     return (world_size + 2) * info.eps * sum_abs + world_size * info.smallest_normal
 
 
-def check_cases(rank: int, world_size: int, case_list: list[dict]) -> list[dict]:
+def check_cases(rank: int, world_size: int, case_list: list[dict], hosts: list[str] | None = None) -> list[dict]:
+    if hosts is not None:  # shm across pretend hosts: shared memory within each, a ring between leaders
+        shm.init_shm(hosts=hosts)
     reports = []
     for index, case in enumerate(case_list):
         x, _ = _input(case, rank)
@@ -110,8 +113,8 @@ def check_cases(rank: int, world_size: int, case_list: list[dict]) -> list[dict]
     return reports
 
 
-def _check(world_size: int, case_list: list[dict]) -> None:
-    per_rank = run_distributed(check_cases, world_size, case_list, timeout_s=240)
+def _check(world_size: int, case_list: list[dict], hosts: list[str] | None = None) -> None:
+    per_rank = run_distributed(check_cases, world_size, case_list, hosts, timeout_s=240)
     for rank, reports in enumerate(per_rank):
         for report in reports:
             assert report["problem"] is None, f"rank {rank}, {report['algorithm']}, {case_list[report['case']]}: {report['problem']}"
@@ -141,6 +144,13 @@ def test_collectives_match_torch_and_agree_bit_for_bit(world_size, case_list):
 @given(case_list=st.lists(cases(), min_size=10, max_size=12))
 def test_collectives_at_five_ranks(case_list):
     _check(5, case_list)
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "b"]], ids=["2x2", "1+2"])
+@settings(PROPERTY, max_examples=2)
+@given(case_list=st.lists(cases(), min_size=10, max_size=14))
+def test_shm_across_hosts_is_hierarchical_and_still_exact(hosts, case_list):
+    _check(len(hosts), case_list, hosts)
 
 
 def avg_of_large_halves(rank: int, world_size: int) -> dict:
