@@ -110,7 +110,7 @@ def local_all_reduce(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average
     found = sg.find_arena(flat)
     if found is not None:
         return _in_place(sg, flat, *found, timeout_s, average, divide_by)
-    return _staged(sg, flat, timeout_s, average, reduce=True, gather=True, what="shm all_reduce", divide_by=divide_by)
+    return _pipelined(sg, flat, timeout_s, average, divide_by)
 
 
 def broadcast_from_leader(sg: ShmGroup, flat: torch.Tensor, timeout_s: float) -> torch.Tensor:
@@ -218,6 +218,71 @@ def _staged(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, r
             for j, (lo, hi) in enumerate(parts):
                 if j != me and hi > lo:
                     flat[lo:hi].copy_(staging[j][j * q : j * q + hi - lo])
+    return flat
+
+
+def _pipelined(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
+    """Staged reduce-scatter + all-gather, software-pipelined: one barrier per piece instead of two.
+
+    Between two barriers a rank copies out the finished shards of piece k - 2, reduces and publishes its
+    shard of piece k - 1, and copies in piece k. Nothing collides: copying in writes the other ranks'
+    slots of a buffer, publishing writes this rank's own slot, and a buffer comes back (piece k + 2)
+    only after a barrier that every rank reaches once done with it.
+    """
+    what = "shm all_reduce"
+    n, me = sg.local_size, sg.local_rank
+    bounds = tensor_shards(flat, n)
+    q = max(1, sg.piece_bytes // flat.element_size() // n)  # elements of each shard per piece
+    pieces = max(1, -(-max(hi - lo for lo, hi in bounds) // q))
+    desc = encode_call("all_reduce", "avg" if average else "sum", flat.dtype, flat.numel())
+    board = sg.board
+    first_turn = sg.staging_turn ^ 1
+    sg.staging_turn ^= pieces & 1  # the next call starts on the buffer after this call's last piece
+    staging = [sg.region_views("staging", 0, flat.dtype), sg.region_views("staging", 1, flat.dtype)]
+
+    def parts(k: int) -> list[tuple[int, int]]:
+        return [(min(hi, lo + k * q), min(hi, lo + (k + 1) * q)) for lo, hi in bounds]
+
+    def copy_in(k: int) -> None:  # the parts of piece k that the other ranks reduce
+        mine = staging[first_turn ^ (k & 1)][me]
+        for j, (lo, hi) in enumerate(parts(k)):
+            if j != me and hi > lo:
+                if average:
+                    torch.div(flat[lo:hi], divide_by, out=mine[j * q : j * q + hi - lo])
+                else:
+                    mine[j * q : j * q + hi - lo].copy_(flat[lo:hi])
+
+    def reduce_and_publish(k: int) -> None:
+        buffers = staging[first_turn ^ (k & 1)]
+        lo, hi = parts(k)[me]
+        if hi > lo:
+            mine = flat[lo:hi]
+            if average:
+                mine.div_(divide_by)
+            for j in range(n):
+                if j != me:
+                    mine.add_(buffers[j][me * q : me * q + hi - lo])
+            buffers[me][me * q : me * q + hi - lo].copy_(mine)
+
+    def gather(k: int) -> None:
+        buffers = staging[first_turn ^ (k & 1)]
+        for j, (lo, hi) in enumerate(parts(k)):
+            if j != me and hi > lo:
+                flat[lo:hi].copy_(buffers[j][j * q : j * q + hi - lo])
+
+    copy_in(0)
+    count = board.arrive(desc)
+    board.wait_all(count, what, 1, pieces + 1, timeout_s)
+    board.check_same_call(count, desc, what)
+    for k in range(1, pieces + 1):
+        if k >= 2:
+            gather(k - 2)
+        reduce_and_publish(k - 1)
+        if k < pieces:
+            copy_in(k)
+        count = board.arrive()
+        board.wait_all(count, what, k + 1, pieces + 1, timeout_s)
+    gather(pieces - 1)
     return flat
 
 
