@@ -23,7 +23,7 @@ from tests.distributed import run_distributed
 
 ALGORITHMS = ("ring", "ring_chunked", "shm")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
-EDGE_SIZES = (0, 1, 2, 3, 5, 7, 13, 16, 17, 31, 97, 1009, 16383, 16384, 16385, 32769, 65537, 262147)
+EDGE_SIZES = (0, 1, 2, 3, 5, 7, 13, 16, 17, 31, 97, 1009, 65535, 65536, 65537, 131073, 262147, 1048583)
 """Empty, single, fewer than ranks, primes, around the shm small-message limit and the staging piece."""
 
 
