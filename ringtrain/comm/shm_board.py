@@ -10,9 +10,10 @@ TSO (stores become visible in program order, loads are not reordered with other 
 the counter sees the data. Weakly ordered CPUs would need fences that Python cannot issue, which is why
 shm is refused there (``require_tso``).
 
-Waiting spins on the peer's line (both ranks pinned to their own cores: the fastest hand-over), then yields
-the core (``sched_yield``: ranks sharing a core let each other run), then sleeps with backoff. The clock is
-read only after the spin phase; peer liveness (``/proc/<pid>/stat``) every 20 ms after that. A dead peer
+Waiting spins on the peer's line for up to 2 ms when every rank has a core of its own (the fastest
+hand-over), or yields (``sched_yield``) when ranks share cores so that the peer can run; then it sleeps with
+backoff. The clock is read every 256 looks while spinning; peer liveness (``/proc/<pid>/stat``) every
+20 ms after that. A dead peer
 fails the wait within milliseconds, a stopped one at the timeout, and the first rank to notice posts the
 culprit on a shared abort line so every other rank fails naming the same rank::
 
@@ -37,8 +38,9 @@ _COUNT, _PID, _DESC = 0, 1, 2  # _DESC: two slots of 3 words (numel, code, offse
 _ABORT, _CULPRIT, _REASON, _REPORTER, _STEP = 0, 1, 2, 3, 4
 _DIED, _TIMEOUT, _MISMATCH = 1, 2, 3
 
-_SPIN_ITERATIONS = 4000  # about 100 us of pure spinning before the first syscall
-_YIELD_S = 0.005  # then sched_yield for 5 ms, then sleep
+_SPIN_S = 0.002  # ranks on cores of their own spin this long before sleeping
+_YIELD_S = 0.002  # ranks sharing cores yield this long before sleeping
+_NAP_S = 250e-6  # longest sleep between looks during the first 100 ms of a wait
 _LIVENESS_EVERY_S = 0.02
 
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -92,7 +94,7 @@ class FlagBoard:
         self.mine = local_rank * LINE
         self.abort_line = local_size * LINE
         self.count = 0
-        self.spin_iterations = _SPIN_ITERATIONS if spin else 0
+        self.spin = spin
         self.pids: list[int] = []
         self.check_liveness = True
 
@@ -148,12 +150,21 @@ class FlagBoard:
     def _wait_slow(self, peer: int, count: int, what: str, step: int, steps: int, timeout_s: float) -> None:
         flags = self.flags
         line = peer * LINE
-        for _ in range(self.spin_iterations):
-            if flags[line] >= count:
-                return
+        if self.spin:
+            # A core of our own: spin. The clock is read once per 256 looks, not on every one.
+            spin_until = time.monotonic() + _SPIN_S
+            while True:
+                for _ in range(256):
+                    if flags[line] >= count:
+                        return
+                if time.monotonic() > spin_until:
+                    break
         start = time.monotonic()
         deadline = start + timeout_s
-        yield_until = start + _YIELD_S
+        # Sharing cores with the peers: yield so that they run. Otherwise sleep, never yield: under CFS
+        # sched_yield hands the core to any other runnable process for the rest of its slice (a 4 ms tick
+        # on a busy machine), while a sleeper is woken as soon as its timer fires.
+        yield_until = start + (_YIELD_S if not self.spin else 0.0)
         next_check = start + _LIVENESS_EVERY_S
         pause_s = 20e-6
         while flags[line] < count:
@@ -184,7 +195,8 @@ class FlagBoard:
                 os.sched_yield()
             else:
                 time.sleep(pause_s)
-                pause_s = min(pause_s * 2, 1e-3)
+                # Short naps while a peer is merely late; long ones once it is clearly stuck.
+                pause_s = min(pause_s * 2, _NAP_S if now - start < 0.1 else 5e-3)
 
     def _state(self, peer: int) -> str:
         """'running', 'stopped', 'dead' (exited, killed, or a zombie), or 'unknown' (not visible here)."""
