@@ -11,7 +11,7 @@ microseconds for a TCP round trip.
   the ``staging`` buffers: each rank copies the parts of its tensor that other ranks reduce, arrives,
   adds everyone's copies of its own shard into its tensor, publishes that shard, arrives, and copies the
   others' finished shards. Each rank touches 1/n of the sums; every shard is summed once and copied, so
-  again bit-identical. Two barriers per piece.
+  again bit-identical. Software-pipelined (``_pipelined``): one barrier per piece.
 - **Tensors that already live in shared memory** (``shared_empty``, e.g. the manual strategy's gradient
   buckets) skip the copies: peers read each other's tensors directly. Three barriers, the last one because
   a rank may overwrite its tensor as soon as the call returns.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ringtrain.comm.groups import resolve_group
 from ringtrain.comm.shards import tensor_shards
 from ringtrain.comm.shm_board import encode_call
-from ringtrain.comm.shm_group import PIECE_BYTES, SMALL_BYTES, ShmGroup, _groups, get_shm_group
+from ringtrain.comm.shm_group import MIN_PIECE_BYTES, PIECE_BYTES, SMALL_BYTES, ShmGroup, get_shm_group, set_up
 
 __all__ = ["init_shm", "shared_empty", "all_reduce", "reduce_scatter", "all_gather", "broadcast_from_leader"]
 
@@ -52,11 +52,7 @@ def init_shm(
     ``hosts``: one host name per group rank; ranks with the same name share memory, the others are
     reached through a ring between host leaders. Default: the machines' host names.
     """
-    group = resolve_group(group)
-    if group in _groups:
-        raise RuntimeError("shm is already set up for this group; call init_shm before its first shm collective")
-    shm_group = _groups[group] = ShmGroup.build(group, hosts, small_kb << 10, piece_kb << 10)
-    return shm_group
+    return set_up(resolve_group(group), hosts, small_kb << 10, piece_kb << 10)
 
 
 def shared_empty(numel: int, dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -174,7 +170,7 @@ def _staged(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, r
     n, me = sg.local_size, sg.local_rank
     divide_by = divide_by or n
     bounds = tensor_shards(flat, n)
-    q = max(1, sg.piece_bytes // flat.element_size() // n)
+    q = _piece_elements(sg, flat)
     longest = max(hi - lo for lo, hi in bounds)
     pieces = max(1, -(-longest // q))
     desc = encode_call(what.split()[1], "avg" if average else "sum", flat.dtype, flat.numel())
@@ -221,6 +217,15 @@ def _staged(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, r
     return flat
 
 
+def _piece_elements(sg: ShmGroup, flat: torch.Tensor) -> int:
+    """Elements of each rank's shard per piece: a sixteenth of the message, between MIN_PIECE_BYTES and the
+    staging buffer. Small pieces stay in L2 while the peer reads them; large messages, which stream from
+    memory anyway, do better with fewer pieces (fewer barriers, fewer switches between buffers)."""
+    nbytes = flat.numel() * flat.element_size()
+    piece = min(sg.piece_bytes, max(MIN_PIECE_BYTES, nbytes // 16))
+    return max(1, piece // flat.element_size() // sg.local_size)
+
+
 def _pipelined(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
     """Staged reduce-scatter + all-gather, software-pipelined: one barrier per piece instead of two.
 
@@ -232,7 +237,7 @@ def _pipelined(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool
     what = "shm all_reduce"
     n, me = sg.local_size, sg.local_rank
     bounds = tensor_shards(flat, n)
-    q = max(1, sg.piece_bytes // flat.element_size() // n)  # elements of each shard per piece
+    q = _piece_elements(sg, flat)  # elements of each shard per piece
     pieces = max(1, -(-max(hi - lo for lo, hi in bounds) // q))
     desc = encode_call("all_reduce", "avg" if average else "sum", flat.dtype, flat.numel())
     board = sg.board

@@ -29,15 +29,17 @@ from ringtrain.comm.groups import global_rank, group_rank, group_size
 from ringtrain.comm.shm_board import FlagBoard, header_bytes, require_tso
 from ringtrain.comm.shm_segment import Segment, segment_name, sweep_stale, unlink
 
-__all__ = ["ShmGroup", "Arena", "get_shm_group", "SMALL_BYTES", "PIECE_BYTES"]
+__all__ = ["ShmGroup", "Arena", "get_shm_group", "set_up", "SMALL_BYTES", "PIECE_BYTES", "MIN_PIECE_BYTES"]
 
 SMALL_BYTES = 256 << 10
 """Messages up to this size are reduced directly: every rank sums all copies (one barrier). Measured with
 2 ranks: direct is faster up to 256 KB (56 us against 62 us staged), staged from 512 KB (99 against 105)."""
-PIECE_BYTES = 1 << 20
-"""Larger messages go through staging in pieces of this size per rank (reduce-scatter + all-gather).
-A piece and its staging copies stay in the 2 MB L2 cache: the best of 20 calls of a 16 MB all-reduce at
-2 ranks took 1.3-1.5 ms with 1 MB pieces, 1.6 ms with 2 MB, 2.2 ms with 4 MB and 2.1 ms with 256 KB."""
+PIECE_BYTES = 4 << 20
+"""Larger messages go through staging buffers of this size per rank (reduce-scatter + all-gather), in
+pieces of a sixteenth of the message, at least ``MIN_PIECE_BYTES``. Measured at 2 ranks on the (busy)
+2-core machine: a 16 MB all-reduce is fastest in 1 MB pieces (best of 20: 1.3 ms; 2.2 ms in 4 MB ones),
+while 64 MB spent 26 ms computing in 1 MB pieces and 14 ms in 8 MB ones."""
+MIN_PIECE_BYTES = 1 << 20
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -47,6 +49,14 @@ def get_shm_group(group: dist.ProcessGroup) -> ShmGroup:
     shm_group = _groups.get(group)
     if shm_group is None:
         shm_group = _groups[group] = ShmGroup.build(group)
+    return shm_group
+
+
+def set_up(group: dist.ProcessGroup, hosts: Sequence[str] | None, small_bytes: int, piece_bytes: int) -> ShmGroup:
+    """Build ``group``'s ShmGroup with explicit options (collective); refused once it exists."""
+    if group in _groups:
+        raise RuntimeError("shm is already set up for this group; call init_shm before its first shm collective")
+    shm_group = _groups[group] = ShmGroup.build(group, hosts, small_bytes, piece_bytes)
     return shm_group
 
 
