@@ -4,9 +4,10 @@
 
 For every world size, N worker processes are started (pinned one per core, round robin, as ``ringtrain
 train`` pins them; sockets on loopback) and time ``all_reduce(sum)`` of every size with every algorithm,
-all in the same run so that the comparison shares the machine's state. Per (size, algorithm): a check of
-the result, warm-up calls, then at least ``--iters`` timed calls (more for small sizes, up to
-``--min-time-s``); each call's time is the maximum over ranks, and the row reports the median (p50).
+all in the same run. Per size: a check of each algorithm's result, warm-up calls, then at least
+``--iters`` rounds (more for small sizes, up to ``min_time_s``) in which the algorithms take turns (an
+untimed call, then a timed one), so that load from other processes falls on all of them alike. A call's time is the maximum over
+ranks; the row reports the median (p50).
 
     algbw = bytes / p50          busbw = algbw * 2 (n - 1) / n
 
@@ -139,12 +140,13 @@ def _sweep(rank: int, world_size: int, options: BenchOptions):
     arena = shm.shared_empty(largest, dtype) if "shm_inplace" in options.algorithms else None
     for nbytes in options.sizes:
         numel = max(1, nbytes // itemsize)
+        calls = {}
         for algorithm in options.algorithms:
             tensor = arena[:numel] if algorithm == "shm_inplace" else torch.empty(numel, dtype=dtype)
-            call = _caller(tensor, algorithm, options.chunk_kb)
-            _verify(tensor, call, rank, world_size)
+            calls[algorithm] = _caller(tensor, algorithm, options.chunk_kb)
+            _verify(tensor, calls[algorithm], rank, world_size)
             tensor.zero_()  # sums of zeros stay zeros: every call does the same work
-            times = _time(call, options)
+        for algorithm, times in _time(calls, options).items():
             p50_s = float(times.median())
             algbw = numel * itemsize / p50_s / 1e9
             yield {
@@ -175,23 +177,38 @@ def _verify(tensor: torch.Tensor, call: Callable[[], None], rank: int, world_siz
         raise RuntimeError(f"all_reduce of {tensor.numel()} elements gave {tensor[0].item()}, not {expected}")
 
 
-def _time(call: Callable[[], None], options: BenchOptions) -> torch.Tensor:
-    for _ in range(options.warmup):
-        call()
-    start = time.perf_counter()
-    call()
-    estimate = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
-    iters = int(min(_MAX_ITERS, max(options.iters, options.min_time_s / max(float(estimate), 1e-9))))
-    times = []
-    dist.barrier()
-    for _ in range(iters):
+def _time(calls: dict[str, Callable[[], None]], options: BenchOptions) -> dict[str, torch.Tensor]:
+    """Per algorithm, the time of every timed call (max over ranks).
+
+    The algorithms take turns, so that a burst of load from another process on the machine slows all of
+    them alike and the ratios stay fair. Each turn is an untimed call, then the timed one: ranks leave
+    the previous algorithm at different moments, and the first call of a turn absorbs that skew (as in
+    a back-to-back loop of one algorithm).
+    """
+    estimates = []
+    for call in calls.values():
+        for _ in range(options.warmup):
+            call()
         start = time.perf_counter()
         call()
-        times.append(time.perf_counter() - start)
-    per_call = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(per_call, op=dist.ReduceOp.MAX)  # a call is as slow as its slowest rank
-    return per_call
+        estimates.append(time.perf_counter() - start)
+    estimate = torch.tensor([2 * sum(estimates)], dtype=torch.float64)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
+    iters = int(min(_MAX_ITERS, max(options.iters, options.min_time_s / max(float(estimate), 1e-9))))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    dist.barrier()
+    for _ in range(iters):
+        for name, call in calls.items():
+            call()
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    result = {}
+    for name, values in times.items():
+        per_call = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)  # a call is as slow as its slowest rank
+        result[name] = per_call
+    return result
 
 
 def _write(rows: list[dict], out: Path) -> None:

@@ -30,8 +30,8 @@ class BenchOptions:
     iters: int = 20
     """Timed calls per (size, algorithm), at least."""
     warmup: int = 5
-    min_time_s: float = 0.3
-    """Small sizes get more timed calls, up to this much time (and 2000 calls)."""
+    min_time_s: float = 0.5
+    """Small sizes get more rounds of timed calls, up to about this much time (and 2000 rounds)."""
     dtype: str = "float32"
     chunk_kb: int | None = None
     """ring_chunked's chunk (default: its measured default)."""
