@@ -6,6 +6,8 @@
     ringtrain join RUN_DIR            # add a worker to a running elastic job (--min-nproc below --nproc)
     ringtrain ledger RUN_DIR          # prove every epoch used each sample exactly once ([data] ledger = true)
     ringtrain export RUN_DIR          # the newest valid checkpoint's weights as model.safetensors
+    ringtrain bench collectives --nproc 2,4 --sizes 4K:64M --out bench-out   # all_reduce bandwidth sweep
+    ringtrain bench train CONFIG --nproc 1,2 --strategies ddp,ddp:shm --out DIR # throughput, scaling, overhead
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ringtrain.bench.cli import add_bench_parser
 from ringtrain.errors import RingtrainError
 
 __all__ = ["main", "build_parser"]
@@ -26,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
-    _add_bench(commands)
+    add_bench_parser(commands)
     _add_report(commands)
     _add_config(commands)
     _add_fault_tolerance_tools(commands)
@@ -70,24 +73,6 @@ def _add_train(commands) -> None:
     launch.add_argument("--rdzv-conf", default="", metavar="KEY=SECONDS,...",
                         help="rendezvous timing, e.g. last_call_timeout=5,keep_alive_interval=1 (as torchrun)")
     train.set_defaults(handler=_train)
-
-
-def _add_bench(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks (results written to files)",
-                                description="Benchmarks; each writes JSON, a Markdown table and PNG plots to --out.")
-    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    train = kinds.add_parser(
-        "train", help="throughput, scaling efficiency, exposed communication, overhead against bare DDP",
-        description="Run `ringtrain train` and a bare PyTorch DDP loop for each (workers, strategy, accumulation).",
-    )
-    _add_config_arguments(train)
-    train.add_argument("--nproc", default="1,2", help="worker counts, comma separated (default 1,2)")
-    train.add_argument("--strategies", default="ddp", help="STRATEGY[:ALGORITHM],... e.g. ddp,ddp:shm,manual")
-    train.add_argument("--accum", default="1", help="gradient accumulation steps, comma separated (default 1)")
-    train.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
-    train.add_argument("--interval", type=int, default=5, help="steps per timing interval (default 5)")
-    train.add_argument("--out", default="bench-out/train", help="output folder (default bench-out/train)")
-    train.set_defaults(handler=_bench_train)
 
 
 def _add_report(commands) -> None:
@@ -153,38 +138,6 @@ def _train(args: argparse.Namespace) -> int:
         launch(replace(options, log_dir=log_dir), worker_args)
     print(f"run directory: {config.run_dir}")
     return 0
-
-
-def _bench_train(args: argparse.Namespace) -> int:
-    from ringtrain.bench.training import parse_strategies, run_train_bench
-    from ringtrain.bench.training_report import write_train_bench
-
-    if args.steps < 3 * args.interval:
-        raise RingtrainError(f"--steps ({args.steps}) must be at least 3 x --interval ({args.interval}): "
-                             "the first interval is warm-up and a median needs more")
-    results = run_train_bench(
-        args.config,
-        nprocs=_int_list(args.nproc, "--nproc"),
-        strategies=parse_strategies(args.strategies),
-        accums=_int_list(args.accum, "--accum"),
-        out_dir=Path(args.out),
-        steps=args.steps,
-        interval=args.interval,
-        overrides=args.overrides,
-    )
-    print(write_train_bench(results, Path(args.out), "ringtrain " + " ".join(sys.argv[1:])), end="")
-    print(f"results: {Path(args.out) / 'train_bench.json'} (Markdown table and plots beside it)")
-    return 0
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise RingtrainError(f"{flag} {text!r} is not a comma-separated list of whole numbers, e.g. 1,2") from None
-    if not values or min(values) < 1:
-        raise RingtrainError(f"{flag} {text!r} needs positive whole numbers, e.g. 1,2")
-    return values
 
 
 def _report(args: argparse.Namespace) -> int:

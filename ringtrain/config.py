@@ -142,11 +142,35 @@ class DistConfig(Section):
 
 
 class CommConfig(Section):
-    strategy: Literal["ddp"] = "ddp"
-    """Gradient synchronisation: 'ddp' (torch DistributedDataParallel)."""
+    strategy: Literal["ddp", "manual"] = "ddp"
+    """Gradient synchronisation: 'ddp' (torch DistributedDataParallel, `algorithm` as its comm hook) or
+    'manual' (ringtrain's own: buckets all-reduced during backward as their gradients become ready)."""
+
+    algorithm: Literal["torch", "ring", "ring_chunked", "shm", "fp16", "bf16", "powersgd"] = "torch"
+    """How gradient buckets are all-reduced: 'torch' (the backend's own), ringtrain's 'ring',
+    'ring_chunked' (pipelined ring) or 'shm' (shared memory between the CPU workers of a host; a ring
+    between hosts), or torch's DDP hooks 'fp16' / 'bf16' (compressed) and 'powersgd' (strategy 'ddp' only)."""
 
     bucket_mb: float = Field(default=25.0, gt=0.0, allow_inf_nan=False)
-    """Gradient bucket size in MB (DDP's bucket_cap_mb)."""
+    """Gradient bucket size in MB (DDP's bucket_cap_mb; the manual strategy's bucket size)."""
+
+    chunk_kb: int = Field(default=1024, gt=0)
+    """Chunk size of the pipelined ring (algorithm 'ring_chunked'), in KiB."""
+
+    powersgd_rank: int = Field(default=1, gt=0)
+    """PowerSGD's matrix approximation rank (algorithm 'powersgd')."""
+
+    powersgd_start_iter: int = Field(default=10, ge=2)
+    """Optimizer steps of plain all-reduce before PowerSGD starts compressing (torch needs at least 2)."""
+
+    @model_validator(mode="after")
+    def _strategy_has_algorithm(self) -> CommConfig:
+        if self.strategy == "manual" and self.algorithm in ("fp16", "bf16", "powersgd"):
+            raise ValueError(
+                f"algorithm '{self.algorithm}' is one of torch's DDP hooks; use strategy = 'ddp' with it, "
+                "or algorithm 'torch', 'ring', 'ring_chunked' or 'shm' with strategy 'manual'"
+            )
+        return self
 
 
 class CheckpointConfig(Section):
@@ -205,6 +229,15 @@ class Config(Section):
     comm: CommConfig = CommConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     monitor: MonitorConfig = MonitorConfig()
+
+    @model_validator(mode="after")
+    def _shm_needs_cpu_workers(self) -> Config:
+        if self.comm.algorithm == "shm" and self.dist.backend == "nccl":
+            raise ValueError(
+                "comm.algorithm = 'shm' reduces CPU tensors through shared memory and dist.backend = 'nccl' "
+                "trains on GPUs; use comm.algorithm = 'ring' or 'torch'"
+            )
+        return self
 
     def to_toml(self) -> str:
         """The resolved config as TOML (unset optional fields are left out)."""
@@ -303,7 +336,7 @@ def _describe(err: ValidationError, source: str, origins: dict[tuple[str, ...], 
     if first["type"] == "extra_forbidden":
         message = f"unknown key '{dotted}' in {where}{_did_you_mean(loc)}"
     elif not loc:  # a whole-model validator
-        message = f"{where}: {first['msg']}"
+        message = f"{where}: {_plain(first['msg'])}"
     else:
         shown = first["input"]
         value = "" if isinstance(shown, dict) else f" = {_toml_repr(shown)}"

@@ -9,18 +9,30 @@
 
 ``fn`` must be a module-level function (it is pickled by reference). Processes come from a forkserver
 that has already imported torch, so starting a group costs milliseconds, not seconds. A rank that
-raises fails the call with its traceback; a rank that hangs fails it after ``timeout_s``.
+raises fails the call with its traceback; a rank that hangs fails it after ``timeout_s``. Results are
+pickled by value, so ranks may return tensors.
+
+Failure tests name the ranks they kill or stop (``lost_ranks``): those are not waited for, their result
+is None, and whatever is left of them is killed at the end::
+
+    def victim(rank, world_size):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        ...
+
+    results = run_distributed(victim, 3, lost_ranks={1})    # [rank 0's result, None, rank 2's]
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -38,9 +50,17 @@ class DistributedTestError(AssertionError):
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60, collective_timeout_s: float = 30
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60,
+    collective_timeout_s: float = 30,
+    lost_ranks: Collection[int] = (),
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results by rank."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results by rank.
+
+    ``lost_ranks``: ranks the test itself kills or stops; not waited for, their result is None.
+    """
     with tempfile.TemporaryDirectory(prefix="ringtrain-test-") as tmp:
         init_file = os.path.join(tmp, "store")
         results: mp.Queue = _CONTEXT.Queue()
@@ -55,7 +75,7 @@ def run_distributed(
         for process in processes:
             process.start()
         try:
-            return _collect(processes, results, world_size, timeout_s)
+            return _collect(processes, results, world_size, timeout_s, frozenset(lost_ranks))
         finally:
             for process in processes:
                 if process.is_alive():
@@ -63,8 +83,8 @@ def run_distributed(
                 process.join(timeout=10)
 
 
-def _collect(processes, results: mp.Queue, world_size: int, timeout_s: float) -> list[Any]:
-    outcome: dict[int, Any] = {}
+def _collect(processes, results: mp.Queue, world_size: int, timeout_s: float, lost: frozenset[int]) -> list[Any]:
+    outcome: dict[int, Any] = {rank: None for rank in lost}
     deadline = time.monotonic() + timeout_s
     while len(outcome) < world_size:
         try:
@@ -82,7 +102,7 @@ def _collect(processes, results: mp.Queue, world_size: int, timeout_s: float) ->
             continue
         if not ok:
             raise DistributedTestError(f"rank {rank} raised:\n{value}")
-        outcome[rank] = value
+        outcome[rank] = pickle.loads(value)
     return [outcome[rank] for rank in range(world_size)]
 
 
@@ -104,6 +124,8 @@ def _worker(fn, rank, world_size, init_file, collective_timeout_s, results, args
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+        # Pickled here, by value: torch's queue reductions would pass tensors as file descriptors that die
+        # with this process.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))

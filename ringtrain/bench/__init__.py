@@ -1,1 +1,1 @@
-"""Benchmarks: training throughput and scaling (and, with ringtrain.comm, collectives)."""
+"""Benchmarks run from the command line: ``ringtrain bench collectives ...`` and ``ringtrain bench train ...``."""

@@ -22,14 +22,19 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from ringtrain.dist.jobstore import NullJobStore
+from ringtrain.comm.errors import CollectiveError
 from ringtrain.errors import RingtrainError
 
 __all__ = ["CollectiveFailed", "CollectiveWatch", "Heartbeat", "HEARTBEAT_INTERVAL_S"]
 
 HEARTBEAT_INTERVAL_S = 0.5
 
-# Words in the errors Gloo and NCCL raise when a peer is gone or silent (torch raises plain RuntimeError).
-_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "pair closure", "broken pipe", "peer")
+# Words in the errors Gloo and NCCL raise when a peer is gone or silent (torch raises plain RuntimeError),
+# and in ringtrain.comm's own (a DDP hook's exception reaches us as a RuntimeError with its text only).
+_COMM_WORDS = (
+    "gloo", "nccl", "connection", "timed out", "pair closure", "broken pipe", "peer",
+    "died while", "did not arrive within", "did not answer within", "lost rank",
+)
 
 
 class CollectiveFailed(RingtrainError):
@@ -120,7 +125,7 @@ class CollectiveWatch:
 
 def is_comm_error(err: BaseException) -> bool:
     """True for the errors a backend raises when a peer is lost or silent, not for bugs in the model."""
-    if isinstance(err, dist.DistError):
+    if isinstance(err, (dist.DistError, CollectiveError)):
         return True
     text = str(err).lower()
     return any(word in text for word in _COMM_WORDS)

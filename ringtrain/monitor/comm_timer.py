@@ -52,20 +52,28 @@ class CommTimer:
         def timed_hook(state, bucket):
             called = time.perf_counter()
             future = hook(state, bucket)
-            returned = time.perf_counter()
-            self._inside_hooks_s += returned - called
-            self._last_return = returned
+            self.launched(called)
 
             def record(done: torch.futures.Future) -> torch.Tensor:
-                elapsed = time.perf_counter() - called
-                with self._lock:
-                    self._comm_s += elapsed
+                self.completed(called)
                 return done.value()
 
             return future.then(record)
 
         timed_hook.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
         return timed_hook
+
+    def launched(self, called: float) -> None:
+        """A bucket's communication was handed over at ``called`` (perf_counter) and the call returned now."""
+        returned = time.perf_counter()
+        self._inside_hooks_s += returned - called
+        self._last_return = returned
+
+    def completed(self, called: float) -> None:
+        """The communication handed over at ``called`` has finished (may run on the backend's thread)."""
+        elapsed = time.perf_counter() - called
+        with self._lock:
+            self._comm_s += elapsed
 
     def backward_done(self) -> float:
         """Call right after a synchronising backward; returns this step's exposed communication (s)."""

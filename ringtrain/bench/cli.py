@@ -1,0 +1,110 @@
+"""``ringtrain bench ...``: the benchmark subcommands (each writes JSON, a Markdown or CSV table, PNG plots).
+
+    ringtrain bench collectives --nproc 2,4 --algorithms torch,ring,ring_chunked,shm --sizes 4K:64M --out DIR
+    ringtrain bench train CONFIG --nproc 1,2 --strategies ddp,ddp:shm,manual --accum 1,4 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ringtrain.errors import RingtrainError
+
+__all__ = ["add_bench_parser"]
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="benchmarks: collectives, training (results written to files)",
+        description="Benchmarks; each writes its results to --out.",
+    )
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    _add_collectives(benchmarks)
+    _add_train(benchmarks)
+
+
+def _add_collectives(benchmarks) -> None:
+    collectives = benchmarks.add_parser(
+        "collectives", help="all_reduce bandwidth: torch (Gloo) and ringtrain's algorithms, nccl-tests style",
+        description="Time all_reduce of every size with every algorithm, in one run; print p50, algbw, busbw "
+        "and the ratio to torch; write collectives.json, .csv and .png to --out.",
+    )
+    collectives.add_argument("--nproc", default="2", help="world sizes, comma-separated (default 2)")
+    collectives.add_argument("--algorithms", default="torch,ring,ring_chunked,shm",
+                             help="comma-separated: torch, ring, ring_chunked, shm, shm_inplace (default: the first four)")
+    collectives.add_argument("--sizes", default="4K:64M", help="MIN:MAX[:FACTOR] or a list, e.g. 4K:64M, 1M,16M (default 4K:64M)")
+    collectives.add_argument("--out", default="bench-out", help="folder for collectives.json/.csv/.png (default bench-out)")
+    collectives.add_argument("--iters", type=int, default=20, help="timed calls per point, at least (default 20)")
+    collectives.add_argument("--dtype", default="float32", help="element type (default float32)")
+    collectives.add_argument("--chunk-kb", type=int, help="ring_chunked's chunk in KiB (default: its measured default)")
+    collectives.set_defaults(handler=_bench_collectives)
+
+
+def _add_train(benchmarks) -> None:
+    train = benchmarks.add_parser(
+        "train", help="throughput, scaling efficiency, exposed communication, overhead against bare DDP",
+        description="Run `ringtrain train` and a bare PyTorch DDP loop for each (workers, strategy, accumulation).",
+    )
+    train.add_argument("config", help="TOML config file, e.g. configs/bench_resnet.toml")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                       help="override a config field (repeatable)")
+    train.add_argument("--nproc", default="1,2", help="worker counts, comma separated (default 1,2)")
+    train.add_argument("--strategies", default="ddp", help="STRATEGY[:ALGORITHM],... e.g. ddp,ddp:shm,manual")
+    train.add_argument("--accum", default="1", help="gradient accumulation steps, comma separated (default 1)")
+    train.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
+    train.add_argument("--interval", type=int, default=5, help="steps per timing interval (default 5)")
+    train.add_argument("--out", default="bench-out/train", help="output folder (default bench-out/train)")
+    train.set_defaults(handler=_bench_train)
+
+
+def _bench_collectives(args: argparse.Namespace) -> int:
+    from ringtrain.bench.options import BenchOptions, parse_sizes, parse_world_sizes
+
+    options = BenchOptions(
+        nprocs=parse_world_sizes(args.nproc),
+        algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
+        sizes=parse_sizes(args.sizes),
+        out=Path(args.out),
+        iters=args.iters,
+        dtype=args.dtype,
+        chunk_kb=args.chunk_kb,
+    )
+    options.validate()  # before torch is imported: mistakes are reported at once
+    from ringtrain.bench.collectives import run_collectives_bench
+
+    run_collectives_bench(options)
+    return 0
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    if args.steps < 3 * args.interval:
+        raise RingtrainError(f"--steps ({args.steps}) must be at least 3 x --interval ({args.interval}): "
+                             "the first interval is warm-up and a median needs more")
+    from ringtrain.bench.training import parse_strategies, run_train_bench
+    from ringtrain.bench.training_report import write_train_bench
+
+    results = run_train_bench(
+        args.config,
+        nprocs=_int_list(args.nproc, "--nproc"),
+        strategies=parse_strategies(args.strategies),
+        accums=_int_list(args.accum, "--accum"),
+        out_dir=Path(args.out),
+        steps=args.steps,
+        interval=args.interval,
+        overrides=args.overrides,
+    )
+    print(write_train_bench(results, Path(args.out), "ringtrain " + " ".join(sys.argv[1:])), end="")
+    print(f"results: {Path(args.out) / 'train_bench.json'} (Markdown table and plots beside it)")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise RingtrainError(f"{flag} {text!r} is not a comma-separated list of whole numbers, e.g. 1,2") from None
+    if not values or min(values) < 1:
+        raise RingtrainError(f"{flag} {text!r} needs positive whole numbers, e.g. 1,2")
+    return values

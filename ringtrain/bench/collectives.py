@@ -1,0 +1,227 @@
+"""All-reduce bandwidth sweep in the style of nccl-tests: torch (Gloo) and ringtrain side by side.
+
+    ringtrain bench collectives --nproc 2,4 --algorithms torch,ring,ring_chunked,shm --sizes 4K:64M --out DIR
+
+For every world size, N worker processes are started (pinned one per core, round robin, as ``ringtrain
+train`` pins them; sockets on loopback) and time ``all_reduce(sum)`` of every size with every algorithm,
+all in the same run. Per size: a check of each algorithm's result, warm-up calls, then at least
+``--iters`` rounds (more for small sizes, up to ``min_time_s``) in which the algorithms take turns (an
+untimed call, then a timed one), so that load from other processes falls on all of them alike. A call's time is the maximum over
+ranks; the row reports the median (p50).
+
+    algbw = bytes / p50          busbw = algbw * 2 (n - 1) / n
+
+busbw is what each rank's links carry for a bandwidth-optimal all-reduce, comparable across world sizes.
+``shm_inplace`` is shm on a tensor that already lives in shared memory (``shm.shared_empty``), as the
+manual strategy's gradient buckets do. Writes ``DIR/collectives.json`` (a list of rows), ``.csv`` and
+``.png`` (busbw against size).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ringtrain import comm
+from ringtrain.bench.options import BenchOptions
+from ringtrain.bench.plot import plot_busbw
+from ringtrain.comm import shm
+from ringtrain.config import DistConfig
+from ringtrain.dist.env import DistEnv
+from ringtrain.dist.group import init_distributed
+from ringtrain.errors import RingtrainError
+
+__all__ = ["run_collectives_bench", "bus_bandwidth_factor"]
+
+_MAX_ITERS = 2000
+_LOOPBACK = "127.0.0.1"
+
+
+def bus_bandwidth_factor(world_size: int) -> float:
+    """busbw / algbw for all-reduce: the share of the data each rank must send, 2 (n - 1) / n."""
+    return 2 * (world_size - 1) / world_size if world_size > 1 else 1.0
+
+
+def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = print) -> list[dict]:
+    """Run the sweep for every world size, print the table as it goes, write the files; return the rows."""
+    options.validate()
+    options.out.mkdir(parents=True, exist_ok=True)
+    order = sorted(options.algorithms, key=lambda a: a != "torch")  # torch first: the ratio's reference
+    options = BenchOptions(**{**asdict(options), "algorithms": tuple(order)})
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    echo(f"# ringtrain bench collectives: all_reduce(sum) of {options.dtype}, Gloo over loopback + ringtrain, "
+         f"p50 of the max over ranks; {os.cpu_count()} cores, load average {load}")
+    rows: list[dict] = []
+    for world_size in options.nprocs:
+        echo(f"#\n# world_size {world_size}\n# {'size':>10}  {'algorithm':<13}{'iters':>6}{'p50(us)':>12}"
+             f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'vs torch':>10}")
+        for row in _run_world(world_size, options):
+            reference = next((r for r in rows if r["algorithm"] == "torch" and r["bytes"] == row["bytes"]
+                              and r["world_size"] == world_size), None)
+            row["vs_torch"] = round(row["busbw_gbps"] / reference["busbw_gbps"], 3) if reference else None
+            rows.append(row)
+            ratio = f"{row['vs_torch']:.2f}" if row["vs_torch"] is not None else "-"
+            echo(f"  {_format_size(row['bytes']):>10}  {row['algorithm']:<13}{row['iters']:>6}{row['p50_s'] * 1e6:>12.1f}"
+                 f"{row['algbw_gbps']:>13.3f}{row['busbw_gbps']:>13.3f}{ratio:>10}")
+    _write(rows, options.out)
+    echo(f"# wrote {options.out / 'collectives.json'}, .csv and .png")
+    return rows
+
+
+def _run_world(world_size: int, options: BenchOptions):
+    """Start the workers of one world size; yield rank 0's rows as they are measured."""
+    context = mp.get_context("spawn")
+    # This process hosts the workers' store on a socket bound to loopback; workers join as clients.
+    listener = socket.create_server((_LOOPBACK, 0))
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(_LOOPBACK, port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=options.timeout_s), master_listen_fd=listener.detach())
+    results = context.Queue()
+    workers = [context.Process(target=_worker, args=(rank, world_size, port, options, results), daemon=True)
+               for rank in range(world_size)]
+    for worker in workers:
+        worker.start()
+    try:
+        done = 0
+        while done < world_size:
+            try:
+                message = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w for w in workers if w.exitcode not in (None, 0)]
+                if dead:
+                    raise RingtrainError(f"bench worker {workers.index(dead[0])} exited with code {dead[0].exitcode}") from None
+                continue
+            if message[0] == "row":
+                yield message[1]
+            elif message[0] == "done":
+                done += 1
+            else:
+                raise RingtrainError(f"bench worker {message[1]} failed: {message[2].strip().splitlines()[-1]}")
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+        del store
+
+
+def _worker(rank: int, world_size: int, port: int, options: BenchOptions, results) -> None:
+    try:
+        env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+                      master_addr=_LOOPBACK, master_port=port, use_agent_store=True, bind_addr=_LOOPBACK)
+        config = DistConfig(backend="gloo", timeout_s=options.timeout_s, pin_cpu=True, threads_per_worker=1)
+        with init_distributed(env, config):
+            for row in _sweep(rank, world_size, options):
+                if rank == 0:
+                    results.put(("row", row))
+        results.put(("done", rank))
+    except BaseException:  # noqa: BLE001 - the parent must hear about every failure
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _sweep(rank: int, world_size: int, options: BenchOptions):
+    dtype = getattr(torch, options.dtype)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    largest = max(options.sizes) // itemsize + 1
+    # One shared-memory arena for every size: slices at offset 0 are at the same offset on every rank.
+    arena = shm.shared_empty(largest, dtype) if "shm_inplace" in options.algorithms else None
+    for nbytes in options.sizes:
+        numel = max(1, nbytes // itemsize)
+        calls = {}
+        for algorithm in options.algorithms:
+            tensor = arena[:numel] if algorithm == "shm_inplace" else torch.empty(numel, dtype=dtype)
+            calls[algorithm] = _caller(tensor, algorithm, options.chunk_kb)
+            _verify(tensor, calls[algorithm], rank, world_size)
+            tensor.zero_()  # sums of zeros stay zeros: every call does the same work
+        for algorithm, times in _time(calls, options).items():
+            p50_s = float(times.median())
+            algbw = numel * itemsize / p50_s / 1e9
+            yield {
+                "algorithm": algorithm,
+                "world_size": world_size,
+                "bytes": numel * itemsize,
+                "p50_s": p50_s,
+                "algbw_gbps": round(algbw, 4),
+                "busbw_gbps": round(algbw * bus_bandwidth_factor(world_size), 4),
+                "iters": len(times),
+            }
+
+
+def _caller(tensor: torch.Tensor, algorithm: str, chunk_kb: int | None) -> Callable[[], None]:
+    if algorithm == "torch":
+        return lambda: dist.all_reduce(tensor)  # the backend itself, not through ringtrain's checks
+    name = "shm" if algorithm == "shm_inplace" else algorithm
+    options = {"chunk_kb": chunk_kb} if algorithm == "ring_chunked" and chunk_kb else {}
+    return lambda: comm.all_reduce(tensor, algorithm=name, **options)
+
+
+def _verify(tensor: torch.Tensor, call: Callable[[], None], rank: int, world_size: int) -> None:
+    """A fast algorithm that computes the wrong thing is not fast: check one call before timing."""
+    tensor.fill_(rank + 1)
+    call()
+    expected = world_size * (world_size + 1) // 2
+    if not bool((tensor == expected).all()):
+        raise RuntimeError(f"all_reduce of {tensor.numel()} elements gave {tensor[0].item()}, not {expected}")
+
+
+def _time(calls: dict[str, Callable[[], None]], options: BenchOptions) -> dict[str, torch.Tensor]:
+    """Per algorithm, the time of every timed call (max over ranks).
+
+    The algorithms take turns, so that a burst of load from another process on the machine slows all of
+    them alike and the ratios stay fair. Each turn is an untimed call, then the timed one: ranks leave
+    the previous algorithm at different moments, and the first call of a turn absorbs that skew (as in
+    a back-to-back loop of one algorithm).
+    """
+    estimates = []
+    for call in calls.values():
+        for _ in range(options.warmup):
+            call()
+        start = time.perf_counter()
+        call()
+        estimates.append(time.perf_counter() - start)
+    estimate = torch.tensor([2 * sum(estimates)], dtype=torch.float64)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
+    iters = int(min(_MAX_ITERS, max(options.iters, options.min_time_s / max(float(estimate), 1e-9))))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    dist.barrier()
+    for _ in range(iters):
+        for name, call in calls.items():
+            call()
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    result = {}
+    for name, values in times.items():
+        per_call = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)  # a call is as slow as its slowest rank
+        result[name] = per_call
+    return result
+
+
+def _write(rows: list[dict], out: Path) -> None:
+    (out / "collectives.json").write_text(json.dumps(rows, indent=1) + "\n")
+    with (out / "collectives.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_busbw(rows, out / "collectives.png")
+
+
+def _format_size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}iB"
+    return f"{nbytes} B"

@@ -1,0 +1,85 @@
+"""The flags of ``ringtrain bench collectives``, checked without importing torch (errors come fast)::
+
+    >>> parse_sizes("4K:64M:4")
+    (4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringtrain.errors import ConfigError
+
+__all__ = ["BenchOptions", "BENCH_ALGORITHMS", "parse_sizes", "parse_world_sizes"]
+
+BENCH_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "shm_inplace")
+"""ringtrain.comm.ALGORITHMS, plus shm on a tensor that lives in shared memory."""
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to measure; the command line's flags."""
+
+    nprocs: tuple[int, ...] = (2,)
+    algorithms: tuple[str, ...] = ("torch", "ring", "ring_chunked", "shm")
+    sizes: tuple[int, ...] = field(default_factory=lambda: parse_sizes("4K:64M"))
+    out: Path = Path("bench-out")
+    iters: int = 20
+    """Timed calls per (size, algorithm), at least."""
+    warmup: int = 5
+    min_time_s: float = 0.5
+    """Small sizes get more rounds of timed calls, up to about this much time (and 2000 rounds)."""
+    dtype: str = "float32"
+    chunk_kb: int | None = None
+    """ring_chunked's chunk (default: its measured default)."""
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        if not self.nprocs or min(self.nprocs) < 1:
+            raise ConfigError(f"--nproc needs world sizes of at least 1, got {list(self.nprocs)}")
+        unknown = [a for a in self.algorithms if a not in BENCH_ALGORITHMS]
+        if unknown:
+            raise ConfigError(f"--algorithms: unknown {unknown[0]!r}; choose from {','.join(BENCH_ALGORITHMS)}")
+        if self.iters < 20:
+            raise ConfigError(f"--iters must be at least 20 for a meaningful median, got {self.iters}")
+        if self.dtype not in ("float32", "float64", "float16", "bfloat16", "int32", "int64"):
+            raise ConfigError(f"--dtype {self.dtype!r} is not one of float32, float64, float16, bfloat16, int32, int64")
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``4K:64M`` (powers of two), ``4K:64M:4`` (every 4x), or a list ``4K,1M,64M``; K/M/G are binary."""
+    text = text.strip().upper()
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"--sizes {text!r}: write MIN:MAX or MIN:MAX:FACTOR, e.g. 4K:64M")
+        low, high = _parse_size(parts[0]), _parse_size(parts[1])
+        factor = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else 2
+        if len(parts) == 3 and (not parts[2].isdigit() or factor < 2):
+            raise ConfigError(f"--sizes {text!r}: the factor must be an integer of at least 2")
+        if low > high:
+            raise ConfigError(f"--sizes {text!r}: MIN is larger than MAX")
+        sizes = []
+        while low <= high:
+            sizes.append(low)
+            low *= factor
+        return tuple(sizes)
+    return tuple(_parse_size(part) for part in text.split(","))
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """``2,4`` -> (2, 4)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--nproc {text!r}: write world sizes separated by commas, e.g. 2,4") from None
+
+
+def _parse_size(text: str) -> int:
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)I?B?", text.strip().upper())
+    if not match or int(match.group(1)) < 1:
+        raise ConfigError(f"--sizes: {text!r} is not a size like 4K, 1M or 4096")
+    return int(match.group(1)) * _UNITS[match.group(2)]

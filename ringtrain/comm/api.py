@@ -1,0 +1,201 @@
+"""The public collectives: one entry point per operation, the algorithm chosen by name.
+
+    >>> from ringtrain import comm
+    >>> comm.all_reduce(t, op="avg", algorithm="shm")       # in place; returns t
+    >>> shard = comm.reduce_scatter(t, algorithm="ring")    # this rank's shard of the sum (a view of t)
+    >>> comm.all_gather(t, algorithm="ring")                # every rank's shard, in place
+
+``algorithm="torch"`` is ``torch.distributed`` itself, the reference every other algorithm is tested
+against. Everything common to the algorithms lives here: input checks with one-line errors, world size 1,
+empty tensors, non-contiguous inputs, averaging, timeouts. The algorithm modules see a contiguous 1-D tensor
+and sum it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.comm import ring, ring_chunked, shm
+from ringtrain.comm.groups import group_rank, group_size, group_timeout_s, resolve_group
+from ringtrain.comm.shards import tensor_shards
+from ringtrain.comm.scratch import scratch
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "OPS"]
+
+ALGORITHMS = ("torch", "ring", "ring_chunked", "shm")
+OPS = ("sum", "avg")
+_UNSUPPORTED = (torch.bool, torch.complex32, torch.complex64, torch.complex128)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    algorithm: str = "torch",
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
+    chunk_kb: int | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` over every rank of ``group`` in place and return it.
+
+    ``op="avg"`` divides by the world size before summing, as DDP's default hook does, so float16
+    gradients cannot overflow in the sum. Every rank ends with bit-identical values (``torch``: as
+    guaranteed by the backend). ``timeout_s`` defaults to the group's timeout; ``chunk_kb`` sets the chunk
+    of ``ring_chunked``. Any shape, contiguous or not.
+
+    >>> t = torch.full((5,), float(rank))
+    >>> all_reduce(t, algorithm="ring")        # every rank: 0 + 1 + ... + (world_size - 1)
+    """
+    _check(tensor, op, algorithm, chunk_kb, "all_reduce")
+    group = resolve_group(group)
+    size = group_size(group)
+    if size == 1 or tensor.numel() == 0:
+        return tensor
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    timeout_s = timeout_s or group_timeout_s(group, tensor.device)
+    if algorithm == "shm":
+        # shm folds the division into its first copy (one pass less over the data).
+        shm.all_reduce(flat, group, timeout_s, average=op == "avg")
+    else:
+        if op == "avg":
+            # Divide before the sum so that float16 buckets cannot overflow.
+            flat.div_(size)
+        if algorithm == "torch":
+            _wait(dist.all_reduce(flat, group=group, async_op=True), timeout_s)
+        elif algorithm == "ring":
+            ring.all_reduce(flat, group, timeout_s)
+        else:
+            ring_chunked.all_reduce(flat, group, timeout_s, **_chunk(chunk_kb))
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    algorithm: str = "torch",
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
+    chunk_kb: int | None = None,
+) -> torch.Tensor:
+    """Reduce the contiguous ``tensor`` so that this rank's shard holds the result; return that shard.
+
+    The shard is a 1-D view of ``tensor``: rank ``r`` gets ``tensor_shards(tensor.view(-1), world_size)[r]``
+    (cache-line aligned; trailing shards can be short or empty). Other shards are left with unspecified values.
+    ``all_gather`` on the same tensor completes an all-reduce.
+    """
+    _check(tensor, op, algorithm, chunk_kb, "reduce_scatter", contiguous=True)
+    group = resolve_group(group)
+    size = group_size(group)
+    flat = tensor.view(-1)
+    lo, hi = tensor_shards(flat, size)[group_rank(group)]
+    if size == 1 or tensor.numel() == 0:
+        return flat[lo:hi]
+    timeout_s = timeout_s or group_timeout_s(group, tensor.device)
+    if algorithm == "shm":
+        return shm.reduce_scatter(flat, group, timeout_s, average=op == "avg")
+    if op == "avg":
+        flat.div_(size)  # before the sum, as in all_reduce
+    if algorithm == "torch":
+        return _torch_reduce_scatter(flat, group, timeout_s)
+    if algorithm == "ring":
+        return ring.reduce_scatter(flat, group, timeout_s)
+    return ring_chunked.reduce_scatter(flat, group, timeout_s, **_chunk(chunk_kb))
+
+
+def all_gather(
+    tensor: torch.Tensor,
+    algorithm: str = "torch",
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
+    chunk_kb: int | None = None,
+) -> torch.Tensor:
+    """Fill every rank's shard of the contiguous ``tensor`` from the rank that owns it; return ``tensor``.
+
+    Rank ``r`` contributes ``tensor_shards(tensor.view(-1), world_size)[r]`` of its ``tensor`` (what ``reduce_scatter``
+    left there); afterwards every rank holds all shards.
+    """
+    _check(tensor, "sum", algorithm, chunk_kb, "all_gather", contiguous=True)
+    group = resolve_group(group)
+    if group_size(group) == 1 or tensor.numel() == 0:
+        return tensor
+    flat = tensor.view(-1)
+    timeout_s = timeout_s or group_timeout_s(group, tensor.device)
+    if algorithm == "shm":
+        shm.all_gather(flat, group, timeout_s)
+    elif algorithm == "torch":
+        _torch_all_gather(flat, group, timeout_s)
+    elif algorithm == "ring":
+        ring.all_gather(flat, group, timeout_s)
+    else:
+        ring_chunked.all_gather(flat, group, timeout_s, **_chunk(chunk_kb))
+    return tensor
+
+
+def _check(tensor, op: str, algorithm: str, chunk_kb, what: str, contiguous: bool = False) -> None:
+    """One line per mistake, naming the fix."""
+    where = f"ringtrain.comm.{what}"
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where} needs a torch.Tensor, got {type(tensor).__name__}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{where}: algorithm={algorithm!r} is unknown; choose one of {', '.join(ALGORITHMS)}")
+    if op not in OPS:
+        raise ValueError(f"{where}: op={op!r} is not supported; use 'sum' or 'avg'")
+    if tensor.dtype in _UNSUPPORTED:
+        raise TypeError(f"{where}: dtype {tensor.dtype} is not supported; use a floating-point or integer tensor")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{where}: {tensor.layout} tensors are not supported; pass a dense tensor (.to_dense())")
+    if op == "avg" and not tensor.is_floating_point():
+        raise TypeError(f"{where}: op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide")
+    if algorithm == "shm" and tensor.device.type != "cpu":
+        raise ValueError(
+            f"{where}: algorithm='shm' needs CPU tensors of ranks on one host, got a {tensor.device} tensor; "
+            "use algorithm='ring' or 'torch' for GPU tensors"
+        )
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{where} works on the flat layout and needs a contiguous tensor; call .contiguous() first")
+    if chunk_kb is not None:
+        if algorithm != "ring_chunked":
+            raise ValueError(f"{where}: chunk_kb applies to algorithm='ring_chunked' only (got {algorithm!r})")
+        if chunk_kb <= 0:
+            raise ValueError(f"{where}: chunk_kb must be positive, got {chunk_kb}")
+
+
+def _chunk(chunk_kb: int | None) -> dict:
+    return {} if chunk_kb is None else {"chunk_bytes": int(chunk_kb) * 1024}
+
+
+def _wait(work: dist.Work, timeout_s: float) -> None:
+    from datetime import timedelta
+
+    work.wait(timeout=timedelta(seconds=timeout_s))
+
+
+def _torch_reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -> torch.Tensor:
+    # torch wants equal shards: pad the tail with zeros when the aligned cut leaves it short.
+    size, rank = group_size(group), group_rank(group)
+    bounds = tensor_shards(flat, size)
+    per_shard = bounds[0][1] - bounds[0][0]
+    padded = flat
+    if per_shard * size != flat.numel():
+        padded = scratch(per_shard * size, flat.dtype, flat.device, slot=0)
+        padded[: flat.numel()].copy_(flat)
+        padded[flat.numel():].zero_()
+    out = scratch(per_shard, flat.dtype, flat.device, slot=1)
+    _wait(dist.reduce_scatter_single(out, padded, group=group, async_op=True), timeout_s)
+    lo, hi = bounds[rank]
+    flat[lo:hi].copy_(out[: hi - lo])
+    return flat[lo:hi]
+
+
+def _torch_all_gather(flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -> None:
+    size, rank = group_size(group), group_rank(group)
+    bounds = tensor_shards(flat, size)
+    per_shard = bounds[0][1] - bounds[0][0]
+    lo, hi = bounds[rank]
+    mine = scratch(per_shard, flat.dtype, flat.device, slot=0)
+    mine[: hi - lo].copy_(flat[lo:hi])
+    gathered = scratch(per_shard * size, flat.dtype, flat.device, slot=1)
+    _wait(dist.all_gather_single(gathered, mine, group=group, async_op=True), timeout_s)
+    flat.copy_(gathered[: flat.numel()])

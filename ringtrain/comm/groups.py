@@ -1,0 +1,47 @@
+"""What the algorithms need to know about a process group: sizes, ranks, neighbours, timeout."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["resolve_group", "group_size", "group_rank", "global_rank", "group_timeout_s"]
+
+_FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``None`` means the default group, as everywhere in torch.distributed."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "ringtrain.comm needs an initialised process group; call torch.distributed.init_process_group first"
+        )
+    return dist.group.WORLD if group is None else group
+
+
+def group_size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup) -> int:
+    return dist.get_rank(group)
+
+
+def global_rank(group: dist.ProcessGroup, rank_in_group: int) -> int:
+    """The rank a user sees in logs (default group) for a rank of ``group``."""
+    if group is dist.group.WORLD:
+        return rank_in_group
+    return dist.get_global_rank(group, rank_in_group)
+
+
+def group_timeout_s(group: dist.ProcessGroup, device: torch.device | None = None) -> float:
+    """The group's own timeout (``init_process_group(timeout=...)``, i.e. ``[dist] timeout_s``)."""
+    device = device or torch.device("cpu")
+    try:
+        backend = group._get_backend(device)
+        timeout = backend.options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options, or none for this device
+        return _FALLBACK_TIMEOUT_S
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)

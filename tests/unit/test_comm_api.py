@@ -1,0 +1,92 @@
+"""ringtrain.comm without processes: the shard cut, one-line errors for bad input, stale segment clean-up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringtrain import comm
+from ringtrain.comm.shards import chunk_bounds
+from ringtrain.comm.shm_segment import PREFIX, SHM_DIR, Segment, segment_name, sweep_stale
+from ringtrain.config import load_config
+from ringtrain.errors import ConfigError
+
+
+@settings(max_examples=200, deadline=None)
+@given(numel=st.integers(0, 10_000), world_size=st.integers(1, 9), itemsize=st.sampled_from([1, 2, 4, 8]))
+def test_shards_cover_the_tensor_in_order_on_cache_line_boundaries(numel, world_size, itemsize):
+    dtype = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}[itemsize]
+    bounds = comm.tensor_shards(torch.empty(numel, dtype=dtype), world_size)
+    assert len(bounds) == world_size
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    for (lo, hi), (next_lo, _) in zip(bounds, bounds[1:]):
+        assert lo <= hi == next_lo
+        assert (lo * itemsize) % 64 == 0 or lo == numel
+    lengths = [hi - lo for lo, hi in bounds]
+    assert lengths == sorted(lengths, reverse=True), "only trailing shards may be short"
+
+
+def test_chunks_cover_a_range():
+    assert chunk_bounds(3, 13, 4) == [(3, 7), (7, 11), (11, 13)]
+    assert chunk_bounds(5, 5, 4) == []
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda: comm.all_reduce(torch.ones(2, dtype=torch.bool)), "dtype torch.bool is not supported; use a floating-point or integer"),
+        (lambda: comm.all_reduce(torch.ones(2), op="max"), "op='max' is not supported; use 'sum' or 'avg'"),
+        (lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), op="avg"), "op='avg' needs a floating-point tensor, got torch.int64; use op='sum'"),
+        (lambda: comm.all_reduce(torch.ones(2), algorithm="rign"), "algorithm='rign' is unknown; choose one of torch, ring, ring_chunked, shm"),
+        (lambda: comm.all_reduce(torch.ones(2, device="meta"), algorithm="shm"), "algorithm='shm' needs CPU tensors"),
+        (lambda: comm.all_reduce(torch.ones(2), algorithm="ring", chunk_kb=64), "chunk_kb applies to algorithm='ring_chunked' only"),
+        (lambda: comm.reduce_scatter(torch.ones(4, 4).t()), "needs a contiguous tensor; call .contiguous() first"),
+        (lambda: comm.all_reduce([1.0, 2.0]), "needs a torch.Tensor, got list"),
+        (lambda: comm.all_reduce(torch.ones(2)), "needs an initialised process group; call torch.distributed.init_process_group"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_fix(call, fragment):
+    with pytest.raises((TypeError, ValueError, RuntimeError)) as caught:
+        call()
+    message = str(caught.value)
+    assert fragment in message and "\n" not in message, message
+
+
+def test_stale_segments_of_dead_creators_are_swept_and_live_ones_kept():
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = Segment.create(segment_name(int(dead_pid)), 4096)
+    live = Segment.create(segment_name(), 4096)
+    try:
+        removed = sweep_stale()
+        names = os.listdir(SHM_DIR)
+        assert stale.name in removed and stale.name not in names
+        assert live.name in names
+    finally:
+        for segment in (stale, live):
+            segment.unlink()
+            segment.close()
+    assert not any(n in os.listdir(SHM_DIR) for n in (stale.name, live.name))
+    assert stale.name.startswith(PREFIX)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["comm.strategy=manual", "comm.algorithm=powersgd"], "algorithm 'powersgd' is one of torch's DDP hooks; use strategy = 'ddp'"),
+        (["comm.algorithm=shm", "dist.backend=nccl"], "comm.algorithm = 'shm' reduces CPU tensors"),
+        (["comm.algorithm=nccl_ring"], "comm.algorithm"),
+        (["comm.powersgd_rank=0"], "comm.powersgd_rank = 0"),
+        (["comm.chunk_kb=0"], "comm.chunk_kb = 0"),
+    ],
+)
+def test_comm_config_mistakes_are_one_line(overrides, fragment):
+    with pytest.raises(ConfigError) as caught:
+        load_config(Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml", overrides)
+    assert fragment in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
