@@ -70,7 +70,7 @@ def _add_config(commands) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     # Imported here so `ringtrain --help` stays fast.
-    from ringtrain.config import load_config, validate_for_world_size
+    from ringtrain.config import load_config, validate_for_backend, validate_for_world_size
     from ringtrain.dist.group import resolve_backend
     from ringtrain.launch import LaunchOptions, launch
     from ringtrain.train.run import check_run_dir
@@ -89,7 +89,7 @@ def _train(args: argparse.Namespace) -> int:
     min_nodes, max_nodes = options.node_range()
     for nodes in range(min_nodes, max_nodes + 1):
         validate_for_world_size(config, nodes * options.nproc)
-    resolve_backend(config.dist.backend)
+    validate_for_backend(config, resolve_backend(config.dist.backend))
     check_run_dir(config, args.resume)
 
     worker_args = [args.config, "--run-dir", config.run_dir]
