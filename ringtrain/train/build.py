@@ -7,15 +7,17 @@ from pathlib import Path
 import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.config import Config
+from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.dist.group import DistContext
 from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.loop import TrainParts, Trainer
+from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
-from ringtrain.train.tasks import ClassificationTask
+from ringtrain.train.precision import Precision
+from ringtrain.train.tasks import build_task
 
 __all__ = ["build_trainer", "planned_steps"]
 
@@ -23,6 +25,7 @@ __all__ = ["build_trainer", "planned_steps"]
 def build_trainer(config: Config, ctx: DistContext) -> Trainer:
     run_dir = Path(config.run_dir)
     train_cfg = config.train
+    validate_for_backend(config, ctx.backend)
     # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's anyway).
     torch.manual_seed(train_cfg.seed)
     data = build_datasets(config.data)
@@ -32,6 +35,8 @@ def build_trainer(config: Config, ctx: DistContext) -> Trainer:
     optimizer = build_optimizer(train_cfg, model.parameters())
     sampler = ResumableSampler(len(data.train), train_cfg.global_batch_size, seed=train_cfg.seed)
     total_steps = planned_steps(config, sampler.steps_per_epoch)
+    task = build_task(config.data.dataset)
+    pin_memory = ctx.device.type == "cuda"
     parts = TrainParts(
         model=wrapped,
         strategy=strategy,
@@ -44,13 +49,23 @@ def build_trainer(config: Config, ctx: DistContext) -> Trainer:
             ctx.rank,
             ctx.world_size,
             num_workers=config.data.num_workers,
-            pin_memory=ctx.device.type == "cuda",
+            pin_memory=pin_memory,
+            collate_fn=data.collate_fn,
         ),
         eval_loader=build_eval_loader(
-            data.test, ctx.rank, ctx.world_size, batch_size=train_cfg.local_batch_size * 4
+            data.test,
+            ctx.rank,
+            ctx.world_size,
+            batch_size=train_cfg.local_batch_size * 4,
+            num_workers=config.data.num_workers,
+            collate_fn=data.collate_fn,
+            pin_memory=pin_memory,
         ),
-        task=ClassificationTask(),
+        task=task,
         total_steps=total_steps,
+        precision=Precision(train_cfg.precision, ctx.device),
+        batcher=MicroBatcher(train_cfg, task, ctx.rank, ctx.world_size, ctx.device),
+        data_stats=data.stats,
     )
     checkpoints = CheckpointManager(
         run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0

@@ -1,0 +1,66 @@
+"""Real Trainers inside ``run_distributed`` workers, and the tools tests use on them.
+
+    def check(rank, world_size, run_dir):
+        trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", ["train.max_steps=3"], run_dir)
+        counter = count_gradient_syncs(trainer)
+        trainer.fit()
+        return counter.syncs
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ringtrain.config import load_config, validate_for_world_size
+from ringtrain.dist.env import DistEnv
+from ringtrain.dist.group import DistContext
+from ringtrain.train.build import build_trainer
+from ringtrain.train.loop import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+
+__all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params"]
+
+
+def build_test_trainer(
+    rank: int, world_size: int, config: str | Path, overrides: list[str], run_dir: str | Path
+) -> Trainer:
+    """The trainer `ringtrain train` would build, on this harness's Gloo group (no progress bar)."""
+    config = load_config(REPO / config, [*overrides, "monitor.progress=false"], run_dir=str(run_dir))
+    validate_for_world_size(config, world_size)
+    ctx = DistContext(
+        DistEnv(rank=rank, world_size=world_size), "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size
+    )
+    return build_trainer(config, ctx)
+
+
+class SyncCounter:
+    """Counts gradient synchronisations: DDP calls its comm hook once per bucket, the last one once per sync."""
+
+    def __init__(self):
+        self.syncs = 0
+        self.buckets = 0
+
+
+def _counting_allreduce(counter, bucket):
+    # No annotations: DDP checks them at registration, and this module's are strings (PEP 563).
+    counter.buckets += 1
+    counter.syncs += bucket.is_last()
+    return allreduce_hook(None, bucket)  # DDP's own default all-reduce (average) on the default group
+
+
+def count_gradient_syncs(trainer: Trainer) -> SyncCounter:
+    """Register a counting comm hook on the trainer's DDP model: the real DDP reducer calls it."""
+    counter = SyncCounter()
+    trainer.model.register_comm_hook(counter, _counting_allreduce)
+    return counter
+
+
+def flat_params(module: torch.nn.Module) -> np.ndarray:
+    """The parameters as one numpy vector: a numpy array crosses the harness's queue by value (a tensor
+    would go through shared memory, gone when the worker exits)."""
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
