@@ -183,11 +183,12 @@ class TrainConfig(Section):
 
     memory_budget_mb: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """CPU memory (resident set, MB) one worker may use; going above it counts as out of memory
-    (needs auto_micro_batch). Unset: no budget."""
+    (needs auto_micro_batch). Leave room beyond activations: with bf16 the CPU also keeps compiled
+    kernels per tensor shape (megabytes each). Unset: no budget."""
 
-    inject_oom_at_step: int | None = Field(default=None, ge=0)
+    inject_oom_at_step: int | None = Field(default=None, gt=0)
     """Fault injection for tests and drills: raise an out-of-memory error in this optimizer step
-    (0-based, first attempt only) on rank inject_oom_rank. Unset: none."""
+    (counted from 1, as in metrics.jsonl; first attempt only) on rank inject_oom_rank. Unset: none."""
 
     inject_oom_rank: int = Field(default=0, ge=0)
     """The rank that inject_oom_at_step fails."""

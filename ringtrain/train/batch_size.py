@@ -93,7 +93,8 @@ class MicroBatcher:
 
     # --- memory -----------------------------------------------------------------------------------------
     def after_forward(self, step: int, is_last: bool) -> None:
-        """Called where memory peaks (activations held). Raises like an out-of-memory would."""
+        """Called where memory peaks (activations held) in ``step`` (counted from 1). Raises like an
+        out-of-memory would."""
         if is_last and step == self.inject_at_step:
             self.inject_at_step = None  # first attempt only: the redone step must succeed
             raise torch.OutOfMemoryError(

@@ -13,8 +13,8 @@ from ringtrain.dist.group import DistContext
 from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
-from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.batch_size import MicroBatcher
+from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
 from ringtrain.train.tasks import build_task

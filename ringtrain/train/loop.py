@@ -202,7 +202,7 @@ class Trainer:
                     return loss_sum, plan.global_items
             self.parts.optimizer.zero_grad(set_to_none=True)
             buffers.restore()
-            self.logger.log(self.batcher.shrink(self.state.step, failed))
+            self.logger.log(self.batcher.shrink(self.state.step + 1, failed))
 
     def _accumulate(self, plan: StepPlan, model: nn.Module) -> torch.Tensor:
         """Forward and backward over the plan's micro-batches; returns this rank's loss sum."""
@@ -216,7 +216,7 @@ class Trainer:
             with nullcontext() if sync else self.parts.strategy.no_sync(self.model):
                 with self.precision.autocast():
                     loss = self.parts.task.loss_sum(model(inputs), targets)
-                self.batcher.after_forward(self.state.step, is_last=index == last)
+                self.batcher.after_forward(self.state.step + 1, is_last=index == last)
                 self.precision.scale(loss * loss_scale).backward()
                 self.batcher.check_budget()
             loss_sum += loss.detach()

@@ -29,7 +29,12 @@ def with_and_without_oom(rank: int, world_size: int, run_root: str) -> dict:
     )
     counter = count_gradient_syncs(hit)
     hit.fit()
+    resumed = build_test_trainer(
+        rank, world_size, "configs/debug_mlp.toml", [*MLP_JOB, "train.max_steps=6"], f"{run_root}/oom"
+    )
+    resumed.resume(required=True)
     return {
+        "resumed_micro_batch_size": resumed.batcher.micro_batch_size,
         "plain": flat_params(plain.module),
         "oom": flat_params(hit.module),
         "micro_batch_size": (plain.batcher.micro_batch_size, hit.batcher.micro_batch_size),
@@ -46,6 +51,7 @@ def test_oom_on_one_rank_shrinks_every_rank_and_redoes_the_step(tmp_path):
         assert result["samples_seen"] == (5 * 96, 5 * 96), "the global batch changed"
         assert result["steps"] == 5
         assert result["syncs"] == 5, "the failed attempt must not have reached the all-reduce"
+        assert result["resumed_micro_batch_size"] == 8, "a resumed run must keep the size it shrank to"
         # The failed attempt's gradients were dropped: the redone step matches the run without a failure.
         np.testing.assert_allclose(result["oom"], result["plain"], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(result["oom"], results[0]["oom"])

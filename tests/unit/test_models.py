@@ -82,3 +82,23 @@ def test_precision_autocasts_and_scales_only_fp16():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
     loss = torch.tensor(2.0)
     assert fp32.scale(loss) is loss
+
+
+def test_fp16_scaler_unscales_skips_overflow_and_round_trips():
+    # The config allows fp16 on CUDA only; torch's GradScaler works the same on CPU, so its use is tested here.
+    precision = Precision("fp16", torch.device("cpu"))
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    precision.scale((weight * 2).sum()).backward()
+    assert weight.grad[0] == 2 * 65536.0
+    precision.unscale_(optimizer)
+    assert torch.equal(weight.grad, torch.full((3,), 2.0))
+    precision.step(optimizer)
+    assert torch.equal(weight.detach(), torch.full((3,), -1.0))
+    weight.grad = torch.tensor([float("inf"), 0.0, 0.0])
+    precision.unscale_(optimizer)
+    precision.step(optimizer)  # overflow: the step is skipped and the scale halves
+    assert torch.equal(weight.detach(), torch.full((3,), -1.0))
+    restored = Precision("fp16", torch.device("cpu"))
+    restored.load_state_dict(precision.state_dict())
+    assert restored.scaler.get_scale() == 32768.0
