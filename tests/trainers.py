@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ringtrain.config import load_config, validate_for_world_size
@@ -23,7 +24,7 @@ from ringtrain.train.loop import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params"]
+__all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params", "make_image_folder"]
 
 
 def build_test_trainer(
@@ -64,3 +65,13 @@ def flat_params(module: torch.nn.Module) -> np.ndarray:
     """The parameters as one numpy vector: a numpy array crosses the harness's queue by value (a tensor
     would go through shared memory, gone when the worker exits)."""
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
+
+
+def make_image_folder(root: Path, train_per_class: int = 3, val_per_class: int = 2) -> None:
+    """Two classes of solid-colour JPEGs of several sizes, in the ImageNet layout."""
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for label, colour in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (48 + 8 * (i % 4), 40), colour).save(folder / f"{i}.jpg")

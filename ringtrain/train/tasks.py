@@ -27,7 +27,8 @@ class ClassificationTask:
     """Each sample is one loss item, so a step's item count is its window: no collective needed."""
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(outputs.float(), targets, reduction="sum")
+        # Called under autocast, which runs cross_entropy in fp32 whatever the logits' precision.
+        return F.cross_entropy(outputs, targets, reduction="sum")
 
     def count_items(self, targets: torch.Tensor) -> int:
         return len(targets)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from ringtrain.cli import main
 from ringtrain.config import load_config
 from ringtrain.data import build_datasets
+from tests.trainers import make_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
@@ -55,12 +55,7 @@ def test_shipped_configs_load(path):
 
 
 def test_image_folder_in_imagenet_layout(tmp_path):
-    for split, count in (("train", 3), ("val", 2)):
-        for label, colour in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
-            folder = tmp_path / split / label
-            folder.mkdir(parents=True)
-            for i in range(count):
-                Image.new("RGB", (48 + 8 * i, 40), colour).save(folder / f"{i}.jpg")
+    make_image_folder(tmp_path)
     config = load_config(
         REPO / "configs" / "debug_resnet.toml",
         ["data.dataset=imagefolder", f"data.path='{tmp_path}'", "data.image_size=24", "data.eval_crop_fraction=0.875"],
