@@ -97,7 +97,7 @@ def _add_config(commands) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     # Imported here so `ringtrain --help` stays fast.
-    from ringtrain.config import load_config, validate_for_world_size
+    from ringtrain.config import load_config, validate_for_backend, validate_for_world_size
     from ringtrain.dist.group import resolve_backend
     from ringtrain.launch import LaunchOptions, launch
     from ringtrain.train.run import check_resume
@@ -118,7 +118,7 @@ def _train(args: argparse.Namespace) -> int:
     min_workers, max_workers = options.world_size_range()
     for world_size in range(min_workers, max_workers + 1):
         validate_for_world_size(config, world_size)
-    resolve_backend(config.dist.backend)
+    validate_for_backend(config, resolve_backend(config.dist.backend))
     check_resume(config, args.resume, args.resume_from)
 
     # Absolute paths: an agent that joins later (ringtrain join) may start from another folder.

@@ -40,6 +40,7 @@ __all__ = [
     "load_config",
     "parse_override",
     "validate_for_world_size",
+    "validate_for_backend",
     "grad_accum_steps_for",
 ]
 
@@ -50,23 +51,49 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    name: Literal["mlp"] = "mlp"
-    """Architecture: 'mlp' (Linear-ReLU-Linear-ReLU-Linear, for the digits data)."""
+    name: Literal["mlp", "resnet18", "resnet34", "resnet50", "transformer"] = "mlp"
+    """Architecture: 'mlp' (Linear-ReLU-Linear-ReLU-Linear, for the digits data); 'resnet18', 'resnet34',
+    'resnet50' (torchvision's, for image datasets); 'transformer' (decoder-only language model, for text)."""
 
     hidden_sizes: list[int] = Field(default=[128, 64], min_length=1)
     """Widths of the MLP's hidden layers, input side first."""
+
+    small_input_stem: bool = False
+    """ResNet: a 3x3 stride-1 first convolution and no max-pool, for images of about 32 px (ImageNet's
+    stem would shrink them to 8 px before the first block)."""
+
+    n_layers: int = Field(default=4, gt=0)
+    """Transformer: number of blocks."""
+
+    n_heads: int = Field(default=4, gt=0)
+    """Transformer: attention heads per block (d_model must be divisible by it)."""
+
+    d_model: int = Field(default=256, gt=0)
+    """Transformer: width of the residual stream (embedding size)."""
+
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Transformer: dropout rate of embeddings, attention and residual branches."""
 
     @model_validator(mode="after")
     def _positive_sizes(self) -> ModelConfig:
         for size in self.hidden_sizes:
             if size <= 0:
                 raise ValueError(f"hidden_sizes must all be positive, got {self.hidden_sizes}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         return self
 
 
 class DataConfig(Section):
-    dataset: Literal["digits"] = "digits"
-    """Dataset: 'digits' (scikit-learn's bundled 8x8 handwritten digits, 1,797 images, no download)."""
+    dataset: Literal["digits", "digits_images", "imagefolder", "synthetic_images", "text"] = "digits"
+    """Dataset: 'digits' (scikit-learn's bundled 8x8 handwritten digits, 1,797 images, no download, as
+    64-pixel vectors for the MLP); 'digits_images' (the same digits as 1-channel images of image_size px);
+    'imagefolder' (path/train/<class>/*.jpg and path/val/<class>/*.jpg); 'synthetic_images' (generated,
+    for benchmarks); 'text' (a byte-level corpus for the transformer)."""
+
+    path: str | None = None
+    """imagefolder: the folder holding train/ and val/. text: a folder, a file or a glob, where '{stdlib}'
+    stands for Python's standard library folder; unset: the standard library's own .py sources."""
 
     test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
     """Share of the dataset held out for evaluation (stratified by class)."""
@@ -75,7 +102,30 @@ class DataConfig(Section):
     """Seed of the fixed train/test split; keep it constant to compare runs."""
 
     num_workers: int = Field(default=0, ge=0)
-    """DataLoader worker processes per training process (0 loads in the training process)."""
+    """DataLoader worker processes per training process (0 loads in the training process); they persist
+    across epochs."""
+
+    image_size: int = Field(default=32, gt=0)
+    """Images: side in px of the training crops and evaluation centre crops fed to the model."""
+
+    crop_scale_min: float = Field(default=0.08, gt=0.0, le=1.0)
+    """Images: smallest share of the image a RandomResizedCrop keeps (torchvision's default 0.08)."""
+
+    hflip: bool = True
+    """Images: random horizontal flips in training (turn off for digits: a mirrored 3 is no digit)."""
+
+    eval_crop_fraction: float = Field(default=0.875, gt=0.0, le=1.0)
+    """Images: evaluation resizes to image_size / eval_crop_fraction, then centre-crops image_size."""
+
+    synthetic_samples: int = Field(default=4096, gt=0)
+    """synthetic_images: training samples (the test set has test_fraction as many)."""
+
+    num_classes: int = Field(default=10, gt=1)
+    """synthetic_images: number of classes."""
+
+    seq_len: int = Field(default=256, gt=1)
+    """text: the longest sequence in bytes (the model's context); files are cut at line ends into
+    sequences of at most seq_len + 1 bytes."""
 
     ledger: bool = False
     """Record in RUN_DIR/ledger.jsonl, per committed step and rank, the sample ids used (one gather per
@@ -125,6 +175,32 @@ class TrainConfig(Section):
     max_consecutive_nonfinite_steps: int = Field(default=3, gt=0)
     """A step whose loss or gradient is not finite on any rank is skipped by every rank; after this many
     such steps in a row the job stops with an error."""
+
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: 'fp32'; 'bf16' (autocast, CPU or GPU); 'fp16' (autocast with a GradScaler, GPU
+    only). Weights, gradients and optimizer state stay fp32."""
+
+    max_tokens: int | None = Field(default=None, gt=0)
+    """Text: token budget of one micro-batch on one worker (sequences x longest sequence, padding
+    included). Micro-batches are filled with sequences up to it and to local_batch_size sequences; a
+    sequence longer than the budget gets a micro-batch of its own. Unset: local_batch_size sequences."""
+
+    auto_micro_batch: bool = False
+    """On out-of-memory (CUDA) or above memory_budget_mb, every worker halves the micro-batch (and
+    max_tokens) and redoes the step with twice the accumulation; the global batch is unchanged. The
+    step's gradient all-reduce then follows the last backward instead of overlapping it."""
+
+    memory_budget_mb: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """CPU memory (resident set, MB) one worker may use; going above it counts as out of memory
+    (needs auto_micro_batch). Leave room beyond activations: with bf16 the CPU also keeps compiled
+    kernels per tensor shape (megabytes each). Unset: no budget."""
+
+    inject_oom_at_step: int | None = Field(default=None, gt=0)
+    """Fault injection for tests and drills: raise an out-of-memory error in this optimizer step
+    (counted from 1, as in metrics.jsonl; first attempt only) on rank inject_oom_rank. Unset: none."""
+
+    inject_oom_rank: int = Field(default=0, ge=0)
+    """The rank that inject_oom_at_step fails."""
 
 
 class DistConfig(Section):
@@ -204,6 +280,10 @@ class MonitorConfig(Section):
     eval_every_epochs: int = Field(default=1, ge=0)
     """Evaluate on the test split every this many epochs (0: only at the end)."""
 
+    peak_tflops: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """Peak dense TFLOP/s of one worker's device at the run's precision; set, language-model records
+    report MFU (model FLOPs utilisation) against it."""
+
     csv: bool = True
     """Also write the training records as metrics.csv."""
 
@@ -237,6 +317,11 @@ class Config(Section):
                 "comm.algorithm = 'shm' reduces CPU tensors through shared memory and dist.backend = 'nccl' "
                 "trains on GPUs; use comm.algorithm = 'ring' or 'torch'"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _workload_fits(self) -> Config:
+        _check_workload(self)
         return self
 
     def to_toml(self) -> str:
@@ -304,6 +389,65 @@ def validate_for_world_size(config: Config, world_size: int) -> None:
             f"train.grad_accum_steps ({train.grad_accum_steps}) disagrees with global_batch_size "
             f"({train.global_batch_size}) / (local_batch_size ({train.local_batch_size}) * world_size "
             f"({world_size})) = {derived}; set it to {derived} or leave it unset"
+        )
+    if train.inject_oom_at_step is not None and train.inject_oom_rank >= world_size:
+        raise ConfigError(
+            f"train.inject_oom_rank ({train.inject_oom_rank}) must be below world_size ({world_size}); "
+            f"pick a rank from 0 to {world_size - 1}"
+        )
+
+
+_DATASETS_FOR_MODEL = {
+    "mlp": ("digits", "digits_images", "synthetic_images"),
+    "resnet": ("digits_images", "imagefolder", "synthetic_images"),
+    "transformer": ("text",),
+}
+_IMAGENET_LAYOUT = "a folder holding train/<class>/*.jpg and val/<class>/*.jpg"
+
+
+def _check_workload(config: Config) -> None:
+    """Model, data and batching settings that only make sense together; files that must exist."""
+    model, data, train = config.model, config.data, config.train
+    family = "resnet" if model.name.startswith("resnet") else model.name
+    if data.dataset not in _DATASETS_FOR_MODEL[family]:
+        options = " or ".join(f"'{d}'" for d in _DATASETS_FOR_MODEL[family])
+        raise ValueError(f"model.name '{model.name}' cannot train on data.dataset '{data.dataset}'; use {options}")
+    if train.max_tokens is not None and data.dataset != "text":
+        raise ValueError("train.max_tokens batches variable-length text only; unset it or use data.dataset = 'text'")
+    if train.memory_budget_mb is not None and not train.auto_micro_batch:
+        raise ValueError("train.memory_budget_mb needs train.auto_micro_batch = true (going over the budget shrinks the micro-batch)")
+    if data.dataset == "imagefolder":
+        if data.path is None:
+            raise ValueError(f"data.path is required for data.dataset = 'imagefolder'; set it to {_IMAGENET_LAYOUT}")
+        root = Path(data.path).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"data.path '{data.path}' not found; set it to {_IMAGENET_LAYOUT}")
+        for split in ("train", "val"):
+            if not (root / split).is_dir():
+                raise ValueError(f"data.path '{data.path}' has no {split}/ folder; it must be {_IMAGENET_LAYOUT}")
+    if data.dataset == "text":
+        from ringtrain.data.text import corpus_files, split_files  # here: the data package imports this module
+
+        files = corpus_files(data.path)
+        if not files:
+            raise ValueError(
+                f"data.path '{data.path}' matched no files; give a folder, a file or a glob such as "
+                "'corpus/**/*.txt' ('{stdlib}' is Python's standard library folder)"
+            )
+        train_files, val_files = split_files(files, data.test_fraction)
+        if not train_files or not val_files:
+            raise ValueError(
+                f"data.path '{data.path}' splits into {len(train_files)} training and {len(val_files)} "
+                "validation files; both need one at least (match more files or change data.test_fraction)"
+            )
+
+
+def validate_for_backend(config: Config, backend: str) -> None:
+    """Check what depends on the device the workers will use."""
+    if config.train.precision == "fp16" and backend != "nccl":
+        raise ConfigError(
+            f"train.precision = 'fp16' needs CUDA GPUs (GradScaler) but the backend is {backend}; "
+            "use 'bf16' on CPU, or dist.backend = 'nccl' on GPUs"
         )
 
 

@@ -7,7 +7,7 @@ the micro-batch size can change at run time (dynamic batch sizing) without touch
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
 from ringtrain.data.sampler import ResumableSampler, eval_shard
+from ringtrain.data.text import IGNORE_INDEX, padded_length
 
-__all__ = ["StepBatch", "build_train_loader", "build_eval_loader"]
+__all__ = ["StepBatch", "build_train_loader", "build_eval_loader", "pack_by_tokens"]
 
 
 @dataclass
@@ -38,6 +39,24 @@ class StepBatch:
         gradient all-reduce are collectives), so the count is chosen by the caller for all ranks alike.
         """
         return list(zip(torch.tensor_split(self.inputs, count), torch.tensor_split(self.targets, count)))
+
+    def token_micro_batches(self, max_tokens: int, max_sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Split padded sequences into micro-batches of at most ``max_tokens`` padded tokens (sequences x
+        the longest) and ``max_sequences`` sequences, each trimmed to its longest sequence.
+
+        Longest first, so sequences of similar length share a micro-batch and little is padding. The loss
+        is a sum over real tokens, so how sequences are grouped does not change the step's gradient.
+        Lengths count as padded to a multiple of PAD_MULTIPLE (few distinct shapes).
+        """
+        width = self.targets.shape[1]
+        lengths = (self.targets != IGNORE_INDEX).sum(dim=1)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        padded = [padded_length(n, width) for n in lengths[order].tolist()]
+        micro = []
+        for group in pack_by_tokens(padded, max_tokens, max_sequences):
+            rows = order[group[0] : group[-1] + 1]
+            micro.append((self.inputs[rows, : padded[group[0]]], self.targets[rows, : padded[group[0]]]))
+        return micro
 
     def to(self, device: torch.device) -> StepBatch:
         non_blocking = device.type == "cuda"
@@ -67,14 +86,16 @@ class _Indexed(Dataset):
 class _StepCollator:
     """Stacks one step's samples; an empty share (a short last window) still gets tensors of 0 rows."""
 
-    def __init__(self, dataset: Dataset):
-        self.example = default_collate([dataset[0]])
+    def __init__(self, dataset: Dataset, collate: Callable | None = None):
+        self.collate = collate or default_collate
+        self.example = self.collate([dataset[0]])
 
     def __call__(self, samples: Sequence[tuple]) -> StepBatch:
         if not samples:
             empty = [t[:0] for t in self.example]
             return StepBatch(torch.empty(0, dtype=torch.long), *empty)
-        ids, inputs, targets = default_collate(samples)
+        ids = torch.as_tensor([sample[0] for sample in samples])
+        inputs, targets = self.collate([sample[1:] for sample in samples])
         return StepBatch(ids, inputs, targets)
 
 
@@ -100,12 +121,13 @@ def build_train_loader(
     world_size: int,
     num_workers: int = 0,
     pin_memory: bool = False,
+    collate_fn: Callable | None = None,
 ) -> DataLoader:
     """A loader that restarts from the sampler's cursor each time it is iterated."""
     return DataLoader(
         _Indexed(dataset),
         batch_sampler=_StepShards(sampler, rank, world_size),
-        collate_fn=_StepCollator(dataset),
+        collate_fn=_StepCollator(dataset, collate_fn),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
@@ -116,7 +138,13 @@ def build_train_loader(
 
 
 def build_eval_loader(
-    dataset: Dataset, rank: int, world_size: int, batch_size: int, num_workers: int = 0
+    dataset: Dataset,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    num_workers: int = 0,
+    collate_fn: Callable | None = None,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """Every test sample exactly once across ranks (ranks may get one sample more or less)."""
     return DataLoader(
@@ -126,4 +154,25 @@ def build_eval_loader(
         num_workers=num_workers,
         # Not from the global RNG: an evaluation must not shift the training's random stream.
         generator=torch.Generator().manual_seed(0),
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
     )
+
+
+def pack_by_tokens(lengths: Sequence[int], max_tokens: int, max_items: int) -> list[list[int]]:
+    """Greedy groups of consecutive positions of ``lengths`` (sorted longest first) such that
+    ``len(group) * lengths[group[0]] <= max_tokens`` and ``len(group) <= max_items``; an item longer
+    than ``max_tokens`` forms a group alone.
+
+        >>> pack_by_tokens([5, 4, 4, 2, 1], max_tokens=8, max_items=4)
+        [[0], [1, 2], [3, 4]]
+    """
+    groups: list[list[int]] = []
+    for position, length in enumerate(lengths):
+        group = groups[-1] if groups else None
+        if group is None or len(group) >= max_items or (len(group) + 1) * lengths[group[0]] > max_tokens:
+            groups.append([position])
+        else:
+            group.append(position)
+    return groups

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch.utils.data import Dataset
 
@@ -14,4 +16,10 @@ class DatasetSplit:
     train: Dataset
     test: Dataset
     num_classes: int
+    """Classes of a classifier; for text, the vocabulary size."""
     input_shape: tuple[int, ...]
+    """One sample's input shape; for text, (seq_len,), the longest sequence."""
+    collate_fn: Callable[[list], Any] | None = None
+    """How to batch samples (None: torch's default_collate); text pads variable-length sequences."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """Facts about the data for the run's summary (e.g. the text corpus's unigram entropy)."""

@@ -39,6 +39,10 @@ class CommTimer:
         self._lock = threading.Lock()
         self._comm_s = 0.0
         self._steps = 0
+        self.buckets = 0
+        """Gradient buckets handed to communication since the timer was made."""
+        self.syncs = 0
+        """Completed gradient synchronisations (a bucket marked last, for DDP) since the timer was made."""
         self._reset_backward()
 
     def _reset_backward(self) -> None:
@@ -52,7 +56,7 @@ class CommTimer:
         def timed_hook(state, bucket):
             called = time.perf_counter()
             future = hook(state, bucket)
-            self.launched(called)
+            self.launched(called, last=bucket.is_last())
 
             def record(done: torch.futures.Future) -> torch.Tensor:
                 self.completed(called)
@@ -63,8 +67,11 @@ class CommTimer:
         timed_hook.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
         return timed_hook
 
-    def launched(self, called: float) -> None:
-        """A bucket's communication was handed over at ``called`` (perf_counter) and the call returned now."""
+    def launched(self, called: float, last: bool = False) -> None:
+        """A bucket's communication was handed over at ``called`` (perf_counter) and the call returned now;
+        ``last``: the backward's last bucket (the synchronisation is complete once it is)."""
+        self.buckets += 1
+        self.syncs += last
         returned = time.perf_counter()
         self._inside_hooks_s += returned - called
         self._last_return = returned

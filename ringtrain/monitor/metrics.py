@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["StepClock"]
+__all__ = ["StepClock", "model_flops_utilization"]
 
 
 class StepClock:
@@ -29,6 +29,7 @@ class StepClock:
         self.phase_totals: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.samples = 0
+        self.tokens = 0
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -44,9 +45,10 @@ class StepClock:
         self.phase_totals[source] -= seconds
         self.phase_totals[target] += seconds
 
-    def end_step(self, samples: int) -> None:
+    def end_step(self, samples: int, tokens: int = 0) -> None:
         self.steps += 1
         self.samples += samples
+        self.tokens += tokens
 
     def flush(self) -> dict[str, float]:
         """Means over the steps since the last flush, then start a new interval."""
@@ -57,7 +59,15 @@ class StepClock:
             "step_time_s": elapsed / steps,
             "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
         }
+        if self.tokens:
+            record["tokens_per_s"] = self.tokens / elapsed if elapsed > 0 else 0.0
         for name, total in self.phase_totals.items():
             record[f"time/{name}_s"] = total / steps
         self._reset(now)
         return record
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: float, workers: int, peak_tflops: float) -> float:
+    """Share of the workers' peak FLOP/s that the model's own arithmetic used (PaLM's MFU): FLOPs per
+    token (6N + 12*L*H*Q*T for a Transformer) times tokens/s over all workers, against workers x peak."""
+    return tokens_per_s * flops_per_token / (workers * peak_tflops * 1e12)

@@ -213,6 +213,7 @@ class BucketedDataParallel(nn.Module):
                 self._launch(bucket)
             for work in self._pending:
                 work.wait()
+            self.comm_timer.syncs += 1
         finally:
             self._next_bucket = 0
             self._pending = []

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.config import Config
+from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
 from ringtrain.dist.group import DistContext
@@ -15,9 +15,11 @@ from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
+from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
-from ringtrain.train.tasks import ClassificationTask
+from ringtrain.train.precision import Precision
+from ringtrain.train.tasks import build_task
 
 __all__ = ["build_trainer", "planned_steps"]
 
@@ -25,6 +27,7 @@ __all__ = ["build_trainer", "planned_steps"]
 def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | None = None) -> Trainer:
     run_dir = Path(config.run_dir)
     train_cfg = config.train
+    validate_for_backend(config, ctx.backend)
     # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's anyway).
     torch.manual_seed(train_cfg.seed)
     data = build_datasets(config.data)
@@ -34,6 +37,8 @@ def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | No
     optimizer = build_optimizer(train_cfg, model.parameters())
     sampler = ResumableSampler(len(data.train), train_cfg.global_batch_size, seed=train_cfg.seed)
     total_steps = planned_steps(config, sampler.steps_per_epoch)
+    task = build_task(config.data.dataset)
+    pin_memory = ctx.device.type == "cuda"
     parts = TrainParts(
         model=wrapped,
         strategy=strategy,
@@ -46,15 +51,25 @@ def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | No
             ctx.rank,
             ctx.world_size,
             num_workers=config.data.num_workers,
-            pin_memory=ctx.device.type == "cuda",
+            pin_memory=pin_memory,
+            collate_fn=data.collate_fn,
         ),
         eval_loader=build_eval_loader(
-            data.test, ctx.rank, ctx.world_size, batch_size=train_cfg.local_batch_size * 4
+            data.test,
+            ctx.rank,
+            ctx.world_size,
+            batch_size=train_cfg.local_batch_size * 4,
+            num_workers=config.data.num_workers,
+            collate_fn=data.collate_fn,
+            pin_memory=pin_memory,
         ),
-        task=ClassificationTask(),
+        task=task,
         total_steps=total_steps,
         ledger=build_ledger(config.data.ledger, run_dir, len(data.train), ctx.rank),
         job_store=job_store or NullJobStore(),
+        precision=Precision(train_cfg.precision, ctx.device),
+        batcher=MicroBatcher(train_cfg, task, ctx.rank, ctx.world_size, ctx.device),
+        data_stats=data.stats,
     )
     checkpoints = CheckpointManager(
         run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0

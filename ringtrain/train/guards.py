@@ -118,12 +118,13 @@ class StepGuard:
         self.stop_signal = stop_signal
         self.last_problem = ""
 
-    def check(self, loss_sum: torch.Tensor, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-        """This rank's flags: [loss bad per rank, gradient bad per rank, stop] (only its own slots set)."""
+    def check(self, loss_sum: torch.Tensor, parameters: Iterable[torch.nn.Parameter], gradients: bool = True) -> torch.Tensor:
+        """This rank's flags: [loss bad per rank, gradient bad per rank, stop] (only its own slots set).
+        ``gradients=False`` leaves the gradients to someone else (fp16's scaler skips overflows itself)."""
         size = self.world_size
         flags = torch.zeros(2 * size + 1, device=self.device)
         flags[self.rank] = float(not torch.isfinite(loss_sum.detach()).all())
-        flags[size + self.rank] = float(not _grads_finite(parameters))
+        flags[size + self.rank] = float(gradients and not _grads_finite(parameters))
         flags[2 * size] = float(self.stop_signal.requested)
         return flags
 

@@ -1,16 +1,15 @@
 """The training loop: read it top to bottom to see the distributed story.
 
 Each optimizer step takes the next window of ``global_batch_size`` samples of the epoch's order; this
-rank's share arrives as one StepBatch and is cut into micro-batches. Every micro-batch but the last runs
-inside ``strategy.no_sync`` (no all-reduce); the last backward synchronises, so there is exactly one
-gradient all-reduce per optimizer step. Losses are summed per item and scaled by
-``world_size / items_in_window``, so after the strategy averages over workers the gradient is the mean
-over the whole window, exactly as one process would compute it on the full batch.
+rank's share arrives as one StepBatch. ``GradientStep`` (train/step.py) cuts it into micro-batches (a
+fixed size, or a token budget for text), accumulates their gradients with one all-reduce on the last
+backward, and normalises losses by the window's global item count, so the gradient equals the full
+batch's.
 
 After the backward, one small all-reduce (``StepGuard.agree``) tells every rank whether any rank saw a
 non-finite loss or gradient (then all skip the update) or a stop signal (then all checkpoint and exit).
 Collectives run under ``CollectiveWatch``, so a dead or stopped peer becomes one line naming the rank, the
-operation and the step.
+operation and the step. Every part of a step is booked in a ``StepClock`` phase for the breakdown.
 """
 
 from __future__ import annotations
@@ -18,59 +17,31 @@ from __future__ import annotations
 import math
 import signal
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import DataLoader
 
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.rng import gather_rng_states, restore_rng_state, seed_fresh_rank
 from ringtrain.config import Config
 from ringtrain.errors import CheckpointError
-from ringtrain.data.ledger import NullLedger
 from ringtrain.data.loader import StepBatch
-from ringtrain.data.sampler import ResumableSampler
 from ringtrain.dist.group import DistContext
-from ringtrain.dist.jobstore import NullJobStore, PreviousAttempt
+from ringtrain.dist.jobstore import PreviousAttempt
 from ringtrain.dist.watch import CollectiveWatch
 from ringtrain.monitor.loggers import Logger
 from ringtrain.monitor.memory import memory_mb
-from ringtrain.monitor.metrics import StepClock
+from ringtrain.monitor.metrics import StepClock, model_flops_utilization
 from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
-from ringtrain.parallel import Strategy
 from ringtrain.train.evaluate import evaluate
 from ringtrain.train.guards import StepGuard, Stopped, StopSignal, Verdict, check_replicas
 from ringtrain.train.resume import ResumePlan, check_same_choice, config_changes, pick_checkpoint, resume_record
 from ringtrain.train.state import TrainState
-from ringtrain.train.tasks import ClassificationTask
+from ringtrain.train.parts import TrainParts
+from ringtrain.train.step import GradientStep
 
-__all__ = ["TrainParts", "Trainer"]
-
-
-@dataclass
-class TrainParts:
-    """Everything the trainer works on, built beforehand by ``build_trainer``."""
-
-    model: nn.Module
-    """The model as wrapped by the strategy."""
-    strategy: Strategy
-    optimizer: torch.optim.Optimizer
-    scheduler: LRScheduler
-    sampler: ResumableSampler
-    train_loader: DataLoader
-    eval_loader: DataLoader
-    task: ClassificationTask
-    total_steps: int
-    """Optimizer steps of the whole run (the lr schedule spans them)."""
-    ledger: NullLedger = field(default_factory=NullLedger)
-    """Records each step's sample ids (``[data] ledger``); the null ledger records nothing."""
-    job_store: NullJobStore = field(default_factory=NullJobStore)
-    """Keys that outlive the workers: progress and heartbeats (``dist/jobstore.py``)."""
+__all__ = ["TrainParts", "Trainer"]  # TrainParts re-exported: builders import it from here
 
 
 class Trainer:
@@ -85,8 +56,11 @@ class Trainer:
         self.checkpoints = checkpoints
         self.state = TrainState()
         self.clock = StepClock()
-        self.micro_batch_size = config.train.local_batch_size
+        self.batcher = parts.batcher
+        self.precision = parts.precision
+        self.gradient = GradientStep(parts, self.clock, ctx.world_size, ctx.device)
         self.total_steps = parts.total_steps
+        self.tokens_seen = 0
         self.last_loss = math.nan
         self.last_eval: dict[str, Any] = {}
         self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s)
@@ -111,6 +85,8 @@ class Trainer:
             "scheduler": self.parts.scheduler.state_dict(),
             "sampler": self.parts.sampler.state_dict(),
             "train_state": self.state.state_dict(),
+            "precision": self.precision.state_dict(),
+            "micro_batch": self.batcher.state_dict(),
             "rng": gather_rng_states(),
             "world_size": self.ctx.world_size,
             "config": self.config.to_toml(),
@@ -123,6 +99,9 @@ class Trainer:
         self.parts.scheduler.load_state_dict(state["scheduler"])
         self.parts.sampler.load_state_dict(state["sampler"])
         self.state.load_state_dict(state["train_state"])
+        self.precision.load_state_dict(state.get("precision", {}))
+        if "micro_batch" in state:
+            self.batcher.load_state_dict(state["micro_batch"])
         rng = state.get("rng") or []
         if self.ctx.rank < len(rng):
             restore_rng_state(rng[self.ctx.rank])
@@ -168,7 +147,8 @@ class Trainer:
         self.parts.ledger.start(self.state.step)
         start = time.perf_counter()
         start_samples = self.state.samples_seen
-        self.clock = StepClock()
+        self.tokens_seen = 0
+        self.clock.flush()  # start the first interval now
         with self.stop_signal:
             while not self.finished:
                 batches = iter(self.parts.train_loader)  # the rest of this epoch, from the sampler's cursor
@@ -199,49 +179,47 @@ class Trainer:
         """One optimizer step on this rank's share of the next window (skipped on every rank when any
         rank's loss or gradient is not finite)."""
         step = self.state.step + 1
-        world_size = self.ctx.world_size
         window = self.parts.sampler.next_window_size()
-        # Same micro-batch count on every rank (each forward/backward may run collectives).
-        micro_count = max(1, math.ceil(math.ceil(window / world_size) / self.micro_batch_size))
-        loss_scale = world_size / window
         with self.clock.phase("data"):
-            micro_batches = batch.to(self.ctx.device).micro_batches(micro_count)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        with self.clock.phase("forward_backward"), self.watch.op("all_reduce (DDP gradient sync)", step):
-            for index, (inputs, targets) in enumerate(micro_batches):
-                is_last = index == len(micro_batches) - 1
-                # Accumulation micro-steps skip gradient sync; only the last backward all-reduces.
-                with nullcontext() if is_last else self.parts.strategy.no_sync(self.model):
-                    loss = self.parts.task.loss_sum(self.model(inputs), targets)
-                    (loss * loss_scale).backward()
-                loss_sum += loss.detach()
-        # Backward included the wait for the gradient all-reduce; book that part as communication.
-        self.clock.move("forward_backward", "comm_exposed", self.comm_timer.backward_done())
-        # One all-reduce: did any rank see a non-finite loss or gradient (all skip), or a stop signal?
+            batch = batch.to(self.ctx.device)
+        with self.watch.op("all_reduce (DDP gradient sync)", step):
+            loss_sum, items = self.gradient.run(batch, window, step, on_shrink=self.logger.log)
         with self.clock.phase("optimizer"):
-            flags = self.guard.check(loss_sum, self.model.parameters())
+            # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient. Its
+            # scaler skips overflowing steps itself; those are not bad steps.
+            self.precision.unscale_(self.parts.optimizer)
+            flags = self.guard.check(loss_sum, self.model.parameters(), gradients=not self.precision.skips_overflow)
+        # One all-reduce: did any rank see a non-finite loss or gradient (all skip), or a stop signal?
         with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
             verdict = self.guard.agree(flags)
         with self.clock.phase("optimizer"):
-            if not verdict.skip:
+            if verdict.skip:
+                self.precision.skip(self.parts.optimizer)
+            else:
                 if self.config.train.grad_clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip_norm)
-                self.parts.optimizer.step()
+                self.precision.step(self.parts.optimizer)
             self.parts.scheduler.step()
             self.parts.optimizer.zero_grad(set_to_none=True)
         with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
             self.parts.ledger.record(step, self.state.epoch, batch.indices.tolist(), skipped=verdict.skip)
-        self.parts.sampler.advance()
-        self.state.step = step
-        self.state.samples_seen += window
-        self.parts.job_store.record_progress(step)
-        self.clock.end_step(window)
-        self.comm_timer.end_step()
-        self._step_loss = (loss_sum, window)
+        self._commit(step, window, items, loss_sum)
         if verdict.skip:
             self.logger.log({"type": "skip", "step": step, "reason": verdict.describe()})
         self.guard.count(verdict, self.state, step)
         return verdict
+
+    def _commit(self, step: int, window: int, items: int, loss_sum: torch.Tensor) -> None:
+        """The step is done: move the data cursor and every counter past it."""
+        self.parts.sampler.advance()
+        self.state.step = step
+        self.state.samples_seen += window
+        tokens = 0 if self.parts.task.items_are_samples else items
+        self.tokens_seen += tokens
+        self.parts.job_store.record_progress(step)
+        self.clock.end_step(window, tokens=tokens)
+        self.comm_timer.end_step()
+        self._step_loss = (loss_sum, items)
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1
@@ -258,22 +236,23 @@ class Trainer:
         timing = self.clock.flush()
         with self.clock.phase("monitor"):
             memory = memory_mb(self.ctx.device)
-        loss_sum, window = self._step_loss
+        loss_sum, items = self._step_loss
         busy_s = timing.get("time/data_s", 0.0) + timing.get("time/forward_backward_s", 0.0)
         # Every rank takes part in this collective; only rank 0's logger writes the record. It waits for
         # the slowest rank like the gradient all-reduce would, so it is booked as exposed communication.
         with self.clock.phase("comm_exposed"), self.watch.op("all_gather (metrics of every rank)", self.state.step):
             ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"])
         with self.clock.phase("monitor"):
-            self._log_train_record(timing, memory, ranks, window)
+            self._log_train_record(timing, memory, ranks, items)
 
-    def _log_train_record(self, timing: dict, memory: dict, ranks: RankStats, window: int) -> None:
-        self.last_loss = ranks.loss_sum / window
+    def _log_train_record(self, timing: dict, memory: dict, ranks: RankStats, items: int) -> None:
+        self.last_loss = ranks.loss_sum / items
         record = {
             "type": "train",
             "step": self.state.step,
             "epoch": self.state.epoch,
             "loss": self.last_loss,
+            **self.parts.task.train_metrics(self.last_loss),
             "lr": self.parts.scheduler.get_last_lr()[0],
             **timing,
             **self.comm_timer.flush(),
@@ -283,6 +262,7 @@ class Trainer:
             "straggler/rank": ranks.slowest_rank,
             "straggler/lag_s": ranks.lag_s,
         }
+        record.update(self._utilization(record.get("tokens_per_s")))
         self.logger.log(record)
 
     def _maybe_checkpoint(self) -> None:
@@ -329,14 +309,24 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, Any]:
         with self.watch.op("all_reduce (evaluation sums)", self.state.step):
-            metrics = evaluate(self.module, self.parts.eval_loader, self.parts.task, self.ctx.device)
+            metrics = evaluate(
+                self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast
+            )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics
+
+    def _utilization(self, tokens_per_s: float | None) -> dict[str, float]:
+        """MFU of a language model, when the config names the device's peak."""
+        flops_per_token = getattr(self.module, "flops_per_token", None)
+        peak_tflops = self.config.monitor.peak_tflops
+        if tokens_per_s is None or flops_per_token is None or peak_tflops is None:
+            return {}
+        return {"mfu": model_flops_utilization(tokens_per_s, flops_per_token(), self.ctx.world_size, peak_tflops)}
 
     def _summary(self, wall_s: float, samples: int) -> dict[str, Any]:
         with self.watch.op("all_gather (parameter digests)", self.state.step):
             digests = check_replicas(self.module, self.state.step)
-        return {
+        summary = {
             "world_size": self.ctx.world_size,
             "steps": self.state.step,
             "epochs": round(self.state.samples_seen / self.parts.sampler.num_samples, 3),
@@ -344,11 +334,18 @@ class Trainer:
             "samples_per_s": round(samples / wall_s, 1) if wall_s > 0 else 0.0,
             "final_loss": None if math.isnan(self.last_loss) else self.last_loss,
             "eval": {k: v for k, v in self.last_eval.items() if k != "count"},
+            "micro_batch_size": self.batcher.micro_batch_size,
             "restarts": self.previous.starts - 1,
             "steps_lost": self.parts.job_store.steps_lost(),
             "skipped_steps": self.state.skipped_steps,
             "param_sha256": digests,
         }
+        if self.tokens_seen and wall_s > 0:
+            summary["tokens_per_s"] = round(self.tokens_seen / wall_s, 1)
+            summary.update(self._utilization(self.tokens_seen / wall_s))
+        if self.parts.data_stats:
+            summary["data"] = self.parts.data_stats
+        return summary
 
 
 def _first_line(err: BaseException) -> str:

@@ -15,7 +15,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 
 from tests.chaos.jobs import Job, assert_loopback_only
 from tests.conftest import REPO, run_cli

@@ -12,8 +12,13 @@ from ringtrain.monitor.comm_timer import CommTimer
 
 
 class Bucket:
+    """What a hook uses of DDP's GradBucket."""
+
     def buffer(self) -> torch.Tensor:
         return torch.ones(4)
+
+    def is_last(self) -> bool:
+        return True
 
 
 def blocking_hook(state, bucket):
@@ -63,6 +68,13 @@ def test_communication_overlapped_with_compute_is_not_exposed():
     timer.end_step()
     assert 0.008 <= exposed < 0.03, "only the last bucket's wait is exposed"
     assert 0.035 <= timer.flush()["time/comm_s"] < 0.5, "both buckets' communication counts in total"
+
+
+def test_counts_buckets_and_synchronisations():
+    timer = CommTimer()
+    for _ in range(3):
+        timer.wrap(blocking_hook)(None, Bucket()).wait()
+    assert (timer.buckets, timer.syncs) == (3, 3)
 
 
 def test_no_communication_means_no_exposed_time():

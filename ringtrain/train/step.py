@@ -1,0 +1,134 @@
+"""One optimizer step's gradient: forward and backward over its micro-batches, synchronised once.
+
+Every micro-batch but the last runs inside ``strategy.no_sync`` (no all-reduce); the last backward
+synchronises, so there is exactly one gradient all-reduce per optimizer step. Losses are summed per item
+(sample or token) and scaled by ``world_size / items_in_window``, so after the strategy averages over
+workers the gradient is the mean over the whole window, exactly as one process would compute it on the
+full batch.
+
+With ``train.auto_micro_batch`` a step survives running out of memory: see ``GradientStep.run``.
+
+    gradient = GradientStep(parts, clock, world_size, device)
+    loss_sum, items = gradient.run(batch, window, step, on_shrink=logger.log)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from ringtrain.data.loader import StepBatch
+from ringtrain.monitor.metrics import StepClock
+from ringtrain.parallel import Strategy
+from ringtrain.train.batch_size import OUT_OF_MEMORY, BufferSnapshot, MicroBatcher, StepPlan
+from ringtrain.train.parts import TrainParts
+from ringtrain.train.precision import Precision
+from ringtrain.train.tasks import Task
+
+__all__ = ["GradientStep"]
+
+
+class GradientStep:
+    """Computes a step's synchronised gradient; books forward/backward and exposed communication."""
+
+    def __init__(self, parts: TrainParts, clock: StepClock, world_size: int, device: torch.device):
+        self.parts = parts
+        self.model = parts.model
+        """The model as wrapped by the strategy (its backward synchronises)."""
+        self.module = parts.strategy.unwrap(parts.model)
+        self.clock = clock
+        self.world_size = world_size
+        self.device = device
+
+    # The parts are read when used, so a part swapped after building (a test's task) takes effect.
+    @property
+    def batcher(self) -> MicroBatcher:
+        return self.parts.batcher
+
+    @property
+    def task(self) -> Task:
+        return self.parts.task
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.parts.strategy
+
+    @property
+    def precision(self) -> Precision:
+        return self.parts.precision
+
+    def run(self, batch: StepBatch, window: int, step: int, on_shrink: Callable[[dict], None]) -> tuple[torch.Tensor, int]:
+        """Accumulate step ``step``'s gradient; returns (this rank's loss sum, items in the window).
+
+        A recoverable step (auto_micro_batch) runs every micro-batch on the bare module, where no forward
+        or backward runs a collective (DDP's forward can broadcast buffers), so a rank that runs out of
+        memory can stop anywhere without leaving the others waiting in one. Then one all-reduce tells
+        every rank whether all fitted: if so, a closing pass through the strategy synchronises the
+        gradients (still exactly one all-reduce); if not, every rank drops the gradients, halves the
+        micro-batch and redoes the step (``on_shrink`` gets the record). The price: that all-reduce no
+        longer overlaps the last backward.
+        """
+        if not self.batcher.recoverable:
+            plan = self._plan(batch, window)
+            with self.clock.phase("forward_backward"):
+                loss_sum = self._accumulate(plan, self.model, step)
+            self._book_exposed_communication()
+            return loss_sum, plan.global_items
+        buffers = BufferSnapshot(self.module)
+        while True:
+            plan = self._plan(batch, window)
+            with self.clock.phase("forward_backward"):
+                try:
+                    loss_sum, error = self._accumulate(plan, self.module, step), None
+                except OUT_OF_MEMORY as err:
+                    # Keep the message only: the traceback would keep the attempt's activations alive.
+                    loss_sum, error = None, str(err)
+            with self.clock.phase("comm_exposed"):
+                failed = self.batcher.failed_ranks(error)
+            if not failed:
+                with self.clock.phase("forward_backward"):
+                    self._sync_gradients(batch)
+                self._book_exposed_communication()
+                return loss_sum, plan.global_items
+            for param in self.module.parameters():
+                param.grad = None
+            buffers.restore()
+            on_shrink(self.batcher.shrink(step, failed))
+
+    def _plan(self, batch: StepBatch, window: int) -> StepPlan:
+        # Cutting micro-batches is data preparation (for text it includes the step's token-count all-reduce).
+        with self.clock.phase("data"):
+            return self.batcher.plan(batch, window)
+
+    def _accumulate(self, plan: StepPlan, model: nn.Module, step: int) -> torch.Tensor:
+        """Forward and backward over the plan's micro-batches; returns this rank's loss sum."""
+        loss_scale = self.world_size / plan.global_items
+        loss_sum = torch.zeros((), device=self.device)
+        last = len(plan.micro_batches) - 1
+        for index, (inputs, targets) in enumerate(plan.micro_batches):
+            # Accumulation micro-steps skip gradient sync; only the last backward all-reduces
+            # (in a recoverable step none does: _sync_gradients follows).
+            sync = index == last and model is self.model
+            with nullcontext() if sync else self.strategy.no_sync(self.model):
+                with self.precision.autocast():
+                    loss = self.task.loss_sum(model(inputs), targets)
+                self.batcher.after_forward(step, is_last=index == last)
+                self.precision.scale(loss * loss_scale).backward()
+                self.batcher.check_budget()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def _sync_gradients(self, batch: StepBatch) -> None:
+        """A recoverable step's one gradient all-reduce, run by the strategy: a forward of zero samples
+        through the wrapped model and a backward of zero make every parameter's gradient "ready" (adding
+        nothing to it), which is what triggers the strategy's synchronisation."""
+        outputs = self.model(batch.inputs[:0])
+        zero = outputs.sum() + sum(p.sum() for p in self.module.parameters())
+        (zero * 0.0).backward()
+
+    def _book_exposed_communication(self) -> None:
+        # The synchronising backward included the wait for the gradient all-reduce: book it as communication.
+        self.clock.move("forward_backward", "comm_exposed", self.strategy.comm_timer.backward_done())

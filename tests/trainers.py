@@ -1,0 +1,61 @@
+"""Real Trainers inside ``run_distributed`` workers, and the tools tests use on them.
+
+    def check(rank, world_size, run_dir):
+        trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", ["train.max_steps=3"], run_dir)
+        counter = count_gradient_syncs(trainer)
+        trainer.fit()
+        return counter.syncs
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ringtrain.config import load_config, validate_for_world_size
+from ringtrain.dist.env import DistEnv
+from ringtrain.dist.group import DistContext
+from ringtrain.monitor.comm_timer import CommTimer
+from ringtrain.train.build import build_trainer
+from ringtrain.train.loop import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+
+__all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params", "make_image_folder"]
+
+
+def build_test_trainer(
+    rank: int, world_size: int, config: str | Path, overrides: list[str], run_dir: str | Path
+) -> Trainer:
+    """The trainer `ringtrain train` would build, on this harness's Gloo group (no progress bar)."""
+    config = load_config(REPO / config, [*overrides, "monitor.progress=false"], run_dir=str(run_dir))
+    validate_for_world_size(config, world_size)
+    ctx = DistContext(
+        DistEnv(rank=rank, world_size=world_size), "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size
+    )
+    return build_trainer(config, ctx)
+
+
+def count_gradient_syncs(trainer: Trainer) -> CommTimer:
+    """The trainer strategy's CommTimer, which DDP's reducer calls for every bucket it all-reduces:
+    ``.buckets`` handed over and ``.syncs`` completed (the bucket DDP marks last) since it was made."""
+    return trainer.comm_timer
+
+
+def flat_params(module: torch.nn.Module) -> np.ndarray:
+    """The parameters as one numpy vector: a numpy array crosses the harness's queue by value (a tensor
+    would go through shared memory, gone when the worker exits)."""
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
+
+
+def make_image_folder(root: Path, train_per_class: int = 3, val_per_class: int = 2) -> None:
+    """Two classes of solid-colour JPEGs of several sizes, in the ImageNet layout."""
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for label, colour in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (48 + 8 * (i % 4), 40), colour).save(folder / f"{i}.jpg")
