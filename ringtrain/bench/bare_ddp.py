@@ -56,7 +56,7 @@ def main() -> None:
     order = np.random.default_rng([train.seed, epoch]).permutation(len(data.train))
     while step < args.steps:
         window = order[cursor : cursor + train.global_batch_size]
-        inputs, targets = default_collate([data.train[i] for i in window[rank::world_size]])
+        inputs, targets = default_collate([data.train[i] for i in window[rank::world_size].tolist()])
         # ringtrain's rule: a short last window of an epoch needs fewer micro-batches.
         count = math.ceil(math.ceil(len(window) / world_size) / train.local_batch_size)
         micro = list(zip(torch.tensor_split(inputs, count), torch.tensor_split(targets, count)))

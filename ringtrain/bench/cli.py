@@ -55,6 +55,7 @@ def _add_train(benchmarks) -> None:
     train.add_argument("--accum", default="1", help="gradient accumulation steps, comma separated (default 1)")
     train.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     train.add_argument("--interval", type=int, default=5, help="steps per timing interval (default 5)")
+    train.add_argument("--repeat", type=int, default=1, help="runs of every case, taking turns (default 1)")
     train.add_argument("--out", default="bench-out/train", help="output folder (default bench-out/train)")
     train.set_defaults(handler=_bench_train)
 
@@ -93,6 +94,7 @@ def _bench_train(args: argparse.Namespace) -> int:
         out_dir=Path(args.out),
         steps=args.steps,
         interval=args.interval,
+        repeat=_int_list(str(args.repeat), "--repeat")[0],
         overrides=args.overrides,
     )
     print(write_train_bench(results, Path(args.out), "ringtrain " + " ".join(sys.argv[1:])), end="")

@@ -96,9 +96,12 @@ def run_train_bench(
     out_dir: Path,
     steps: int = 40,
     interval: int = 5,
+    repeat: int = 1,
     overrides: list[str] = (),
 ) -> list[TrainResult]:
-    """Run every case one after another (never two at once: they would share the cores)."""
+    """Run every case one after another (never two at once: they would share the cores). With ``repeat``
+    above 1 the cases take turns (bare, ringtrain..., bare, ringtrain...) so slow spells of a shared machine
+    hit all of them alike; each case's intervals are pooled."""
     from ringtrain.config import load_config
 
     base = load_config(config, list(overrides))
@@ -118,18 +121,27 @@ def run_train_bench(
                 "monitor.progress=false",
                 f"checkpoint.every_steps={steps + 1}",
             ]
-            bare = _run_bare(config, TrainCase("bare", nproc, accum), settings, out_dir, steps, interval)
+            bare_case = TrainCase("bare", nproc, accum)
+            cases = [TrainCase("ringtrain", nproc, accum, s, a) for s, a in strategies]
+            bare_times: list[float] = []
+            records: dict[TrainCase, list[dict]] = {case: [] for case in cases}
+            for _ in range(repeat):
+                bare_times += _run_bare(config, bare_case, settings, out_dir, steps, interval)
+                for case in cases:
+                    records[case] += _run_ringtrain(config, case, settings, out_dir)
+            bare = TrainResult(bare_case, statistics.median(bare_times), 0, local * accum * nproc)
+            bare.samples_per_s = bare.global_batch_size / bare.median_step_s
             results.append(bare)
-            for strategy, algorithm in strategies:
-                case = TrainCase("ringtrain", nproc, accum, strategy, algorithm)
-                result = _run_ringtrain(config, case, settings, out_dir)
+            for case in cases:
+                result = _ringtrain_result(case, records[case], bare.global_batch_size)
                 _compare_with_bare(result, bare, out_dir)
                 results.append(result)
     _add_scaling_efficiency(results)
     return results
 
 
-def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: Path) -> TrainResult:
+def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: Path) -> list[dict]:
+    """One run of `ringtrain train`; its training records after the first (warm-up) interval."""
     run_dir = _fresh_run_dir(out_dir, case)
     args = ["train", config, "--nproc", str(case.world_size), "--run-dir", str(run_dir)]
     for setting in [*settings, f"comm.strategy={case.strategy}"] + (
@@ -138,17 +150,21 @@ def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: P
         args += ["--set", setting]
     _run([sys.executable, "-m", "ringtrain", *args], case)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in records if r.get("type") == "train"][1:]  # the first interval is warm-up
+    steady = [r for r in records if r.get("type") == "train"][1:]
     if not steady:
         raise RingtrainError(f"{case.name}: too few logged intervals; raise --steps")
+    return steady
+
+
+def _ringtrain_result(case: TrainCase, steady: list[dict], global_batch_size: int) -> TrainResult:
     step_s = statistics.median(r["step_time_s"] for r in steady)
     breakdown = {p: statistics.fmean(r.get(f"time/{p}_s", 0.0) for r in steady) for p in _PHASES}
     mean_step = statistics.fmean(r["step_time_s"] for r in steady)
     return TrainResult(
         case=case,
         median_step_s=step_s,
-        samples_per_s=statistics.median(r["samples_per_s"] for r in steady),
-        global_batch_size=_global_batch(run_dir),
+        samples_per_s=global_batch_size / step_s,
+        global_batch_size=global_batch_size,
         breakdown_s=breakdown,
         comm_exposed_fraction=breakdown["comm_exposed"] / mean_step,
         monitor_fraction=breakdown["monitor"] / mean_step,
@@ -156,7 +172,8 @@ def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: P
     )
 
 
-def _run_bare(config: str, case: TrainCase, settings: list[str], out_dir: Path, steps: int, interval: int) -> TrainResult:
+def _run_bare(config: str, case: TrainCase, settings: list[str], out_dir: Path, steps: int, interval: int) -> list[float]:
+    """One run of the bare DDP loop; its interval step times after the first (warm-up) interval."""
     run_dir = _fresh_run_dir(out_dir, case)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.world_size),
                "-m", "ringtrain.bench.bare_ddp", config, "--steps", str(steps), "--interval", str(interval),
@@ -164,10 +181,7 @@ def _run_bare(config: str, case: TrainCase, settings: list[str], out_dir: Path, 
     for setting in settings:
         command += ["--set", setting]
     _run(command, case)
-    result = json.loads((run_dir / "result.json").read_text())
-    times = result["interval_step_times_s"][1:]
-    batch = _global_batch_from_settings(settings)
-    return TrainResult(case, statistics.median(times), batch / statistics.median(times), batch)
+    return json.loads((run_dir / "result.json").read_text())["interval_step_times_s"][1:]
 
 
 def _compare_with_bare(result: TrainResult, bare: TrainResult, out_dir: Path) -> None:
@@ -203,13 +217,3 @@ def _run(command: list[str], case: TrainCase) -> None:
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RingtrainError(f"bench case {case.name} failed: {last}")
-
-
-def _global_batch(run_dir: Path) -> int:
-    import tomllib
-
-    return tomllib.loads((run_dir / "config.toml").read_text())["train"]["global_batch_size"]
-
-
-def _global_batch_from_settings(settings: list[str]) -> int:
-    return int(next(s for s in settings if s.startswith("train.global_batch_size=")).split("=")[1])

@@ -114,7 +114,7 @@ class SyntheticImages(Dataset):
         return self.size
 
     def __getitem__(self, index: int):
-        index += self.offset
+        index = int(index) + self.offset  # numpy integers too
         noise = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         label = index % self.num_classes
         return self.patterns[label] + 2.0 * torch.randn(self.shape, generator=noise), label
