@@ -1,4 +1,6 @@
-"""Real Trainers inside ``run_distributed`` workers, and the tools tests use on them.
+"""Real Trainers inside ``run_distributed`` workers, and the tools tests use on them: the trainer
+``ringtrain train`` builds, built inside a harness rank instead of a launched worker, for reference runs
+that a chaos test compares a real, interrupted job against, and for tests that inject faults into a part.
 
     def check(rank, world_size, run_dir):
         trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", ["train.max_steps=3"], run_dir)
@@ -21,10 +23,12 @@ from ringtrain.dist.group import DistContext
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.train.build import build_trainer
 from ringtrain.train.loop import Trainer
+from ringtrain.train.resume import ResumePlan
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params", "make_image_folder"]
+__all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params", "params_of", "train_uninterrupted",
+           "make_image_folder"]
 
 
 def build_test_trainer(
@@ -34,7 +38,7 @@ def build_test_trainer(
     config = load_config(REPO / config, [*overrides, "monitor.progress=false"], run_dir=str(run_dir))
     validate_for_world_size(config, world_size)
     ctx = DistContext(
-        DistEnv(rank=rank, world_size=world_size), "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size
+        DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size), "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size
     )
     return build_trainer(config, ctx)
 
@@ -49,6 +53,22 @@ def flat_params(module: torch.nn.Module) -> np.ndarray:
     """The parameters as one numpy vector: a numpy array crosses the harness's queue by value (a tensor
     would go through shared memory, gone when the worker exits)."""
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
+
+
+def params_of(trainer: Trainer) -> dict[str, np.ndarray]:
+    """Parameters by name, as numpy arrays (see ``flat_params``)."""
+    return {name: p.detach().numpy().copy() for name, p in trainer.module.named_parameters()}
+
+
+def train_uninterrupted(rank: int, world_size: int, config: str, overrides: list[str], run_dir: str):
+    """Train the job start to finish; return this rank's final parameters.
+
+        params = run_distributed(train_uninterrupted, 2, "configs/debug_mlp.toml", ["train.epochs=4"], str(run_dir))[0]
+    """
+    trainer = build_test_trainer(rank, world_size, config, overrides, run_dir)
+    trainer.resume(ResumePlan.fresh())
+    trainer.fit()
+    return params_of(trainer)
 
 
 def make_image_folder(root: Path, train_per_class: int = 3, val_per_class: int = 2) -> None:

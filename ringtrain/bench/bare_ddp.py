@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -43,7 +44,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[int(os.environ["LOCAL_RANK"]) % os.cpu_count()]})
+    if config.dist.pin_cpu:  # as ringtrain does: the compute thread only
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[int(os.environ["LOCAL_RANK"]) % os.cpu_count()]})
 
     torch.manual_seed(train.seed)
     data = build_datasets(config.data)
@@ -83,6 +85,10 @@ def main() -> None:
         result = {"world_size": world_size, "steps": step, "interval_step_times_s": step_times,
                   "median_step_s": statistics.median(step_times)}
         (out / "result.json").write_text(json.dumps(result, indent=2))
+    # DDP holds the group from inside reference cycles: collect them before the group goes, or a Gloo
+    # thread frees a tensor during interpreter shutdown and the process aborts (as ringtrain's group.py).
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from ringtrain.dist.group import interface_for_address
 from ringtrain.errors import RingtrainError
+from ringtrain.launch import LOOPBACK
 
 __all__ = ["TrainCase", "parse_strategies", "run_train_bench"]
 
@@ -148,7 +150,7 @@ def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: P
         [f"comm.algorithm={case.algorithm}"] if case.algorithm != "torch" else []
     ):
         args += ["--set", setting]
-    _run([sys.executable, "-m", "ringtrain", *args], case)
+    _run([sys.executable, "-m", "ringtrain", *args], case, run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if r.get("type") == "train"][1:]
     if not steady:
@@ -175,12 +177,15 @@ def _ringtrain_result(case: TrainCase, steady: list[dict], global_batch_size: in
 def _run_bare(config: str, case: TrainCase, settings: list[str], out_dir: Path, steps: int, interval: int) -> list[float]:
     """One run of the bare DDP loop; its interval step times after the first (warm-up) interval."""
     run_dir = _fresh_run_dir(out_dir, case)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.world_size),
+    # Rendezvous, store and Gloo all on loopback, as ringtrain binds them: left to torchrun's
+    # --standalone, Gloo binds to whatever the host name resolves to, which on some hosts is unreachable.
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(case.world_size),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:0", "--local-addr", LOOPBACK,
                "-m", "ringtrain.bench.bare_ddp", config, "--steps", str(steps), "--interval", str(interval),
                "--out", str(run_dir)]
     for setting in settings:
         command += ["--set", setting]
-    _run(command, case)
+    _run(command, case, run_dir, {"GLOO_SOCKET_IFNAME": interface_for_address(LOOPBACK)})
     return json.loads((run_dir / "result.json").read_text())["interval_step_times_s"][1:]
 
 
@@ -211,9 +216,22 @@ def _fresh_run_dir(out_dir: Path, case: TrainCase) -> Path:
     return run_dir
 
 
-def _run(command: list[str], case: TrainCase) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(command: list[str], case: TrainCase, run_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+    """Run one case to completion; its stderr is kept in RUN_DIR/bench_stderr.log."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "bench_stderr.log"
+    log.write_text(done.stderr)
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RingtrainError(f"bench case {case.name} failed: {last}")
+        raise RingtrainError(f"bench case {case.name} failed: {_cause(done.stderr)} (full output: {log})")
+
+
+def _cause(stderr: str) -> str:
+    """The line of a failed run's stderr that says why: ringtrain's own error, else a worker's exception,
+    else the exit code torchrun reports (its report ends in a banner of '=', so the last line says nothing)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    ours = [line.removeprefix("ringtrain: error: ") for line in lines if line.startswith("ringtrain: error:")]
+    raised = [line for line in lines if ("Error:" in line or "Exception:" in line) and "ChildFailedError" not in line]
+    exits = [f"a worker exited: {line}" for line in lines if line.startswith("exitcode")]
+    return (ours or raised or exits or lines or ["(no output)"])[-1 if ours or raised else 0]

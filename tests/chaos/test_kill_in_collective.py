@@ -21,7 +21,7 @@ import pytest
 from ringtrain.errors import RingtrainError
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
-from tests.inprocess import params_of, trainer_here
+from tests.trainers import build_test_trainer, params_of
 
 VICTIM = 1
 KILL_STEP = 3
@@ -53,8 +53,9 @@ def kill_when_reached(trainer, algorithm: str) -> None:
 
 def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir: str) -> dict:
     overrides = [f"comm.algorithm={algorithm}", "model.hidden_sizes=[512, 512]", "train.max_steps=10",
+                 f"train.global_batch_size={16 * world_size}", "train.local_batch_size=16",
                  f"dist.timeout_s={TIMEOUT_S}", "monitor.log_every_steps=1"]
-    trainer = trainer_here(rank, world_size, "configs/debug_mlp.toml", overrides, run_dir)
+    trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", overrides, run_dir)
     trainer.resume(ResumePlan.fresh())
     committed = {}
     run_step = trainer.train_step

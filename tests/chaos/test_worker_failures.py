@@ -22,7 +22,7 @@ from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, last_step, records
 from tests.conftest import run_cli
 from tests.distributed import run_distributed
-from tests.inprocess import train_uninterrupted
+from tests.trainers import train_uninterrupted
 
 # Long enough to be hit mid-run (4 epochs, 92 steps), checkpoints every 10 steps, a record per step.
 CONFIG = "configs/debug_mlp.toml"

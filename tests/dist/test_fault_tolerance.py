@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.dist.jobstore import JobStore
-from ringtrain.errors import CheckpointError
 from ringtrain.dist.watch import CollectiveFailed, CollectiveWatch, Heartbeat
+from ringtrain.errors import CheckpointError
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import DistributedTestError, run_distributed
-from tests.inprocess import params_of, train_uninterrupted, trainer_here
+from tests.trainers import build_test_trainer, params_of, train_uninterrupted
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 
@@ -57,7 +57,7 @@ class NaNTask(NoisyTask):
 
 
 def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume: bool, nan: dict | None = None):
-    trainer = trainer_here(rank, world_size, str(DEBUG), ["monitor.log_every_steps=1", *overrides], run_dir)
+    trainer = build_test_trainer(rank, world_size, str(DEBUG), ["monitor.log_every_steps=1", *overrides], run_dir)
     if nan is None:
         trainer.parts.task = NoisyTask(trainer.parts.task)
         torch.manual_seed(100 + rank)  # a different stream per rank; a resume must restore each one
@@ -140,7 +140,7 @@ def test_a_rank_that_leaves_a_collective_is_named_with_operation_and_step():
 
 
 def resume_into(rank: int, world_size: int, run_dir: str, overrides: list[str]) -> str:
-    trainer = trainer_here(rank, world_size, str(DEBUG), overrides, run_dir)
+    trainer = build_test_trainer(rank, world_size, str(DEBUG), overrides, run_dir)
     try:
         trainer.resume(ResumePlan(resume=True, required=True))
     except CheckpointError as err:

@@ -7,11 +7,10 @@ import socket
 import subprocess
 import sys
 
-
 from tests.chaos.jobs import Job, assert_loopback_only
 from tests.conftest import REPO, run_cli
 from tests.distributed import run_distributed
-from tests.inprocess import train_uninterrupted
+from tests.trainers import train_uninterrupted
 
 
 def summary(run_dir) -> dict:

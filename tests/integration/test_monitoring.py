@@ -90,7 +90,7 @@ def test_report_of_a_missing_run_is_one_line(tmp_path):
 def test_bench_train_runs_ringtrain_beside_bare_ddp(tmp_path):
     result = run_cli("bench", "train", "configs/debug_mlp.toml", "--nproc", "1,2", "--steps", "15", "--interval", "5",
                      "--out", str(tmp_path))
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr + "".join(p.read_text() for p in tmp_path.rglob("bench_stderr.log"))
     rows = json.loads((tmp_path / "train_bench.json").read_text())
     assert {(r["runner"], r["world_size"]) for r in rows} == {("bare", 1), ("bare", 2), ("ringtrain", 1), ("ringtrain", 2)}
     ours = [r for r in rows if r["runner"] == "ringtrain"]
