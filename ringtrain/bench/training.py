@@ -10,7 +10,7 @@ model, data, optimizer and sample order, one after the other in the same run. Fr
 - ringtrain's overhead: median step time of ringtrain DDP / bare DDP, and whether their final weights are
   bit-identical.
 
-    ringtrain bench train configs/bench_mlp.toml --nproc 1,2 --strategies ddp --accum 1,4 --out bench-out/train
+    ringtrain bench train configs/bench_resnet18.toml --nproc 1,2 --strategies ddp,ddp:shm --accum 1,4 --out bench-out/train
 """
 
 from __future__ import annotations

@@ -139,8 +139,9 @@ def _run_section(run: RunMetrics) -> list[str]:
     if comm_s > 0:
         hidden = max(0.0, comm_s - exposed_s) / comm_s
         lines.append(
-            f"Gradient communication takes {comm_s * 1e3:.2f} ms per step; {exposed_s * 1e3:.2f} ms of it is exposed "
-            f"(the step waits), so {hidden:.0%} hides behind compute."
+            f"Gradient all-reduces take {comm_s * 1e3:.2f} ms per step and {hidden:.0%} of that hides behind compute; "
+            f"the step waits {exposed_s * 1e3:.2f} ms on communication (the last buckets, the step agreement and "
+            f"any wait for a slower rank)."
         )
     lines += _straggler_lines(run)
     peak = max((r.get("memory/peak_rss_mb", 0.0) for r in run.train), default=0.0)
