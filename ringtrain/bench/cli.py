@@ -47,7 +47,7 @@ def _add_train(benchmarks) -> None:
         "train", help="throughput, scaling efficiency, exposed communication, overhead against bare DDP",
         description="Run `ringtrain train` and a bare PyTorch DDP loop for each (workers, strategy, accumulation).",
     )
-    train.add_argument("config", help="TOML config file, e.g. configs/bench_resnet.toml")
+    train.add_argument("config", help="TOML config file, e.g. configs/bench_resnet18.toml")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                        help="override a config field (repeatable)")
     train.add_argument("--nproc", default="1,2", help="worker counts, comma separated (default 1,2)")

@@ -1,47 +1,28 @@
-"""Typed, documented, validated configuration.
-
-A run is described by a TOML file with one table per section (``[model]``, ``[data]``, ``[train]``,
-``[dist]``, ``[comm]``, ``[checkpoint]``, ``[monitor]``), plus ``--set section.field=value`` overrides.
-Every field is declared once below with its type, default and a docstring; ``ringtrain config`` prints them.
-
-Validation happens here, in the launching process, before any worker starts or any port opens. Errors
-are one line that names the field, the value and the fix::
-
-    unknown key 'train.lrate' in configs/x.toml; did you mean 'train.lr'?
-    train.global_batch_size (96) must be divisible by train.local_batch_size (16) * world_size (4)
-"""
+"""The config's sections: every field once, with its type, default and a docstring."""
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import importlib.util
 import json
-import math
-import os
-import tomllib
-from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from pathlib import PurePosixPath
+from typing import Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ringtrain.errors import ConfigError
+from ringtrain.config.checks import check_workload
 
 __all__ = [
-    "Config",
-    "ModelConfig",
-    "DataConfig",
-    "TrainConfig",
-    "DistConfig",
-    "CommConfig",
     "CheckpointConfig",
+    "CommConfig",
+    "Config",
+    "DataConfig",
+    "DistConfig",
+    "ModelConfig",
     "MonitorConfig",
-    "load_config",
-    "parse_override",
-    "validate_for_world_size",
-    "validate_for_backend",
-    "grad_accum_steps_for",
+    "Section",
+    "TrainConfig",
 ]
 
 
@@ -322,7 +303,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _workload_fits(self) -> Config:
-        _check_workload(self)
+        check_workload(self)
         return self
 
     def to_toml(self) -> str:
@@ -333,191 +314,3 @@ class Config(Section):
         """sha256 of the resolved config; a checkpoint records it to detect a changed job."""
         canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None) -> Config:
-    """Read ``path``, apply ``--set`` overrides and an explicit run directory, and validate.
-
-    Raises ConfigError with a one-line message for anything a user could get wrong.
-    """
-    path = Path(path)
-    raw = _read_toml(path)
-    origins: dict[tuple[str, ...], str] = {}
-    for override in overrides:
-        keys, value = parse_override(override)
-        _set_nested(raw, keys, value)
-        origins[keys] = f"--set {override}"
-    if run_dir is not None:
-        raw["run_dir"] = run_dir
-    raw.setdefault("run_dir", str(Path("runs") / path.stem))
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_describe(err, str(path), origins)) from None
-
-
-def parse_override(override: str) -> tuple[tuple[str, ...], Any]:
-    """``'train.lr=0.1'`` -> ``(('train', 'lr'), 0.1)``; the value is read as a TOML value, else a string."""
-    key, sep, text = override.partition("=")
-    keys = tuple(part.strip() for part in key.split("."))
-    if not sep or not all(keys):
-        raise ConfigError(f"bad override {override!r}: write it as section.field=value, e.g. train.lr=0.05")
-    try:
-        value = tomllib.loads(f"value = {text}")["value"]
-    except tomllib.TOMLDecodeError:
-        value = text  # a bare word such as mlp or gloo
-    return keys, value
-
-
-def grad_accum_steps_for(train: TrainConfig, world_size: int) -> int:
-    """Micro-batches per optimizer step at this world size (validated by validate_for_world_size)."""
-    return train.global_batch_size // (train.local_batch_size * world_size)
-
-
-def validate_for_world_size(config: Config, world_size: int) -> None:
-    """Check what depends on the number of workers; raise ConfigError naming the numbers and the fix."""
-    train = config.train
-    per_step = train.local_batch_size * world_size
-    if train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
-            f"train.local_batch_size ({train.local_batch_size}) * world_size ({world_size}); "
-            f"try global_batch_size = {max(1, round(train.global_batch_size / per_step)) * per_step}"
-        )
-    derived = train.global_batch_size // per_step
-    if train.grad_accum_steps is not None and train.grad_accum_steps != derived:
-        raise ConfigError(
-            f"train.grad_accum_steps ({train.grad_accum_steps}) disagrees with global_batch_size "
-            f"({train.global_batch_size}) / (local_batch_size ({train.local_batch_size}) * world_size "
-            f"({world_size})) = {derived}; set it to {derived} or leave it unset"
-        )
-    if train.inject_oom_at_step is not None and train.inject_oom_rank >= world_size:
-        raise ConfigError(
-            f"train.inject_oom_rank ({train.inject_oom_rank}) must be below world_size ({world_size}); "
-            f"pick a rank from 0 to {world_size - 1}"
-        )
-
-
-_DATASETS_FOR_MODEL = {
-    "mlp": ("digits", "digits_images", "synthetic_images"),
-    "resnet": ("digits_images", "imagefolder", "synthetic_images"),
-    "transformer": ("text",),
-}
-_IMAGENET_LAYOUT = "a folder holding train/<class>/*.jpg and val/<class>/*.jpg"
-
-
-def _check_workload(config: Config) -> None:
-    """Model, data and batching settings that only make sense together; files that must exist."""
-    model, data, train = config.model, config.data, config.train
-    family = "resnet" if model.name.startswith("resnet") else model.name
-    if data.dataset not in _DATASETS_FOR_MODEL[family]:
-        options = " or ".join(f"'{d}'" for d in _DATASETS_FOR_MODEL[family])
-        raise ValueError(f"model.name '{model.name}' cannot train on data.dataset '{data.dataset}'; use {options}")
-    if train.max_tokens is not None and data.dataset != "text":
-        raise ValueError("train.max_tokens batches variable-length text only; unset it or use data.dataset = 'text'")
-    if train.memory_budget_mb is not None and not train.auto_micro_batch:
-        raise ValueError("train.memory_budget_mb needs train.auto_micro_batch = true (going over the budget shrinks the micro-batch)")
-    if data.dataset == "imagefolder":
-        if data.path is None:
-            raise ValueError(f"data.path is required for data.dataset = 'imagefolder'; set it to {_IMAGENET_LAYOUT}")
-        root = Path(data.path).expanduser()
-        if not root.is_dir():
-            raise ValueError(f"data.path '{data.path}' not found; set it to {_IMAGENET_LAYOUT}")
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                raise ValueError(f"data.path '{data.path}' has no {split}/ folder; it must be {_IMAGENET_LAYOUT}")
-    if data.dataset == "text":
-        from ringtrain.data.text import corpus_files, split_files  # here: the data package imports this module
-
-        files = corpus_files(data.path)
-        if not files:
-            raise ValueError(
-                f"data.path '{data.path}' matched no files; give a folder, a file or a glob such as "
-                "'corpus/**/*.txt' ('{stdlib}' is Python's standard library folder)"
-            )
-        train_files, val_files = split_files(files, data.test_fraction)
-        if not train_files or not val_files:
-            raise ValueError(
-                f"data.path '{data.path}' splits into {len(train_files)} training and {len(val_files)} "
-                "validation files; both need one at least (match more files or change data.test_fraction)"
-            )
-
-
-def validate_for_backend(config: Config, backend: str) -> None:
-    """Check what depends on the device the workers will use."""
-    if config.train.precision == "fp16" and backend != "nccl":
-        raise ConfigError(
-            f"train.precision = 'fp16' needs CUDA GPUs (GradScaler) but the backend is {backend}; "
-            "use 'bf16' on CPU, or dist.backend = 'nccl' on GPUs"
-        )
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found; pass a TOML file such as configs/digits_mlp.toml")
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path} is not valid TOML: {err}") from None
-
-
-def _set_nested(raw: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
-    node = raw
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {key!r} is a value, not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def _describe(err: ValidationError, source: str, origins: dict[tuple[str, ...], str]) -> str:
-    """One line for the first problem (and a count of the others)."""
-    first = err.errors()[0]
-    loc = tuple(str(part) for part in first["loc"] if not isinstance(part, int))
-    where = next((origins[k] for k in origins if loc[: len(k)] == k), source)
-    dotted = ".".join(loc)
-    if first["type"] == "extra_forbidden":
-        message = f"unknown key '{dotted}' in {where}{_did_you_mean(loc)}"
-    elif not loc:  # a whole-model validator
-        message = f"{where}: {_plain(first['msg'])}"
-    else:
-        shown = first["input"]
-        value = "" if isinstance(shown, dict) else f" = {_toml_repr(shown)}"
-        message = f"{dotted}{value} in {where}: {_plain(first['msg'])}"
-    more = len(err.errors()) - 1
-    return message + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
-
-
-def _did_you_mean(loc: tuple[str, ...]) -> str:
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        annotation = model.model_fields[part].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        model = annotation
-    prefix = ".".join(loc[:-1])
-    matches = _closest(loc[-1], list(model.model_fields))
-    if not matches:
-        known = ", ".join(model.model_fields)
-        return f"; known keys{' in [' + prefix + ']' if prefix else ''}: {known}"
-    return f"; did you mean '{'.'.join((*loc[:-1], matches[0]))}'?"
-
-
-def _closest(word: str, known: list[str]) -> list[str]:
-    """Known keys that ``word`` is a likely typo of: an abbreviation or extension first, then look-alikes."""
-    extended = [k for k in known if len(k) >= 2 and (word.startswith(k) or k.startswith(word))]
-    if extended:
-        return [max(extended, key=lambda k: (len(os.path.commonprefix([k, word])), -len(k)))]
-    return difflib.get_close_matches(word, known, n=1, cutoff=0.6)
-
-
-def _plain(message: str) -> str:
-    return message.replace("Value error, ", "")
-
-
-def _toml_repr(value: Any) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    return repr(value)

@@ -1,0 +1,122 @@
+"""Reading a config: TOML, ``--set`` overrides, and pydantic's errors turned into one line."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from ringtrain.config.schema import Config
+from ringtrain.errors import ConfigError
+
+__all__ = ["load_config", "parse_override"]
+
+
+def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None) -> Config:
+    """Read ``path``, apply ``--set`` overrides and an explicit run directory, and validate.
+
+    Raises ConfigError with a one-line message for anything a user could get wrong.
+    """
+    path = Path(path)
+    raw = _read_toml(path)
+    origins: dict[tuple[str, ...], str] = {}
+    for override in overrides:
+        keys, value = parse_override(override)
+        _set_nested(raw, keys, value)
+        origins[keys] = f"--set {override}"
+    if run_dir is not None:
+        raw["run_dir"] = run_dir
+    raw.setdefault("run_dir", str(Path("runs") / path.stem))
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, str(path), origins)) from None
+
+
+def parse_override(override: str) -> tuple[tuple[str, ...], Any]:
+    """``'train.lr=0.1'`` -> ``(('train', 'lr'), 0.1)``; the value is read as a TOML value, else a string."""
+    key, sep, text = override.partition("=")
+    keys = tuple(part.strip() for part in key.split("."))
+    if not sep or not all(keys):
+        raise ConfigError(f"bad override {override!r}: write it as section.field=value, e.g. train.lr=0.05")
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as mlp or gloo
+    return keys, value
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass a TOML file such as configs/digits_mlp.toml")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+
+
+def _set_nested(raw: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    node = raw
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _describe(err: ValidationError, source: str, origins: dict[tuple[str, ...], str]) -> str:
+    """One line for the first problem (and a count of the others)."""
+    first = err.errors()[0]
+    loc = tuple(str(part) for part in first["loc"] if not isinstance(part, int))
+    where = next((origins[k] for k in origins if loc[: len(k)] == k), source)
+    dotted = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        message = f"unknown key '{dotted}' in {where}{_did_you_mean(loc)}"
+    elif not loc:  # a whole-model validator
+        message = f"{where}: {_plain(first['msg'])}"
+    else:
+        shown = first["input"]
+        value = "" if isinstance(shown, dict) else f" = {_toml_repr(shown)}"
+        message = f"{dotted}{value} in {where}: {_plain(first['msg'])}"
+    more = len(err.errors()) - 1
+    return message + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def _did_you_mean(loc: tuple[str, ...]) -> str:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    prefix = ".".join(loc[:-1])
+    matches = _closest(loc[-1], list(model.model_fields))
+    if not matches:
+        known = ", ".join(model.model_fields)
+        return f"; known keys{' in [' + prefix + ']' if prefix else ''}: {known}"
+    return f"; did you mean '{'.'.join((*loc[:-1], matches[0]))}'?"
+
+
+def _closest(word: str, known: list[str]) -> list[str]:
+    """Known keys that ``word`` is a likely typo of: an abbreviation or extension first, then look-alikes."""
+    extended = [k for k in known if len(k) >= 2 and (word.startswith(k) or k.startswith(word))]
+    if extended:
+        return [max(extended, key=lambda k: (len(os.path.commonprefix([k, word])), -len(k)))]
+    return difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+
+
+def _plain(message: str) -> str:
+    return message.replace("Value error, ", "")
+
+
+def _toml_repr(value: Any) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return repr(value)
