@@ -232,6 +232,12 @@ def _cause(stderr: str) -> str:
     else the exit code torchrun reports (its report ends in a banner of '=', so the last line says nothing)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     ours = [line.removeprefix("ringtrain: error: ") for line in lines if line.startswith("ringtrain: error:")]
+    if ours:
+        return ours[-1]
     raised = [line for line in lines if ("Error:" in line or "Exception:" in line) and "ChildFailedError" not in line]
-    exits = [f"a worker exited: {line}" for line in lines if line.startswith("exitcode")]
-    return (ours or raised or exits or lines or ["(no output)"])[-1 if ours or raised else 0]
+    if raised:
+        return raised[-1]
+    exits = [line for line in lines if line.startswith("exitcode")]
+    if exits:
+        return f"a worker exited: {' '.join(exits[0].split())}"
+    return lines[-1] if lines else "(no output)"
