@@ -1,7 +1,8 @@
 """The reference for `ringtrain bench train`: a bare PyTorch DDP loop, no ringtrain trainer.
 
 Same model, data, optimizer and sample order as `ringtrain train CONFIG` (it borrows only ringtrain's
-model and dataset builders), written as plainly as torch allows, so the benchmark can report ringtrain's
+model and dataset builders, and the process settings its workers use: one compute thread, pinned, and
+the allocator's thresholds), written as plainly as torch allows, so the benchmark can report ringtrain's
 overhead as a ratio of median step times and check that both produce bit-identical weights.
 
     torchrun --standalone --nproc-per-node 2 -m ringtrain.bench.bare_ddp CONFIG --steps 40 --out DIR
@@ -27,6 +28,7 @@ from torch.utils.data import default_collate
 
 from ringtrain.config import load_config
 from ringtrain.data import build_datasets
+from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.models import build_model
 
 
@@ -44,8 +46,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if config.dist.pin_cpu:  # as ringtrain does: the compute thread only
+    # The process settings ringtrain's workers use, so the comparison is of the training code alone.
+    if config.dist.pin_cpu:  # the compute thread only
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[int(os.environ["LOCAL_RANK"]) % os.cpu_count()]})
+    if config.dist.keep_freed_memory:
+        keep_freed_memory()
 
     torch.manual_seed(train.seed)
     data = build_datasets(config.data)

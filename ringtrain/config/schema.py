@@ -198,6 +198,11 @@ class DistConfig(Section):
     threads_per_worker: int = Field(default=1, gt=0)
     """Intra-op compute threads per worker (1 avoids oversubscribing the cores)."""
 
+    keep_freed_memory: bool = True
+    """On CPU, fix glibc malloc's mmap and trim thresholds so that buffers freed in one step are reused in
+    the next instead of being returned to the OS and faulted in again (ResNet-18: 8% of the step). RSS
+    then stays near its peak. Skipped when MALLOC_*_ variables or LD_PRELOAD (jemalloc, tcmalloc) are set."""
+
 
 class CommConfig(Section):
     strategy: Literal["ddp", "manual"] = "ddp"

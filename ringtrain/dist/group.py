@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.config import DistConfig
+from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.dist.env import DistEnv
 from ringtrain.errors import LaunchError
 
@@ -60,6 +61,8 @@ def init_distributed(env: DistEnv, config: DistConfig) -> Iterator[DistContext]:
     backend = resolve_backend(config.backend)
     torch.set_num_threads(config.threads_per_worker)
     device = _device_for(backend, env.local_rank)
+    if device.type == "cpu" and config.keep_freed_memory:
+        keep_freed_memory()  # before the model and data allocate anything
     if env.bind_addr:
         _bind_collectives_to(env.bind_addr)
     timeout = timedelta(seconds=config.timeout_s)

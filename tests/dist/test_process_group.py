@@ -59,3 +59,40 @@ def test_pinning_holds_the_compute_thread_to_one_core_and_leaves_gloo_threads_fr
         assert gloo, f"no Gloo thread found among {sorted(report['threads'])}"
         # Pinned beside the compute thread, every message hand-off would wait for a scheduler tick.
         assert all(affinity == cores for affinity in gloo), f"Gloo threads were pinned too: {gloo}"
+
+
+# Three 12 MB buffers, allocated and freed each round: glibc's defaults give the heap's top back each time.
+_ALLOCATE_AND_FREE = """
+import resource, sys
+import torch
+from ringtrain.dist.allocator import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory(), "glibc's thresholds were not set"
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+counts = []
+for _ in range(8):
+    before = faults()
+    buffers = [torch.ones(3 << 20) for _ in range(3)]
+    del buffers
+    counts.append(faults() - before)
+print(sum(counts[-3:]))
+"""
+
+
+def _page_faults_of_last_rounds(mode: str) -> int:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", _ALLOCATE_AND_FREE, mode], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_kept_memory_is_reused_without_page_faults():
+    default, kept = _page_faults_of_last_rounds("default"), _page_faults_of_last_rounds("keep")
+    # 36 MB a round is 9,216 pages: the default faults them all in again every round.
+    assert default > 9000, f"glibc's default no longer gives freed memory back ({default} faults)"
+    assert kept < default / 10, f"freed memory was not kept: {kept} page faults against {default}"
