@@ -217,8 +217,9 @@ class CommConfig(Section):
     bucket_mb: float = Field(default=25.0, gt=0.0, allow_inf_nan=False)
     """Gradient bucket size in MB (DDP's bucket_cap_mb; the manual strategy's bucket size)."""
 
-    chunk_kb: int = Field(default=1024, gt=0)
-    """Chunk size of the pipelined ring (algorithm 'ring_chunked'), in KiB."""
+    chunk_kb: int | None = Field(default=None, gt=0)
+    """Chunk size of the pipelined ring (algorithm 'ring_chunked'), in KiB (unset: its measured default,
+    4096; see docs/benchmarks.md)."""
 
     powersgd_rank: int = Field(default=1, gt=0)
     """PowerSGD's matrix approximation rank (algorithm 'powersgd')."""
