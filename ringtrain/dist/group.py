@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import socket
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.dist.env import DistEnv
 from ringtrain.errors import LaunchError
 
-__all__ = ["DistContext", "init_distributed", "resolve_backend", "interface_for_address"]
+__all__ = ["DistContext", "init_distributed", "resolve_backend", "interface_for_address", "cores_for_worker"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,9 @@ def init_distributed(env: DistEnv, config: DistConfig) -> Iterator[DistContext]:
     )
     try:
         host_rank, host_world_size = _host_placement()
-        if device.type == "cpu" and config.pin_cpu:
-            _pin_to_core(host_rank)
+        if device.type == "cpu" and config.pin_cpu and hasattr(os, "sched_setaffinity"):
+            allowed = sorted(os.sched_getaffinity(0))
+            _pin_compute_threads(cores_for_worker(host_rank, host_world_size, config.threads_per_worker, allowed))
         yield DistContext(env, backend, device, host_rank, host_world_size)
     finally:
         # DDP keeps the group alive from inside reference cycles. Collect them now: left to the
@@ -147,14 +150,77 @@ def _host_placement() -> tuple[int, int]:
     return same_host.index(dist.get_rank()), len(same_host)
 
 
-def _pin_to_core(host_rank: int) -> None:
-    """Pin this (the compute) thread to one core, so co-located workers do not migrate and collide.
+def cores_for_worker(host_rank: int, host_world_size: int, threads_per_worker: int, allowed: list[int]) -> list[int]:
+    """The cores this worker's compute threads may use: ``threads_per_worker`` of the ``allowed`` ones,
+    disjoint from the other local workers' while the host has enough; round robin (shared) beyond that.
 
-    Only the calling thread: the backend's I/O threads, started by init_process_group, stay free to run
-    on any core. Pinned beside a busy compute thread, each message hand-off waits for the scheduler's
-    next tick (4 ms at 250 Hz), which made a small Gloo all-reduce ~25x slower.
+        cores_for_worker(1, 2, 2, [0, 1, 2, 3, 4, 5, 6, 7])    # [2, 3]
     """
-    if not hasattr(os, "sched_setaffinity"):
+    needed = host_world_size * threads_per_worker
+    if needed <= len(allowed):
+        first = host_rank * threads_per_worker
+        return allowed[first : first + threads_per_worker]
+    if threads_per_worker > 1 and host_rank == 0:  # one line per host; one thread per worker shares silently
+        warnings.warn(
+            f"{host_world_size} workers x {threads_per_worker} threads_per_worker need {needed} cores, this host "
+            f"allows {len(allowed)}: threads will share cores; set dist.threads_per_worker = "
+            f"{max(1, len(allowed) // host_world_size)}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    first = host_rank * threads_per_worker
+    return [allowed[(first + i) % len(allowed)] for i in range(min(threads_per_worker, len(allowed)))]
+
+
+def _pin_compute_threads(cores: list[int]) -> None:
+    """Pin the compute threads (this one and torch's intra-op OpenMP threads) to ``cores``, so co-located
+    workers do not migrate and collide.
+
+    Only those: the backend's I/O threads, started by init_process_group, stay free to run on any core.
+    Pinned beside a busy compute thread, each message hand-off waits for the scheduler's next tick (4 ms at
+    250 Hz), which made a small Gloo all-reduce ~25x slower.
+    """
+    os.sched_setaffinity(0, cores)  # pid 0: the calling thread only
+    if torch.get_num_threads() > 1:
+        _pin_openmp_threads(cores)
+
+
+def _pin_openmp_threads(cores: list[int]) -> None:
+    """Give torch's intra-op (OpenMP) threads this thread's cores.
+
+    Threads OpenMP starts from now on inherit the calling thread's mask, but a pool started earlier (by any
+    parallel op) keeps the mask it had. With GNU OpenMP, torch's runtime, each thread of a team of this size
+    sets its own; with another runtime, a parallel op here at least starts the pool with the inherited mask.
+    """
+    runtime = _gnu_openmp()
+    if runtime is None:
+        torch.ones(1 << 20).add_(1)  # big enough to use every intra-op thread
         return
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[host_rank % len(cores)]})  # pid 0: the calling thread only
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def pin_this_thread(_: int | None) -> None:
+        os.sched_setaffinity(0, cores)
+
+    # The same team torch's parallel regions get: this thread's pool, torch.get_num_threads() threads.
+    runtime.GOMP_parallel(pin_this_thread, None, ctypes.c_uint(torch.get_num_threads()), ctypes.c_uint(0))
+
+
+def _gnu_openmp() -> ctypes.CDLL | None:
+    """The GNU OpenMP runtime torch's intra-op threads belong to, if torch uses one (else None)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = sorted({line.split()[-1] for line in maps if "/libgomp" in line})
+    except OSError:
+        return None
+    # Other packages (scikit-learn) bring their own copy: prefer torch's (torch/lib, or torch.libs in older wheels).
+    torch_root = os.path.dirname(os.path.dirname(torch.__file__)) + os.sep + "torch"
+    ours = [path for path in loaded if path.startswith(torch_root)] or (loaded if len(loaded) == 1 else [])
+    if not ours:
+        return None
+    try:
+        runtime = ctypes.CDLL(ours[0])
+    except OSError:
+        return None
+    return runtime if hasattr(runtime, "GOMP_parallel") else None
