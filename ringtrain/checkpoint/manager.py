@@ -1,9 +1,9 @@
 """CheckpointManager: verified, atomic saves; keep-last-K; loads that never unpickle arbitrary objects.
 
 A checkpoint is whatever ``state_dict()``s the trainer hands over; the manager knows nothing of the
-trainer. A save writes ``step_XXXXXXXX.pt`` atomically (temp file, fsync, rename, fsync the folder), then
-its sha256 manifest, the commit marker (``manifest.py``). A crash at any moment leaves the previous
-checkpoints intact and the new one either committed or visibly uncommitted.
+trainer. A save writes ``step_XXXXXXXX.pt`` atomically (temp file, fsync, rename, fsync the folder, itself
+fsynced in its parent when created), then its sha256 manifest, the commit marker (``manifest.py``). A crash
+at any moment leaves the previous checkpoints intact and the new one either committed or visibly uncommitted.
 
 Loading checks the manifest first, then unpickles with ``weights_only=True``: tensors and plain
 containers only (ringtrain stores nothing else, so its allow-list adds no classes). There is no fallback
@@ -25,6 +25,7 @@ import torch
 
 from ringtrain.checkpoint.manifest import (
     HashingWriter,
+    make_dirs,
     manifest_path,
     read_manifest,
     read_verified,
@@ -72,7 +73,7 @@ class CheckpointManager:
         """Write ``state`` as the checkpoint of ``step`` and commit it (writer rank only; others: None)."""
         if not self.is_writer:
             return None
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.directory)
         final = self.path_for(step)
         # Uncommit first: a crash while the new data replaces an old file of the same step must not leave
         # the old manifest vouching for the new bytes.

@@ -5,6 +5,7 @@ manifest is written last, atomically, after the data file is on disk; it records
 sha256. So a save interrupted at any moment leaves either no manifest (never committed) or a manifest
 whose data file matches it; a file truncated or altered later no longer matches its manifest.
 
+    make_dirs(folder)                                         # mkdir -p, each new folder fsynced in its parent
     write_atomic(path, lambda f: f.write(payload))            # temp, fsync, rename, fsync the folder
     write_manifest(data_path, Digest(sha256, size), step=40)
     payload = read_verified(data_path)                        # bytes, or CorruptCheckpoint naming the file
@@ -23,7 +24,8 @@ from typing import IO, Any
 
 from ringtrain.errors import CorruptCheckpoint
 
-__all__ = ["FORMAT", "Digest", "HashingWriter", "manifest_path", "write_atomic", "write_manifest", "read_verified"]
+__all__ = ["FORMAT", "Digest", "HashingWriter", "manifest_path", "write_atomic", "make_dirs", "fsync_dir", "write_manifest",
+           "read_verified"]
 
 FORMAT = "ringtrain-checkpoint/1"
 
@@ -72,6 +74,18 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> Any:
     finally:
         temp.unlink(missing_ok=True)
     return result
+
+
+def make_dirs(directory: Path) -> None:
+    """``mkdir -p`` that survives a crash: each folder it creates is fsynced in its parent."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        # Files fsynced inside a folder are lost with it if the folder's own entry never reached the disk.
+        fsync_dir(folder.parent)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -129,6 +130,26 @@ def test_stale_temp_files_of_a_crashed_save_are_removed_by_the_next_save(tmp_pat
     stale.write_bytes(b"half a checkpoint")
     manager.save(20, state_for(20))
     assert not stale.exists()
+
+
+def fsynced_paths(monkeypatch) -> list[str]:
+    """Record the path of every file or folder os.fsync is called on (the call still happens)."""
+    synced, fsync = [], os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return synced
+
+
+def test_a_new_checkpoints_folder_is_fsynced_in_its_parent(tmp_path, monkeypatch):
+    synced = fsynced_paths(monkeypatch)
+    CheckpointManager(tmp_path / "run" / "checkpoints").save(10, state_for(10))
+    # Without these, a crash can lose the folder (and the committed checkpoint in it) though every file was fsynced.
+    assert str(tmp_path / "run") in synced, f"checkpoints/ was not fsynced in run/: {synced}"
+    assert str(tmp_path) in synced, f"run/ was not fsynced in its parent: {synced}"
 
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
