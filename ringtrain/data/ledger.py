@@ -14,13 +14,14 @@ across restarts and changes of the number of workers.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from ringtrain.checkpoint.manifest import write_atomic
 
 __all__ = ["Ledger", "NullLedger", "EpochReport", "read_ledger", "check_ledger", "build_ledger"]
 
@@ -53,9 +54,8 @@ class Ledger(NullLedger):
         kept = [r for r in read_ledger(self.path) if r.get("step", 0) <= resumed_step and "ids" in r]
         header = {"type": "header", "num_samples": self.num_samples}
         lines = [json.dumps(header)] + [json.dumps(r) for r in kept]
-        temp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        temp.write_text("".join(line + "\n" for line in lines))
-        os.replace(temp, self.path)
+        # Temp file, fsync, rename, fsync the folder: a crash leaves the old ledger or the cut one, whole.
+        write_atomic(self.path, lambda f: f.write("".join(line + "\n" for line in lines).encode("utf-8")))
         self.file = self.path.open("a", encoding="utf-8")
 
     def record(self, step: int, epoch: int, ids: list[int], skipped: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from ringtrain.data.ledger import Ledger, check_ledger, read_ledger
 from ringtrain.data.sampler import ResumableSampler
@@ -65,3 +66,22 @@ def test_a_repeated_window_is_a_duplicate_and_an_unfinished_last_epoch_is_not_mi
     first, last = check_ledger(path)
     assert (first.duplicates, first.missing, first.exactly_once) == (2, 1, False)
     assert (last.complete, last.exactly_once, last.missing) == (False, True, 8)
+
+
+def test_the_rewrite_at_start_is_fsynced_before_and_after_it_replaces_the_ledger(tmp_path, monkeypatch):
+    path = tmp_path / "ledger.jsonl"
+    path.write_text('{"type": "header", "num_samples": 10}\n{"step": 1, "epoch": 0, "world_size": 1, "ids": [[0]]}\n')
+    synced, fsync = [], os.fsync  # (inode, path) of every fsync; the call still happens
+
+    def spy(fd: int) -> None:
+        synced.append((os.fstat(fd).st_ino, os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    ledger = Ledger(path, num_samples=10, is_writer=True)
+    ledger.start(1)
+    ledger.close()
+    # The file now at the ledger's name was fsynced (before the rename), and then the folder holding the name.
+    assert path.stat().st_ino in [inode for inode, _ in synced], f"the rewritten ledger was not fsynced: {synced}"
+    assert str(tmp_path) in [name for _, name in synced], f"the folder was not fsynced after the rename: {synced}"
+    assert [r["step"] for r in read_ledger(path) if "ids" in r] == [1]
