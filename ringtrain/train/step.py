@@ -124,10 +124,22 @@ class GradientStep:
     def _sync_gradients(self, batch: StepBatch) -> None:
         """A recoverable step's one gradient all-reduce, run by the strategy: a forward of zero samples
         through the wrapped model and a backward of zero make every parameter's gradient "ready" (adding
-        nothing to it), which is what triggers the strategy's synchronisation."""
-        outputs = self.model(batch.inputs[:0])
+        nothing to it), which is what triggers the strategy's synchronisation.
+
+        That pass is no batch: the module's buffers (BatchNorm's ``num_batches_tracked``, which a forward in
+        training mode counts up) are put back as the module received them. Received, not as they were before
+        the call: the strategy's forward may first broadcast rank 0's buffers, and that must stay."""
+        received: list[BufferSnapshot] = []
+        hook = self.module.register_forward_pre_hook(lambda module, args: received.append(BufferSnapshot(module)))
+        try:
+            outputs = self.model(batch.inputs[:0])
+        finally:
+            hook.remove()
         zero = outputs.sum() + sum(p.sum() for p in self.module.parameters())
         (zero * 0.0).backward()
+        # After the backward: a buffer the forward used may be saved for it, and must not change before.
+        for snapshot in received:
+            snapshot.restore()
 
     def _book_exposed_communication(self) -> None:
         # The synchronising backward included the wait for the gradient all-reduce: book it as communication.

@@ -105,3 +105,26 @@ def test_memory_budget_shrinks_the_micro_batch_on_every_rank(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     reasons = [e["reason"] for e in events if e["type"] == "micro_batch"]
     assert len(reasons) == first["shrinks"] and all("train.memory_budget_mb" in r for r in reasons)
+
+
+# Two steps of two micro-batches per rank (64 samples, 2 ranks, 16 per micro-batch); fp32 is the faster on CPU.
+BN_JOB = ["train.max_steps=2", "train.precision=fp32", "train.warmup_steps=0", "checkpoint.every_steps=100"]
+
+
+def batchnorm_counts(rank: int, world_size: int, run_root: str) -> dict:
+    counts = {}
+    for recoverable in (False, True):
+        trainer = build_test_trainer(rank, world_size, "configs/debug_resnet.toml",
+                                     [*BN_JOB, f"train.auto_micro_batch={str(recoverable).lower()}"], f"{run_root}/{recoverable}")
+        trainer.fit()
+        counts[recoverable] = sorted({int(buffer) for name, buffer in trainer.module.named_buffers()
+                                      if name.endswith("num_batches_tracked")})
+    return counts
+
+
+def test_the_closing_pass_of_a_recoverable_step_is_not_a_batch_for_batchnorm(tmp_path):
+    for rank, counts in enumerate(run_distributed(batchnorm_counts, 2, str(tmp_path), timeout_s=120)):
+        # Every BatchNorm counts the real micro-batch forwards, 2 steps x 2; the zero-sample pass that makes
+        # the strategy synchronise is not one.
+        assert counts[False] == [4], f"rank {rank}: a plain run counted {counts[False]} batches"
+        assert counts[True] == counts[False], f"rank {rank}: a recoverable run counted {counts[True]} batches"
