@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
 from ringtrain.data.sampler import ResumableSampler, eval_shard
+from ringtrain.data.seeding import SAMPLE_STREAM, derive_seed, seed_everything
 from ringtrain.data.text import IGNORE_INDEX, padded_length
 
 __all__ = ["StepBatch", "build_train_loader", "build_eval_loader", "pack_by_tokens"]
@@ -71,15 +72,22 @@ class StepBatch:
 
 
 class _Indexed(Dataset):
-    """Yields (id, sample...) so a StepBatch knows which samples it holds."""
+    """Yields (id, sample...) so a StepBatch knows which samples it holds.
 
-    def __init__(self, dataset: Dataset):
+    Keys are ``(epoch, id)``: before loading a sample, every global generator is seeded from
+    ``(seed, epoch, id)``, so its random augmentation is the same whichever rank or loader worker draws it.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int):
         self.dataset = dataset
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        seed_everything(derive_seed(SAMPLE_STREAM, self.seed, epoch, index))
         return (index, *self.dataset[index])
 
 
@@ -107,8 +115,10 @@ class _StepShards(Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return self.sampler.iter_shards(self.rank, self.world_size)
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.sampler.epoch  # an iterator covers the rest of one epoch
+        for ids in self.sampler.iter_shards(self.rank, self.world_size):
+            yield [(epoch, index) for index in ids]
 
     def __len__(self) -> int:
         return self.sampler.remaining_steps()
@@ -125,14 +135,14 @@ def build_train_loader(
 ) -> DataLoader:
     """A loader that restarts from the sampler's cursor each time it is iterated."""
     return DataLoader(
-        _Indexed(dataset),
+        _Indexed(dataset, sampler.seed),
         batch_sampler=_StepShards(sampler, rank, world_size),
         collate_fn=_StepCollator(dataset, collate_fn),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
-        # Each iterator draws a seed for its workers; from its own generator, not the global RNG, so a
-        # resume mid-epoch (one iterator more than the uninterrupted run) leaves the global stream intact.
+        # Each iterator draws a base seed for its workers, from its own generator, not the global RNG. (Samples
+        # do not depend on it: _Indexed seeds each sample from its id.)
         generator=torch.Generator().manual_seed(sampler.seed),
     )
 

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.checkpoint.rng import gather_rng_states, restore_rng_state, seed_fresh_rank
 from ringtrain.config import Config
 from ringtrain.errors import CheckpointError
 from ringtrain.data.loader import StepBatch
+from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
 from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import PreviousAttempt
 from ringtrain.dist.watch import CollectiveWatch
@@ -35,6 +35,8 @@ from ringtrain.monitor.memory import memory_mb
 from ringtrain.monitor.metrics import StepClock, model_flops_utilization
 from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
 from ringtrain.train.evaluate import evaluate
+from ringtrain.train.comm_state import gather_rank_states
+from ringtrain.train.optim import load_optimizer_state, optimizer_name, position_lr_scheduler
 from ringtrain.train.guards import StepGuard, Stopped, StopSignal, Verdict, check_replicas
 from ringtrain.train.resume import ResumePlan, check_same_choice, config_changes, pick_checkpoint, resume_record
 from ringtrain.train.state import TrainState
@@ -78,35 +80,52 @@ class Trainer:
 
     # --- what a checkpoint holds -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a bit-exact resume needs. A collective: every rank calls it (RNG states gather)."""
+        """Everything a bit-exact resume needs.
+
+        No generator state: randomness is derived from (seed, epoch, sample) and (seed, step, rank)
+        (``data/seeding.py``). No scheduler: the lr at a step follows from the config and the step, so a
+        resume with a changed schedule or lr follows the new one (``position_lr_scheduler``)."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.parts.optimizer.state_dict(),
-            "scheduler": self.parts.scheduler.state_dict(),
+            "optimizer_class": optimizer_name(self.parts.optimizer),
             "sampler": self.parts.sampler.state_dict(),
             "train_state": self.state.state_dict(),
             "precision": self.precision.state_dict(),
             "micro_batch": self.batcher.state_dict(),
-            "rng": gather_rng_states(),
+            "comm": gather_rank_states(self.parts.strategy),
             "world_size": self.ctx.world_size,
             "config": self.config.to_toml(),
             "config_digest": self.config.digest(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("optimizer_class")
+        if saved is not None and saved != optimizer_name(self.parts.optimizer):
+            raise CheckpointError(
+                f"the checkpoint's optimizer is {saved} but this run builds {optimizer_name(self.parts.optimizer)}; "
+                "resume with the checkpoint's optimizer, or start a new run (--resume-from loads the same state)"
+            )
         self.module.load_state_dict(state["model"])
-        self.parts.optimizer.load_state_dict(state["optimizer"])
-        self.parts.scheduler.load_state_dict(state["scheduler"])
+        # Only the optimizer's state comes from the checkpoint; its hyperparameters are this config's.
+        load_optimizer_state(self.parts.optimizer, state["optimizer"])
         self.parts.sampler.load_state_dict(state["sampler"])
         self.state.load_state_dict(state["train_state"])
+        position_lr_scheduler(self.parts.scheduler, self.state.step)
         self.precision.load_state_dict(state.get("precision", {}))
         if "micro_batch" in state:
             self.batcher.load_state_dict(state["micro_batch"])
-        rng = state.get("rng") or []
-        if self.ctx.rank < len(rng):
-            restore_rng_state(rng[self.ctx.rank])
-        else:  # the job grew: this rank has no saved generators
-            seed_fresh_rank(self.config.train.seed, self.ctx.rank, self.state.step)
+        self._load_comm_state(state.get("comm"), state.get("world_size"))
+
+    def _load_comm_state(self, saved: list[dict[str, Any]] | None, saved_world_size: int | None) -> None:
+        """Per-rank state of the gradient sync (PowerSGD's error feedback): each rank takes its own."""
+        if not getattr(self.parts.strategy, "has_rank_state", False):
+            return
+        if not saved or saved_world_size != self.ctx.world_size:
+            self._warn(f"the checkpoint holds no PowerSGD state for {self.ctx.world_size} workers "
+                       f"(it was saved by {saved_world_size}): error feedback starts from zero")
+            return
+        self.parts.strategy.load_state_dict(saved[self.ctx.rank])
 
     def resume(self, plan: ResumePlan) -> Path | None:
         """Called once before fit() on every start: continue from the checkpoint the plan picks (every rank
@@ -120,18 +139,22 @@ class Trainer:
             return None
         path, state = found
         self._load_checkpoint(path, state)
-        self.notices.append(resume_record(path, self.state.step, self.ctx.world_size, self.previous))
+        record = resume_record(path, self.state.step, self.ctx.world_size, self.previous)
+        record["lr"] = self.parts.scheduler.get_last_lr()[0]
+        self.notices.append(record)
         return path
 
     def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         changed = config_changes(state["config"], self.config) if "config" in state else []
-        if changed:
-            self._warn(f"resuming {path.name} with a changed config: {'; '.join(changed)}")
         try:
             self.load_state_dict(state)
-        except (RuntimeError, ValueError, KeyError) as err:
+        except (RuntimeError, ValueError, KeyError, CheckpointError) as err:
             differs = f"; its config differs: {'; '.join(changed)}" if changed else ""
             raise CheckpointError(f"checkpoint {path} does not fit this job ({_first_line(err)}){differs}") from None
+        if changed:
+            lr = self.parts.scheduler.get_last_lr()[0]
+            self._warn(f"resuming {path.name} with a changed config: {'; '.join(changed)}; the optimizer's "
+                       f"hyperparameters and lr schedule follow it: lr {lr:.6g} at step {self.state.step}")
 
     def _warn(self, message: str) -> None:
         # Kept until fit() starts the loggers; rank 0's console shows them, metrics.jsonl records them.
@@ -180,6 +203,9 @@ class Trainer:
         rank's loss or gradient is not finite)."""
         step = self.state.step + 1
         window = self.parts.sampler.next_window_size()
+        # The model's randomness (dropout) from (seed, step, rank): distinct per rank, and the same after a
+        # resume, without carrying generator state.
+        seed_everything(derive_seed(STEP_STREAM, self.config.train.seed, step, self.ctx.rank))
         with self.clock.phase("data"):
             batch = batch.to(self.ctx.device)
         with self.watch.op("all_reduce (DDP gradient sync)", step):
@@ -271,8 +297,7 @@ class Trainer:
                 self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
-        with self.watch.op("gather (RNG states for the checkpoint)", self.state.step):
-            state = self.state_dict()
+        state = self.state_dict()
         self.checkpoints.save(self.state.step, state, config_sha256=self.config.digest())
         self._saved_step = self.state.step
 

@@ -30,7 +30,7 @@ DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 
 class NoisyTask:
     """Scales each loss by a random factor from the rank's torch RNG, as dropout makes training depend on
-    every rank's generator: resumes are bit-exact only if every rank's RNG state is restored."""
+    every rank's generator: resumes are bit-exact only if each step's randomness is the same after a resume."""
 
     def __init__(self, task):
         self.task = task
@@ -56,11 +56,17 @@ class NaNTask(NoisyTask):
         return loss
 
 
-def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume: bool, nan: dict | None = None):
+def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume: bool, nan: dict | None = None,
+          stop_at: int | None = None):
+    """Train; ``stop_at``: end (with a checkpoint) after that step, as an interrupted run of the same plan
+    would, while the lr schedule still plans the whole run."""
     trainer = build_test_trainer(rank, world_size, str(DEBUG), ["monitor.log_every_steps=1", *overrides], run_dir)
+    if stop_at is not None:
+        trainer.total_steps = stop_at
     if nan is None:
         trainer.parts.task = NoisyTask(trainer.parts.task)
-        torch.manual_seed(100 + rank)  # a different stream per rank; a resume must restore each one
+        # Whatever the global stream was before, each step reseeds it (data/seeding.py): a resume is exact.
+        torch.manual_seed(100 + rank + 1000 * resume)
     else:
         trainer.parts.task = NaNTask(trainer.parts.task, trainer, **nan)
     trainer.resume(ResumePlan(resume=resume, required=resume))
@@ -68,22 +74,33 @@ def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume
     return summary, params_of(trainer), trainer.state.state_dict()
 
 
+def records(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["type"] == "train"}
+    return {r["step"]: r["loss"] for r in records(run_dir)}
+
+
+def lrs(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in records(run_dir)}
 
 
 @pytest.mark.parametrize("stop", [23, 16], ids=["epoch-boundary", "mid-epoch"])
 def test_resume_is_bit_exact(tmp_path, stop):
-    """Chaos 1: 2N steps in one run equal N steps, stop, resume, N more: every loss and parameter."""
+    """Chaos 1: 2N steps in one run equal N steps, stop, resume, N more: every loss and parameter, with the
+    warm-up + cosine schedule of the real configs."""
     total = 2 * stop
     straight, split = tmp_path / "straight", tmp_path / "split"
-    ref = run_distributed(train, 2, str(straight), [f"train.max_steps={total}"], False)
-    run_distributed(train, 2, str(split), [f"train.max_steps={stop}"], False)
-    got = run_distributed(train, 2, str(split), [f"train.max_steps={total}"], True)
+    plan = [f"train.max_steps={total}", "train.lr_schedule='cosine'", "train.warmup_steps=4"]
+    ref = run_distributed(train, 2, str(straight), plan, False)
+    run_distributed(train, 2, str(split), plan, False, None, stop)
+    got = run_distributed(train, 2, str(split), plan, True)
 
     assert losses(split) == losses(straight), "a loss differs after the resume"
     assert sorted(losses(split)) == list(range(1, total + 1))
+    assert lrs(split) == lrs(straight), "the lr schedule differs after the resume"
     differing = [name for name in ref[0][1] if not np.array_equal(ref[0][1][name], got[0][1][name])]
     assert not differing, f"parameters differ after the resume: {differing}"
     assert got[0][2] == ref[0][2]
@@ -154,3 +171,66 @@ def test_a_checkpoint_that_does_not_fit_the_model_names_the_changed_fields(tmp_p
     [message] = run_distributed(resume_into, 1, run_dir, ["model.hidden_sizes=[64]"])
     assert "step_00000010.pt does not fit this job" in message, message
     assert "its config differs: model.hidden_sizes: [32, 32] -> [64]; train.max_steps: 10 -> unset" in message
+
+
+def test_a_resume_follows_the_new_config_s_lr_and_schedule(tmp_path):
+    """A cosine schedule planned for 40 steps, stopped at 30, resumed with max_steps=100 and lr=0.2: the lr
+    at every later step equals a fresh run's under the new config (not 0 after the old end, not the old lr),
+    the resume says so, and the momentum buffers still come from the checkpoint."""
+    old = ["train.epochs=5", "train.max_steps=40", "train.lr_schedule='cosine'", "train.lr=0.1"]
+    new = ["train.epochs=5", "train.max_steps=100", "train.lr_schedule='cosine'", "train.lr=0.2"]
+    run = tmp_path / "run"
+    run_distributed(train, 1, str(run), old, False, None, 30)
+    run_distributed(train, 1, str(run), new, True)
+    run_distributed(train, 1, str(tmp_path / "fresh"), new, False)
+
+    resumed, fresh = lrs(run), lrs(tmp_path / "fresh")
+    after = {step: lr for step, lr in resumed.items() if step > 30}
+    assert sorted(after) == list(range(31, 101))
+    assert after == {step: fresh[step] for step in after}, "the resumed lr differs from a fresh run's"
+    assert min(after[s] for s in range(31, 100)) > 0 and after[41] > 0.05, "the old schedule's end leaked into the resume"
+    [warning] = [r["message"] for r in records(run, "warning") if "changed config" in r["message"]]
+    assert "train.lr: 0.1 -> 0.2" in warning and "train.max_steps: 40 -> 100" in warning, warning
+    assert f"lr {fresh[30]:.6g} at step 30" in warning, warning
+    [resume] = records(run, "resume")
+    assert resume["lr"] == fresh[30]
+
+
+def optimizer_state_after_resume(rank: int, world_size: int, run_dir: str, overrides: list[str]):
+    trainer = build_test_trainer(rank, world_size, str(DEBUG), overrides, run_dir)
+    trainer.resume(ResumePlan(resume=True, required=True))
+    optimizer = trainer.parts.optimizer
+    buffers = [optimizer.state[p]["momentum_buffer"].clone() for p in trainer.module.parameters()]
+    return optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["momentum"], [b.numpy() for b in buffers]
+
+
+def test_only_the_optimizer_state_comes_from_the_checkpoint(tmp_path):
+    run = str(tmp_path / "run")
+    saved = run_distributed(train_uninterrupted, 1, str(DEBUG), ["train.max_steps=10", "train.momentum=0.9"], run)
+    lr, momentum, buffers = run_distributed(
+        optimizer_state_after_resume, 1, run, ["train.max_steps=20", "train.momentum=0.5", "train.lr=0.3"])[0]
+    assert (lr, momentum) == (0.3, 0.5), "the checkpoint's hyperparameters overrode the config's"
+    assert all(np.abs(b).sum() > 0 for b in buffers), "the momentum buffers were not restored"
+    assert saved[0]
+
+
+def test_a_changed_optimizer_type_is_refused_in_one_line(tmp_path):
+    run = str(tmp_path / "run")
+    run_distributed(train_uninterrupted, 1, str(DEBUG), ["train.max_steps=5"], run)
+    [message] = run_distributed(resume_into, 1, run, ["train.optimizer='adamw'"])
+    assert "the checkpoint's optimizer is torch.optim.sgd.SGD but this run builds torch.optim.adamw.AdamW" in message
+    assert "\n" not in message
+
+
+def test_resume_with_powersgd_is_bit_exact(tmp_path):
+    """PowerSGD's per-rank error feedback, factors and iteration are checkpointed (gathered to rank 0), and
+    the buckets they are keyed by stay the same across the resume: 12 steps straight equal 6 + 6."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    plan = ["train.max_steps=12", "comm.algorithm='powersgd'", "comm.powersgd_start_iter=2", "train.lr_schedule='cosine'"]
+    ref = run_distributed(train, 2, str(straight), plan, False)
+    run_distributed(train, 2, str(split), plan, False, None, 6)
+    got = run_distributed(train, 2, str(split), plan, True)
+    assert losses(split) == losses(straight), "a loss differs after the resume"
+    for name, tensor in ref[1][1].items():
+        assert np.array_equal(tensor, got[1][1][name]), f"{name} differs after the resume"
+    assert not [r for r in records(split, "warning") if "PowerSGD" in r["message"]]
