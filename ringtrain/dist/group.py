@@ -9,8 +9,8 @@ import ctypes
 import gc
 import os
 import socket
-import warnings
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,7 +75,8 @@ def init_distributed(env: DistEnv, config: DistConfig) -> Iterator[DistContext]:
         host_rank, host_world_size = _host_placement()
         if device.type == "cpu" and config.pin_cpu and hasattr(os, "sched_setaffinity"):
             allowed = sorted(os.sched_getaffinity(0))
-            _pin_compute_threads(cores_for_worker(host_rank, host_world_size, config.threads_per_worker, allowed))
+            cores = cores_for_worker(host_rank, host_world_size, config.threads_per_worker, allowed, _warn)
+            _pin_compute_threads(cores)
         yield DistContext(env, backend, device, host_rank, host_world_size)
     finally:
         # DDP keeps the group alive from inside reference cycles. Collect them now: left to the
@@ -150,26 +151,31 @@ def _host_placement() -> tuple[int, int]:
     return same_host.index(dist.get_rank()), len(same_host)
 
 
-def cores_for_worker(host_rank: int, host_world_size: int, threads_per_worker: int, allowed: list[int]) -> list[int]:
+def cores_for_worker(
+    host_rank: int, host_world_size: int, threads_per_worker: int, allowed: list[int], warn: Callable[[str], None]
+) -> list[int]:
     """The cores this worker's compute threads may use: ``threads_per_worker`` of the ``allowed`` ones,
-    disjoint from the other local workers' while the host has enough; round robin (shared) beyond that.
+    disjoint from the other local workers' while the host has enough; round robin (shared) beyond that,
+    which ``warn`` hears about (on the host's first worker).
 
-        cores_for_worker(1, 2, 2, [0, 1, 2, 3, 4, 5, 6, 7])    # [2, 3]
+        cores_for_worker(1, 2, 2, [0, 1, 2, 3, 4, 5, 6, 7], print)    # [2, 3]
     """
     needed = host_world_size * threads_per_worker
     if needed <= len(allowed):
         first = host_rank * threads_per_worker
         return allowed[first : first + threads_per_worker]
     if threads_per_worker > 1 and host_rank == 0:  # one line per host; one thread per worker shares silently
-        warnings.warn(
+        warn(
             f"{host_world_size} workers x {threads_per_worker} threads_per_worker need {needed} cores, this host "
             f"allows {len(allowed)}: threads will share cores; set dist.threads_per_worker = "
-            f"{max(1, len(allowed) // host_world_size)}",
-            RuntimeWarning,
-            stacklevel=2,
+            f"{max(1, len(allowed) // host_world_size)}"
         )
     first = host_rank * threads_per_worker
     return [allowed[(first + i) % len(allowed)] for i in range(min(threads_per_worker, len(allowed)))]
+
+
+def _warn(message: str) -> None:
+    print(f"ringtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _pin_compute_threads(cores: list[int]) -> None:
