@@ -192,8 +192,9 @@ class DistConfig(Section):
     """Seconds a collective may wait for a peer before failing (a stopped or dead worker)."""
 
     pin_cpu: bool = True
-    """On CPU, pin each worker's compute thread to its own core (round robin when workers outnumber
-    cores); Gloo's I/O threads stay free to run anywhere."""
+    """On CPU, pin each worker's compute threads (threads_per_worker of them, torch's OpenMP team) to their
+    own cores (shared, with a warning, when workers x threads outnumber the cores); Gloo's I/O threads stay
+    free to run anywhere."""
 
     threads_per_worker: int = Field(default=1, gt=0)
     """Intra-op compute threads per worker (1 avoids oversubscribing the cores)."""

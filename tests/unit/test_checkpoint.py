@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ from safetensors.torch import load_file
 from ringtrain.checkpoint.export import export_model
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import manifest_path, read_verified
-from ringtrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
 
@@ -150,18 +148,6 @@ def test_a_new_checkpoints_folder_is_fsynced_in_its_parent(tmp_path, monkeypatch
     # Without these, a crash can lose the folder (and the committed checkpoint in it) though every file was fsynced.
     assert str(tmp_path / "run") in synced, f"checkpoints/ was not fsynced in run/: {synced}"
     assert str(tmp_path) in synced, f"run/ was not fsynced in its parent: {synced}"
-
-
-def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
-    import numpy as np
-
-    manager = CheckpointManager(tmp_path)
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    manager.save(1, {"rng": [capture_rng_state()]})
-    expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    restore_rng_state(manager.load(manager.path_for(1))["rng"][0])
-    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
 def test_export_writes_the_newest_valid_weights_as_safetensors(tmp_path):
