@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
+    _add_run(commands)
     add_bench_parser(commands)
     _add_report(commands)
     _add_config(commands)
@@ -37,7 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `ringtrain run SCRIPT [flags] -- SCRIPT_ARGS`: what follows `--` is the script's, never ringtrain's.
+    script_args: list[str] = []
+    if argv[:1] == ["run"] and "--" in argv:
+        split = argv.index("--")
+        argv, script_args = argv[:split], argv[split + 1 :]
     args = build_parser().parse_args(argv)
+    args.script_args = script_args
     try:
         return args.handler(args) or 0
     except RingtrainError as err:
@@ -57,10 +65,34 @@ def _add_config_arguments(parser: argparse.ArgumentParser, config_required: bool
 def _add_train(commands) -> None:
     train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
     _add_config_arguments(train)
-    train.add_argument("--run-dir", help="where the run writes its files (default: runs/<config name>)")
-    train.add_argument("--resume", action="store_true", help="continue the run directory's latest valid checkpoint")
-    train.add_argument("--resume-from", metavar="PATH",
-                       help="start a new run (an empty --run-dir) from this checkpoint, e.g. another run's")
+    _add_run_arguments(train, "runs/<config name>")
+    _add_launch_arguments(train)
+    train.set_defaults(handler=_train)
+
+
+def _add_run(commands) -> None:
+    run = commands.add_parser(
+        "run", help="run your script (which calls ringtrain.fit) on N workers",
+        description="Start SCRIPT on N workers through torch's elastic launcher, as `ringtrain train` does; its "
+                    "ringtrain.fit() trains. --set and --run-dir override the config the script passes to fit().",
+    )
+    run.add_argument("script", help="a Python script that calls ringtrain.fit(...)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                     help="override a field of the script's config, e.g. --set train.lr=0.05 (repeatable)")
+    _add_run_arguments(run, "the script's config, else runs/<script name>")
+    _add_launch_arguments(run)
+    run.set_defaults(handler=_run)
+    run.epilog = "Arguments for the script go after --: ringtrain run train.py --nproc 2 -- --epochs 3"
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--run-dir", help=f"where the run writes its files (default: {default})")
+    parser.add_argument("--resume", action="store_true", help="continue the run directory's latest valid checkpoint")
+    parser.add_argument("--resume-from", metavar="PATH",
+                        help="start a new run (an empty --run-dir) from this checkpoint, e.g. another run's")
+
+
+def _add_launch_arguments(train: argparse.ArgumentParser) -> None:
     launch = train.add_argument_group("launch (as torchrun)")
     launch.add_argument("--nproc", type=int, default=1, help="workers on this node (default 1)")
     launch.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (default 1)")
@@ -72,7 +104,6 @@ def _add_train(commands) -> None:
                         help="elastic: the fewest workers on this node the job may shrink to (default: --nproc)")
     launch.add_argument("--rdzv-conf", default="", metavar="KEY=SECONDS,...",
                         help="rendezvous timing, e.g. last_call_timeout=5,keep_alive_interval=1 (as torchrun)")
-    train.set_defaults(handler=_train)
 
 
 def _add_report(commands) -> None:
@@ -95,12 +126,8 @@ def _add_config(commands) -> None:
     config.set_defaults(handler=_config)
 
 
-def _train(args: argparse.Namespace) -> int:
-    # Imported here so `ringtrain --help` stays fast.
-    from ringtrain.config import load_config, validate_for_backend, validate_for_world_size
-    from ringtrain.dist.group import resolve_backend
-    from ringtrain.launch import LaunchOptions, launch
-    from ringtrain.train.run import check_resume
+def _launch_options(args: argparse.Namespace):
+    from ringtrain.launch import LaunchOptions
 
     options = LaunchOptions(
         nproc=args.nproc,
@@ -112,9 +139,23 @@ def _train(args: argparse.Namespace) -> int:
         min_nproc=args.min_nproc,
         rdzv_conf=args.rdzv_conf,
     )
-    # Everything a user can get wrong is checked here, before any worker starts or any port opens.
     options.validate()
+    return options
+
+
+def _train(args: argparse.Namespace) -> int:
+    # Imported here so `ringtrain --help` stays fast.
+    from ringtrain.config import load_config, validate_for_backend, validate_for_world_size
+    from ringtrain.dist.group import resolve_backend
+    from ringtrain.launch import Program
+    from ringtrain.train.run import check_resume
+    from ringtrain.train.user_parts import check_factories
+
+    # Everything a user can get wrong is checked here, before any worker starts or any port opens.
+    options = _launch_options(args)
     config = load_config(args.config, args.overrides, run_dir=args.run_dir)
+    if config.user_parts:
+        check_factories(config)  # imports and callability; what the factories return, rank 0 checks
     min_workers, max_workers = options.world_size_range()
     for world_size in range(min_workers, max_workers + 1):
         validate_for_world_size(config, world_size)
@@ -129,15 +170,63 @@ def _train(args: argparse.Namespace) -> int:
         worker_args.append("--resume")
     if args.resume_from:
         worker_args += ["--resume-from", str(Path(args.resume_from).resolve())]
-    log_dir = str(Path(config.run_dir) / "logs")
+    _launch(options, Program.worker(worker_args), config.run_dir)
+    print(f"run directory: {config.run_dir}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`ringtrain run SCRIPT`: the script's ringtrain.fit() builds and checks its config on every worker; the
+    launcher checks what it can know first: the flags, the overrides' syntax, the run directory if named."""
+    import json
+
+    from ringtrain.config import parse_override
+    from ringtrain.dist.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
+    from ringtrain.errors import ConfigError
+    from ringtrain.launch import Program
+
+    options = _launch_options(args)
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"script {args.script!r} not found; pass the Python file that calls ringtrain.fit()")
+    for override in args.overrides:
+        parse_override(override)
+    if args.resume and args.resume_from:
+        raise ConfigError("pass --resume (continue this run) or --resume-from PATH (start a new run from PATH), not both")
+    if options.per_worker_agents and not args.run_dir:
+        raise ConfigError("ringtrain run with --min-nproc needs --run-dir: `ringtrain join RUN_DIR` finds the job there")
+    script_args = args.script_args
+    env = {SET_VAR: json.dumps(args.overrides)} if args.overrides else {}
+    if args.run_dir:
+        env[RUN_DIR_VAR] = str(Path(args.run_dir).resolve())
+        _check_script_run_dir(env[RUN_DIR_VAR], args.resume, args.resume_from)
+    env[RESUME_VAR] = ("resume" if args.resume else f"from:{Path(args.resume_from).resolve()}" if args.resume_from
+                       else "checked" if args.run_dir else "")
+    run_dir = args.run_dir or str(Path("runs") / script.stem)
+    _launch(options, Program.script(str(script.resolve()), script_args, env), run_dir)
+    print(f"run directory: {args.run_dir or '(as the script configures it; default runs/' + script.stem + ')'}")
+    return 0
+
+
+def _check_script_run_dir(run_dir: str, resume: bool, resume_from: str | None) -> None:
+    """--run-dir named: the same checks as `ringtrain train` makes, before any worker starts."""
+    from ringtrain.config import Config
+    from ringtrain.train.run import check_resume
+
+    check_resume(Config(run_dir=run_dir), resume, resume_from)
+
+
+def _launch(options, program, run_dir: str) -> None:
+    """One agent for the node's workers, or (elastic: --min-nproc below --nproc) one agent per worker."""
+    from ringtrain.launch import launch
+
+    log_dir = str(Path(run_dir) / "logs")
     if options.per_worker_agents:
         from ringtrain.elastic import launch_worker_agents
 
-        launch_worker_agents(options, worker_args, config.run_dir, log_dir)
+        launch_worker_agents(options, program, run_dir, log_dir)
     else:
-        launch(replace(options, log_dir=log_dir), worker_args)
-    print(f"run directory: {config.run_dir}")
-    return 0
+        launch(replace(options, log_dir=log_dir), program)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -29,7 +29,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ringtrain.errors import LaunchError
-from ringtrain.launch import JobStopped, LaunchOptions, WorkerFailed, host_rendezvous_store, split_endpoint, launch
+from ringtrain.launch import (
+    JobStopped,
+    LaunchOptions,
+    Program,
+    WorkerFailed,
+    host_rendezvous_store,
+    launch,
+    split_endpoint,
+)
 
 __all__ = ["JobSpec", "launch_worker_agents", "join_job", "JOB_FILE"]
 
@@ -46,15 +54,17 @@ class JobSpec:
     max_workers: int
     max_restarts: int
     rdzv_conf: str
-    worker_args: list[str]
+    program: Program
+    """What each worker runs (``ringtrain.worker`` or the user's script, its arguments, folder, environment)."""
     log_dir: str
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({**asdict(self), "program": self.program.to_json()})
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
-        return cls(**json.loads(text))
+        values = json.loads(text)
+        return cls(**{**values, "program": Program.from_json(values["program"])})
 
     @classmethod
     def read(cls, run_dir: str | Path) -> JobSpec:
@@ -65,11 +75,11 @@ class JobSpec:
             raise LaunchError(
                 f"{path} not found: join works for a running job started with --min-nproc below --nproc"
             ) from None
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, KeyError) as err:
             raise LaunchError(f"{path} is not a ringtrain job description ({err})") from None
 
 
-def launch_worker_agents(options: LaunchOptions, worker_args: list[str], run_dir: str, log_dir: str) -> None:
+def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str, log_dir: str) -> None:
     """Host the rendezvous (node 0), start one agent per local worker, wait for them all.
 
     Returns when the job finished (an agent's workers completed it); raises WorkerFailed when every agent
@@ -82,7 +92,7 @@ def launch_worker_agents(options: LaunchOptions, worker_args: list[str], run_dir
     port = store.port if store is not None else port
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     spec = JobSpec(endpoint, options.run_id or f"ringtrain-{host}-{port}", min_workers, max_workers,
-                   options.max_restarts, options.rdzv_conf, worker_args, log_dir)
+                   options.max_restarts, options.rdzv_conf, program, log_dir)
     if options.node_rank == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         (Path(run_dir) / JOB_FILE).write_text(spec.to_json() + "\n")
@@ -109,7 +119,7 @@ def join_job(spec: JobSpec, local_addr: str | None = None) -> None:
         join=True,
         log_dir=spec.log_dir,
     )
-    launch(options, spec.worker_args)
+    launch(options, spec.program)
 
 
 class _Agent:

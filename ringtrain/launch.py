@@ -33,7 +33,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from ringtrain.dist.env import BIND_ADDR_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.errors import LaunchError, RingtrainError
 
-__all__ = ["LaunchOptions", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS"]
+__all__ = ["LaunchOptions", "Program", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -58,6 +58,33 @@ class JobStopped(RingtrainError):
         super().__init__(f"stopped by {name}; workers that were training saved the step they reached "
                          "(continue later with --resume)")
         self.exit_code = 128 + signal_number
+
+
+@dataclass(frozen=True)
+class Program:
+    """What every worker runs: ``python -u ARGS`` in ``cwd`` with ``env`` added to the launcher's environment.
+    The same program on every start: the first, a restart, a worker that joins later."""
+
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None
+
+    @classmethod
+    def worker(cls, worker_args: list[str]) -> Program:
+        """``ringtrain train``'s workers: ``python -m ringtrain.worker CONFIG ...``."""
+        return cls(("-m", "ringtrain.worker", *worker_args))
+
+    @classmethod
+    def script(cls, path: str, script_args: list[str], env: dict[str, str]) -> Program:
+        """``ringtrain run``'s workers: the user's script (which calls ringtrain.fit), from this folder."""
+        return cls((path, *script_args), tuple(sorted(env.items())), os.getcwd())
+
+    def to_json(self) -> dict:
+        return {"args": list(self.args), "env": dict(self.env), "cwd": self.cwd}
+
+    @classmethod
+    def from_json(cls, value: dict) -> Program:
+        return cls(tuple(value["args"]), tuple(sorted(value.get("env", {}).items())), value.get("cwd"))
 
 
 @dataclass(frozen=True)
@@ -135,8 +162,9 @@ class LaunchOptions:
                 raise LaunchError(f"--rdzv-endpoint {self.rdzv_endpoint}: a multi-node job needs a fixed port")
 
 
-def launch(options: LaunchOptions, worker_args: list[str]) -> None:
-    """Run ``python -m ringtrain.worker *worker_args`` under torch's elastic agent on this node.
+def launch(options: LaunchOptions, program: Program) -> None:
+    """Run ``program`` (``python -m ringtrain.worker ...`` or a user's script) under torch's elastic agent on
+    this node.
 
     Raises WorkerFailed naming the first failed rank, or LaunchError when the rendezvous fails.
     """
@@ -149,6 +177,9 @@ def launch(options: LaunchOptions, worker_args: list[str]) -> None:
     if store is not None:
         port = store.port
     _export_worker_env(bind_addr, f"{_bracket(host)}:{port}")
+    os.environ.update(dict(program.env))
+    if program.cwd:
+        os.chdir(program.cwd)  # the agent starts its workers where it runs
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -163,7 +194,7 @@ def launch(options: LaunchOptions, worker_args: list[str]) -> None:
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "ringtrain.worker", *worker_args)
+        elastic_launch(config, sys.executable)("-u", *program.args)
     except ChildFailedError as err:
         raise WorkerFailed(_describe_failure(err)) from None
     except SignalException as err:

@@ -22,7 +22,7 @@ from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.run import check_run_dir, run_training
 
-__all__ = ["main", "build_worker_parser", "resume_plan"]
+__all__ = ["main", "build_worker_parser", "resume_plan", "report_error"]
 
 
 def build_worker_parser() -> argparse.ArgumentParser:
@@ -63,14 +63,18 @@ def main(argv: list[str] | None = None) -> None:
         with init_distributed(env, config.dist) as ctx:
             run_training(config, ctx, plan)
     except RingtrainError as err:
-        # The launcher reports the first failed rank with this message; the line here comes at once,
-        # while the agent may still be stopping the other workers.
-        ErrorHandler().record_exception(err)
-        if not isinstance(err, Stopped):
-            print(f"ringtrain: error: [rank {env.rank}] {err}", file=sys.stderr, flush=True)
-        elif env.rank == 0:
-            print(f"ringtrain: [rank 0] {err}", file=sys.stderr, flush=True)
+        report_error(err, env)
         sys.exit(err.exit_code)
+
+
+def report_error(err: RingtrainError, env: DistEnv) -> None:
+    """One line on stderr, and the agent's error file. The launcher reports the first failed rank with this
+    message; the line here comes at once, while the agent may still be stopping the other workers."""
+    ErrorHandler().record_exception(err)
+    if not isinstance(err, Stopped):
+        print(f"ringtrain: error: [rank {env.rank}] {err}", file=sys.stderr, flush=True)
+    elif env.rank == 0:
+        print(f"ringtrain: [rank 0] {err}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ its layout::
 
 ``small`` holds whole small messages, ``staging`` one piece of a large one; both are double-buffered, so a
 rank may write buffer b while slower peers still read buffer 1 - b (see shm.py for why that is enough).
+
+A ShmGroup holds its process group weakly and is cached by the group weakly: ``destroy_process_group()``
+frees the group (its Gloo threads are joined there) and with it the workspace. Holding the group strongly
+kept it, and its Gloo threads, alive into interpreter shutdown, where a thread freeing a finished work's
+tensor needs the GIL of an interpreter that is gone: ``terminate called without an active exception``.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ class ShmGroup:
     """One rank's view of the shared memory of its host, for one process group."""
 
     def __init__(self, group: dist.ProcessGroup, hosts: list[str], small_bytes: int, piece_bytes: int):
-        self.group = group
+        self._group = weakref.ref(group)  # see the module docstring: never keep the group alive
         self.size = group_size(group)
         self.rank = group_rank(group)
         self.hosts = hosts
@@ -110,6 +115,13 @@ class ShmGroup:
         self.small_turn = 0
         self.staging_turn = 0
         self._views: dict = {}
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this shm workspace was destroyed; use tensors from a live group")
+        return group
 
     @classmethod
     def build(cls, group: dist.ProcessGroup, hosts: Sequence[str] | None = None,

@@ -17,7 +17,7 @@ line that names the field, the value and the fix::
 """
 
 from ringtrain.config.checks import grad_accum_steps_for, validate_for_backend, validate_for_world_size
-from ringtrain.config.loading import load_config, parse_override
+from ringtrain.config.loading import load_config, load_config_dict, parse_override
 from ringtrain.config.schema import (
     CheckpointConfig,
     CommConfig,
@@ -26,6 +26,7 @@ from ringtrain.config.schema import (
     DistConfig,
     ModelConfig,
     MonitorConfig,
+    TaskConfig,
     TrainConfig,
 )
 
@@ -37,9 +38,11 @@ __all__ = [
     "DistConfig",
     "ModelConfig",
     "MonitorConfig",
+    "TaskConfig",
     "TrainConfig",
     "grad_accum_steps_for",
     "load_config",
+    "load_config_dict",
     "parse_override",
     "validate_for_backend",
     "validate_for_world_size",

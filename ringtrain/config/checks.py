@@ -53,12 +53,17 @@ _IMAGENET_LAYOUT = "a folder holding train/<class>/*.jpg and val/<class>/*.jpg"
 def check_workload(config: Config) -> None:
     """Model, data and batching settings that only make sense together; files that must exist."""
     model, data, train = config.model, config.data, config.train
-    family = "resnet" if model.name.startswith("resnet") else model.name
-    if data.dataset not in _DATASETS_FOR_MODEL[family]:
-        options = " or ".join(f"'{d}'" for d in _DATASETS_FOR_MODEL[family])
-        raise ValueError(f"model.name '{model.name}' cannot train on data.dataset '{data.dataset}'; use {options}")
-    if train.max_tokens is not None and data.dataset != "text":
-        raise ValueError("train.max_tokens batches variable-length text only; unset it or use data.dataset = 'text'")
+    if model.factory is None and data.factory is None:
+        family = "resnet" if model.name.startswith("resnet") else model.name
+        if data.dataset not in _DATASETS_FOR_MODEL[family]:
+            options = " or ".join(f"'{d}'" for d in _DATASETS_FOR_MODEL[family])
+            raise ValueError(f"model.name '{model.name}' cannot train on data.dataset '{data.dataset}'; use {options}")
+        if "task" in config.model_fields_set:
+            raise ValueError("[task] applies to your own model or data (model.factory / data.factory); the built-in "
+                             "workloads choose their loss from data.dataset")
+    if train.max_tokens is not None and data.dataset != "text" and data.factory is None:
+        raise ValueError("train.max_tokens batches variable-length sequences: use data.dataset = 'text' or your own "
+                         "data (data.factory, or ringtrain.fit) whose targets are padded sequences; or unset it")
     if train.memory_budget_mb is not None and not train.auto_micro_batch:
         raise ValueError("train.memory_budget_mb needs train.auto_micro_batch = true (going over the budget shrinks the micro-batch)")
     if data.dataset == "imagefolder":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import os
 import tomllib
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -14,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from ringtrain.config.schema import Config
 from ringtrain.errors import ConfigError
 
-__all__ = ["load_config", "parse_override"]
+__all__ = ["load_config", "load_config_dict", "parse_override"]
 
 
 def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None) -> Config:
@@ -23,7 +25,14 @@ def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None
     Raises ConfigError with a one-line message for anything a user could get wrong.
     """
     path = Path(path)
-    raw = _read_toml(path)
+    return load_config_dict(_read_toml(path), overrides, run_dir, source=str(path), name=path.stem)
+
+
+def load_config_dict(raw: dict[str, Any], overrides: Sequence[str] = (), run_dir: str | None = None,
+                     source: str = "the config", name: str = "run") -> Config:
+    """Validate a config given as a dict of sections (``ringtrain.fit(config={...})``), with the same
+    overrides, run directory rule (default ``runs/<name>``) and one-line errors as a TOML file."""
+    raw = copy.deepcopy(raw)
     origins: dict[tuple[str, ...], str] = {}
     for override in overrides:
         keys, value = parse_override(override)
@@ -31,11 +40,11 @@ def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None
         origins[keys] = f"--set {override}"
     if run_dir is not None:
         raw["run_dir"] = run_dir
-    raw.setdefault("run_dir", str(Path("runs") / path.stem))
+    raw.setdefault("run_dir", str(Path("runs") / name))
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_describe(err, str(path), origins)) from None
+        raise ConfigError(_describe(err, source, origins)) from None
 
 
 def parse_override(override: str) -> tuple[tuple[str, ...], Any]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,8 +23,19 @@ __all__ = [
     "ModelConfig",
     "MonitorConfig",
     "Section",
+    "TaskConfig",
     "TrainConfig",
 ]
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+BUILTIN_LOSSES = ("cross_entropy", "mse")
+
+
+def _check_import_path(field: str, value: str | None, builtins: tuple[str, ...] = ()) -> None:
+    if value is None or value in builtins or _IMPORT_PATH.match(value):
+        return
+    choices = f"one of {', '.join(repr(b) for b in builtins)} or " if builtins else ""
+    raise ValueError(f"{field} = {value!r} must be {choices}'package.module:function' (an importable callable)")
 
 
 class Section(BaseModel):
@@ -54,6 +66,23 @@ class ModelConfig(Section):
 
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Transformer: dropout rate of embeddings, attention and residual branches."""
+
+    factory: str | None = None
+    """Your own model: 'package.module:function', called with [model.args] as keyword arguments after
+    seeding (identical weights on every rank); it returns an nn.Module. Replaces name. Imported from the
+    current directory and PYTHONPATH."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    """[model.args]: keyword arguments of model.factory."""
+
+    @model_validator(mode="after")
+    def _factory_or_name(self) -> ModelConfig:
+        _check_import_path("model.factory", self.factory)
+        if self.factory is not None and "name" in self.model_fields_set:
+            raise ValueError("set model.factory (your own model) or model.name (a built-in one), not both")
+        if self.args and self.factory is None:
+            raise ValueError("[model.args] are keyword arguments of model.factory, which is not set")
+        return self
 
     @model_validator(mode="after")
     def _positive_sizes(self) -> ModelConfig:
@@ -103,6 +132,23 @@ class DataConfig(Section):
 
     num_classes: int = Field(default=10, gt=1)
     """synthetic_images: number of classes."""
+
+    factory: str | None = None
+    """Your own data: 'package.module:function', called with [data.args] as keyword arguments; it returns
+    (train, eval) or (train, eval, collate_fn): map-style Datasets whose items are (input, target), eval
+    may be None. Replaces dataset."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    """[data.args]: keyword arguments of data.factory."""
+
+    @model_validator(mode="after")
+    def _factory_or_dataset(self) -> DataConfig:
+        _check_import_path("data.factory", self.factory)
+        if self.factory is not None and "dataset" in self.model_fields_set:
+            raise ValueError("set data.factory (your own data) or data.dataset (a built-in one), not both")
+        if self.args and self.factory is None:
+            raise ValueError("[data.args] are keyword arguments of data.factory, which is not set")
+        return self
 
     seq_len: int = Field(default=256, gt=1)
     """text: the longest sequence in bytes (the model's context); files are cut at line ends into
@@ -205,6 +251,34 @@ class DistConfig(Section):
     then stays near its peak. Skipped when MALLOC_*_ variables or LD_PRELOAD (jemalloc, tcmalloc) are set."""
 
 
+class TaskConfig(Section):
+    """What a user model optimises and how it is evaluated (with model.factory / data.factory, or fit())."""
+
+    loss: str = "cross_entropy"
+    """'cross_entropy' (classification; next-token with ignore index -100 for 3-D logits), 'mse', or
+    'package.module:function' taking (outputs, targets) and returning a scalar."""
+
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    """'mean': the loss is the mean over the micro-batch's samples (ringtrain weights it by their count);
+    'sum': the sum over items, divided by the step's global item count (see count_items)."""
+
+    count_items: str | None = None
+    """With loss_reduction = 'sum': 'package.module:function' taking the targets, returning the number of
+    items the loss sums over (unset: the targets' elements that are not -100)."""
+
+    metrics: str | None = None
+    """'package.module:function' returning {name: torchmetrics.Metric}, evaluated on the eval set."""
+
+    @model_validator(mode="after")
+    def _callables(self) -> TaskConfig:
+        _check_import_path("task.loss", self.loss, BUILTIN_LOSSES)
+        _check_import_path("task.count_items", self.count_items)
+        _check_import_path("task.metrics", self.metrics)
+        if self.count_items is not None and self.loss_reduction != "sum":
+            raise ValueError("task.count_items goes with task.loss_reduction = 'sum' (a 'mean' loss counts samples)")
+        return self
+
+
 class CommConfig(Section):
     strategy: Literal["ddp", "manual"] = "ddp"
     """Gradient synchronisation: 'ddp' (torch DistributedDataParallel, `algorithm` as its comm hook) or
@@ -293,6 +367,7 @@ class Config(Section):
 
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
     dist: DistConfig = DistConfig()
     comm: CommConfig = CommConfig()
@@ -313,9 +388,26 @@ class Config(Section):
         check_workload(self)
         return self
 
+    @property
+    def user_parts(self) -> bool:
+        """The model or the data is the user's (a factory, or ringtrain.fit), not a built-in one."""
+        return self.model.factory is not None or self.data.factory is not None
+
     def to_toml(self) -> str:
-        """The resolved config as TOML (unset optional fields are left out)."""
-        return tomli_w.dumps(self.model_dump(exclude_none=True))
+        """The resolved config as TOML (unset optional fields, and the built-in name a factory replaces, are
+        left out: the file loads back as the same config)."""
+        values = self.model_dump(exclude_none=True)
+        # A factory replaces the built-in model's or dataset's fields; only those that still apply stay.
+        if self.model.factory is not None:
+            values["model"] = {k: v for k, v in values["model"].items() if k in ("factory", "args")}
+        if self.data.factory is not None:
+            values["data"] = {k: v for k, v in values["data"].items() if k in ("factory", "args", "num_workers", "ledger")}
+        if not self.user_parts:
+            values.pop("task")
+        for section in ("model", "data"):
+            if not values[section].get("args"):
+                values[section].pop("args", None)
+        return tomli_w.dumps(values)
 
     def digest(self) -> str:
         """sha256 of the resolved config; a checkpoint records it to detect a changed job."""

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
+from ringtrain.data.batch import Inputs, map_tensors, split, take, to_device, trim
 from ringtrain.data.sampler import ResumableSampler, eval_shard
 from ringtrain.data.seeding import SAMPLE_STREAM, derive_seed, seed_everything
 from ringtrain.data.text import IGNORE_INDEX, padded_length
@@ -27,19 +28,20 @@ class StepBatch:
 
     indices: torch.Tensor
     """Dataset ids of the samples (what the exactly-once ledger records)."""
-    inputs: torch.Tensor
+    inputs: Inputs
+    """A tensor, a tuple or a dict of tensors (``data/batch.py``), samples along dimension 0."""
     targets: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def micro_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, count: int) -> list[tuple[Inputs, torch.Tensor]]:
         """Split into ``count`` near-equal micro-batches; some are empty when there are fewer samples.
 
         Every rank must run the same number of forward passes per step (DDP's buffer broadcast and the
         gradient all-reduce are collectives), so the count is chosen by the caller for all ranks alike.
         """
-        return list(zip(torch.tensor_split(self.inputs, count), torch.tensor_split(self.targets, count)))
+        return list(zip(split(self.inputs, count), torch.tensor_split(self.targets, count)))
 
     def token_micro_batches(self, max_tokens: int, max_sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Split padded sequences into micro-batches of at most ``max_tokens`` padded tokens (sequences x
@@ -55,20 +57,27 @@ class StepBatch:
         padded = [padded_length(n, width) for n in lengths[order].tolist()]
         micro = []
         for group in pack_by_tokens(padded, max_tokens, max_sequences):
-            rows = order[group[0] : group[-1] + 1]
-            micro.append((self.inputs[rows, : padded[group[0]]], self.targets[rows, : padded[group[0]]]))
+            chosen = order[group[0] : group[-1] + 1]
+            micro_width = padded[group[0]]
+            # Every input leaf as wide as the targets (token ids, attention masks) is trimmed alike.
+            inputs = trim(take(self.inputs, chosen), micro_width, width)
+            micro.append((inputs, self.targets[chosen, :micro_width]))
         return micro
+
+    def empty(self) -> tuple[Inputs, torch.Tensor]:
+        """A micro-batch of 0 rows shaped like this one."""
+        return map_tensors(self.inputs, lambda t: t[:0]), self.targets[:0]
 
     def to(self, device: torch.device) -> StepBatch:
         non_blocking = device.type == "cuda"
         return StepBatch(
             self.indices,
-            self.inputs.to(device, non_blocking=non_blocking),
+            to_device(self.inputs, device, non_blocking=non_blocking),
             self.targets.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> StepBatch:
-        return StepBatch(self.indices, self.inputs.pin_memory(), self.targets.pin_memory())
+        return StepBatch(self.indices, map_tensors(self.inputs, torch.Tensor.pin_memory), self.targets.pin_memory())
 
 
 class _Indexed(Dataset):
@@ -100,8 +109,8 @@ class _StepCollator:
 
     def __call__(self, samples: Sequence[tuple]) -> StepBatch:
         if not samples:
-            empty = [t[:0] for t in self.example]
-            return StepBatch(torch.empty(0, dtype=torch.long), *empty)
+            inputs, targets = self.example
+            return StepBatch(torch.empty(0, dtype=torch.long), map_tensors(inputs, lambda t: t[:0]), targets[:0])
         ids = torch.as_tensor([sample[0] for sample in samples])
         inputs, targets = self.collate([sample[1:] for sample in samples])
         return StepBatch(ids, inputs, targets)

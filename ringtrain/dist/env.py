@@ -6,11 +6,12 @@ friends. Started by hand with none of them, a worker is a world of one.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR"]
+__all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -19,6 +20,15 @@ LAUNCHER_VAR = "RINGTRAIN_LAUNCHER"
 """Present when `ringtrain train` started the worker (it then reports worker errors itself)."""
 JOB_STORE_VAR = "RINGTRAIN_JOB_STORE"
 """HOST:PORT of the launcher's rendezvous store, which outlives every worker (progress, heartbeats)."""
+
+# Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user).
+SET_VAR = "RINGTRAIN_SET"
+"""The --set overrides, a JSON list of 'section.field=value' strings."""
+RUN_DIR_VAR = "RINGTRAIN_RUN_DIR"
+"""--run-dir: overrides the run directory the script's config names."""
+RESUME_VAR = "RINGTRAIN_RESUME"
+"""'resume' (--resume), 'from:PATH' (--resume-from PATH), 'checked' (the launcher checked the run directory:
+continue a checkpoint there if any), or unset (a fresh run: refuse a run directory with checkpoints)."""
 
 
 @dataclass(frozen=True)
@@ -41,12 +51,23 @@ class DistEnv:
     launched_by_ringtrain: bool = False
     job_store: str | None = None
     """HOST:PORT of a store that outlives the workers: the launcher's, or torchrun's shared agent store."""
+    overrides: tuple[str, ...] = ()
+    """`ringtrain run --set ...`: overrides of the config a script passes to ringtrain.fit."""
+    run_dir: str | None = None
+    """`ringtrain run --run-dir`: overrides the script's run directory."""
+    resume: str | None = None
+    """`ringtrain run`'s resume request (see RESUME_VAR)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
         env = os.environ if environ is None else environ
+        run_options = {
+            "overrides": tuple(json.loads(env[SET_VAR])) if env.get(SET_VAR) else (),
+            "run_dir": env.get(RUN_DIR_VAR) or None,
+            "resume": env.get(RESUME_VAR) or None,
+        }
         if "RANK" not in env:
-            return cls(bind_addr=env.get(BIND_ADDR_VAR), launched_by_ringtrain=LAUNCHER_VAR in env)
+            return cls(bind_addr=env.get(BIND_ADDR_VAR), launched_by_ringtrain=LAUNCHER_VAR in env, **run_options)
         return cls(
             rank=int(env["RANK"]),
             local_rank=int(env.get("LOCAL_RANK", "0")),
@@ -60,6 +81,7 @@ class DistEnv:
             run_id=env.get("TORCHELASTIC_RUN_ID"),
             launched_by_ringtrain=LAUNCHER_VAR in env,
             job_store=env.get(JOB_STORE_VAR) or _agent_store(env),
+            **run_options,
         )
 
     @property

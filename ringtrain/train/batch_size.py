@@ -88,8 +88,7 @@ class MicroBatcher:
         dist.all_reduce(counts)
         busiest = int(counts[1:].max())
         # Empty micro-batches go first, so the last one (the one that synchronises) has data if any.
-        empty = (batch.inputs[:0], batch.targets[:0])
-        return StepPlan([empty] * (busiest - len(micro)) + micro, int(counts[0]))
+        return StepPlan([batch.empty()] * (busiest - len(micro)) + micro, int(counts[0]))
 
     # --- memory -----------------------------------------------------------------------------------------
     def after_forward(self, step: int, is_last: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import Config, validate_for_backend
@@ -19,25 +20,45 @@ from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
+from ringtrain.errors import ConfigError
 from ringtrain.train.tasks import build_task
+from ringtrain.train.user_parts import UserParts
 
-__all__ = ["build_trainer", "planned_steps"]
+__all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0"]
 
 
-def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | None = None) -> Trainer:
+def build_trainer(
+    config: Config, ctx: DistContext, job_store: NullJobStore | None = None, user: UserParts | None = None
+) -> Trainer:
+    """The trainer of ``config``: its built-in model and data, or the user's (``user``, from ``fit`` or the
+    config's factories)."""
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     validate_for_backend(config, ctx.backend)
-    # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's anyway).
-    torch.manual_seed(train_cfg.seed)
-    data = build_datasets(config.data)
-    model = build_model(config.model, data)
+    if user is None and config.user_parts:
+        user = UserParts.from_config(config)
+    if user is None:
+        # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's anyway).
+        torch.manual_seed(train_cfg.seed)
+        data = build_datasets(config.data)
+        model = build_model(config.model, data)
+        task = build_task(config.data.dataset)
+    else:
+        data = user.data_split()
+        model = user.build_model(train_cfg.seed)  # seeded like the built-in models
+        if isinstance(user.model, torch.nn.Module):
+            broadcast_from_rank0(model)  # a module built before fit(): rank 0's weights for every rank
+        task = user.task
     strategy = build_strategy(config.comm, ctx.device)
     wrapped = strategy.wrap(model)
-    optimizer = build_optimizer(train_cfg, model.parameters())
+    if user is not None and user.optimizer is not None:
+        optimizer = user.optimizer(model)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    else:
+        optimizer = build_optimizer(train_cfg, model.parameters())
     sampler = ResumableSampler(len(data.train), train_cfg.global_batch_size, seed=train_cfg.seed)
     total_steps = planned_steps(config, sampler.steps_per_epoch)
-    task = build_task(config.data.dataset)
     pin_memory = ctx.device.type == "cuda"
     parts = TrainParts(
         model=wrapped,
@@ -54,7 +75,7 @@ def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | No
             pin_memory=pin_memory,
             collate_fn=data.collate_fn,
         ),
-        eval_loader=build_eval_loader(
+        eval_loader=None if data.test is None else build_eval_loader(
             data.test,
             ctx.rank,
             ctx.world_size,
@@ -64,6 +85,7 @@ def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | No
             pin_memory=pin_memory,
         ),
         task=task,
+        metrics=_on_device(user.metrics if user else {}, ctx.device),
         total_steps=total_steps,
         ledger=build_ledger(config.data.ledger, run_dir, len(data.train), ctx.rank),
         job_store=job_store or NullJobStore(),
@@ -75,6 +97,19 @@ def build_trainer(config: Config, ctx: DistContext, job_store: NullJobStore | No
         run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0
     )
     return Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints)
+
+
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Every parameter and buffer as rank 0 has it (a module the user built before the process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def _on_device(metrics: dict, device: torch.device) -> dict:
+    return {name: metric.to(device) if hasattr(metric, "to") else metric for name, metric in metrics.items()}
 
 
 def planned_steps(config: Config, steps_per_epoch: int) -> int:

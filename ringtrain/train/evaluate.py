@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
+from typing import Any
 
+from ringtrain.data.batch import call_model, to_device
 from ringtrain.train.tasks import Task
 
 __all__ = ["evaluate"]
@@ -22,18 +24,41 @@ def evaluate(
     task: Task,
     device: torch.device,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
+    metrics: Mapping[str, Any] | None = None,
 ) -> dict:
-    """Metrics over the whole test set. ``module`` is the unwrapped model: a DDP forward would run
-    collectives, and ranks may hold different numbers of eval batches. ``autocast`` gives the training
-    precision's context (the sums themselves are fp64)."""
+    """Metrics over the whole test set, every sample counted once. ``module`` is the unwrapped model: a DDP
+    forward would run collectives, and ranks may hold different numbers of eval batches. ``autocast`` gives
+    the training precision's context (the sums themselves are fp64). ``metrics``: torchmetrics objects,
+    updated with every batch and computed (synchronised across ranks by torchmetrics) at the end."""
     was_training = module.training
     module.eval()
+    metrics = metrics or {}
+    for metric in metrics.values():
+        metric.reset()
     sums = torch.zeros(len(task.eval_fields), dtype=torch.float64, device=device)
     for inputs, targets in loader:
+        if len(targets) == 0:
+            continue
         targets = targets.to(device)
         with autocast():
-            outputs = module(inputs.to(device))
+            outputs = call_model(module, to_device(inputs, device))
         sums += task.eval_sums(outputs, targets).to(device)
+        if metrics:
+            predictions, expected = task.metric_inputs(outputs, targets)
+            for metric in metrics.values():
+                metric.update(predictions, expected)
     dist.all_reduce(sums)
     module.train(was_training)
-    return task.eval_metrics(sums.cpu())
+    results = task.eval_metrics(sums.cpu())
+    for name, metric in metrics.items():
+        results[name] = _plain(metric.compute())
+    return results
+
+
+def _plain(value: Any) -> Any:
+    """A metric's value as JSON can hold it: a number, or a list for a per-class tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, Mapping):
+        return {key: _plain(v) for key, v in value.items()}
+    return value

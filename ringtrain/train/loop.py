@@ -333,9 +333,12 @@ class Trainer:
         self.logger.log(record)
 
     def _evaluate(self) -> dict[str, Any]:
+        if self.parts.eval_loader is None:
+            return {}
         with self.watch.op("all_reduce (evaluation sums)", self.state.step):
             metrics = evaluate(
-                self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast
+                self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
+                self.parts.metrics,
             )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics

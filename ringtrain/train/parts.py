@@ -17,6 +17,7 @@ from ringtrain.parallel import Strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.precision import Precision
 from ringtrain.train.tasks import Task
+from ringtrain.train.user_task import UserTask
 
 __all__ = ["TrainParts"]
 
@@ -32,8 +33,9 @@ class TrainParts:
     scheduler: LRScheduler
     sampler: ResumableSampler
     train_loader: DataLoader
-    eval_loader: DataLoader
-    task: Task
+    eval_loader: DataLoader | None
+    """None: no evaluation set."""
+    task: Task | UserTask
     total_steps: int
     """Optimizer steps of the whole run (the lr schedule spans them)."""
     precision: Precision
@@ -42,5 +44,7 @@ class TrainParts:
     """Records each step's sample ids (``[data] ledger``); the null ledger records nothing."""
     job_store: NullJobStore = field(default_factory=NullJobStore)
     """Keys that outlive the workers: progress and heartbeats (``dist/jobstore.py``)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """The user's torchmetrics, {name: Metric}, computed over the evaluation set (synchronised by torchmetrics)."""
     data_stats: dict[str, Any] = field(default_factory=dict)
     """Facts about the data for the summary (e.g. a text corpus's unigram entropy)."""

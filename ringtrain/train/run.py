@@ -18,6 +18,7 @@ from ringtrain.dist.watch import Heartbeat
 from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
+from ringtrain.train.user_parts import UserParts
 
 __all__ = ["check_run_dir", "check_resume", "run_training", "RunDirLock"]
 
@@ -65,10 +66,11 @@ def check_resume(config: Config, resume: bool, resume_from: str | None) -> None:
     raise CheckpointError(f"--resume: no valid checkpoint in {manager.directory}{found}; run without --resume to start afresh")
 
 
-def run_training(config: Config, ctx: DistContext, plan: ResumePlan) -> dict[str, Any]:
-    """Build the trainer, continue from a checkpoint when the plan says so, train, return the summary."""
+def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None = None) -> dict[str, Any]:
+    """Build the trainer (on the user's parts, if given), continue from a checkpoint when the plan says so,
+    train, return the summary."""
     job_store = connect_job_store(ctx.env, is_writer=ctx.rank == 0)
-    trainer = build_trainer(config, ctx, job_store)
+    trainer = build_trainer(config, ctx, job_store, user)
     # The heartbeat lets a failed collective name the rank that stopped responding.
     with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank):
         trainer.resume(plan)

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from ringtrain.data.batch import call_model, logits_of
 from ringtrain.data.loader import StepBatch
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.parallel import Strategy
@@ -114,11 +115,17 @@ class GradientStep:
             sync = index == last and model is self.model
             with nullcontext() if sync else self.strategy.no_sync(self.model):
                 with self.precision.autocast():
-                    loss = self.task.loss_sum(model(inputs), targets)
+                    outputs = call_model(model, inputs)
+                    # A micro-batch of 0 rows (uneven shares, token budgets) still runs the forward, as every
+                    # rank must; the loss, which may not accept it, is not called.
+                    loss = self.task.loss_sum(outputs, targets) if len(targets) else None
                 self.batcher.after_forward(step, is_last=index == last)
-                self.precision.scale(loss * loss_scale).backward()
+                if loss is not None:
+                    self.precision.scale(loss * loss_scale).backward()
+                    loss_sum += loss.detach()
+                elif sync:
+                    _backward_zero(outputs, self.module)  # the strategy's sync still needs this backward
                 self.batcher.check_budget()
-            loss_sum += loss.detach()
         return loss_sum
 
     def _sync_gradients(self, batch: StepBatch) -> None:
@@ -132,11 +139,10 @@ class GradientStep:
         received: list[BufferSnapshot] = []
         hook = self.module.register_forward_pre_hook(lambda module, args: received.append(BufferSnapshot(module)))
         try:
-            outputs = self.model(batch.inputs[:0])
+            outputs = call_model(self.model, batch.empty()[0])
         finally:
             hook.remove()
-        zero = outputs.sum() + sum(p.sum() for p in self.module.parameters())
-        (zero * 0.0).backward()
+        _backward_zero(outputs, self.module)
         # After the backward: a buffer the forward used may be saved for it, and must not change before.
         for snapshot in received:
             snapshot.restore()
@@ -144,3 +150,10 @@ class GradientStep:
     def _book_exposed_communication(self) -> None:
         # The synchronising backward included the wait for the gradient all-reduce: book it as communication.
         self.clock.move("forward_backward", "comm_exposed", self.strategy.comm_timer.backward_done())
+
+
+def _backward_zero(outputs, module: nn.Module) -> None:
+    """A backward that adds nothing but makes every parameter's gradient "ready" (what DDP's and the manual
+    strategy's synchronisation waits for), through the outputs' graph and each parameter."""
+    zero = logits_of(outputs).sum() + sum(p.sum() for p in module.parameters() if p.requires_grad)
+    (zero * 0.0).backward()

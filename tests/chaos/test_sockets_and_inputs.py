@@ -63,7 +63,7 @@ def test_join_without_a_running_job_fails_in_one_line(tmp_path, capsys):
     assert main(["join", str(tmp_path)]) == 2
     assert f"{tmp_path / JOB_FILE} not found" in capsys.readouterr().err
     spec = ('{"rdzv_endpoint": "127.0.0.1:1", "run_id": "gone", "min_workers": 1, "max_workers": 2, '
-            '"max_restarts": 0, "rdzv_conf": "", "worker_args": [], "log_dir": ""}')
+            '"max_restarts": 0, "rdzv_conf": "", "program": {"args": []}, "log_dir": ""}')
     (tmp_path / JOB_FILE).write_text(spec)
     assert main(["join", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

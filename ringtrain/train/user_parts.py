@@ -1,0 +1,177 @@
+"""A user's own model, data, loss, metrics and optimizer: checked, then turned into what the builders use.
+
+Both doors lead here: ``ringtrain.fit(model=..., train_data=...)`` hands the objects themselves, and a
+config with ``[model] factory`` / ``[data] factory`` names callables that ``from_config`` imports. Every
+check gives one line naming the part and the fix (exit code 2), before any step runs.
+
+    parts = UserParts.checked(model=build_model, train_data=train, eval_data=val, loss="cross_entropy")
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from ringtrain.config import Config
+from ringtrain.data.batch import describe
+from ringtrain.data.split import DatasetSplit
+from ringtrain.errors import ConfigError
+from ringtrain.train.user_task import UserTask, build_user_task
+
+__all__ = ["UserParts", "import_callable", "check_factories", "describe_callable"]
+
+
+@dataclass
+class UserParts:
+    """What the user brings; everything else is built by ringtrain from the config."""
+
+    model: Callable[[], nn.Module] | nn.Module
+    train_data: Dataset
+    eval_data: Dataset | None
+    task: UserTask
+    metrics: dict[str, Any] = field(default_factory=dict)
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    collate_fn: Callable | None = None
+
+    @classmethod
+    def checked(cls, model, train_data, eval_data=None, loss="cross_entropy", loss_reduction="mean",
+                count_items=None, metrics=None, optimizer=None, collate_fn=None) -> UserParts:
+        """Check each part; raise ConfigError naming the first that does not fit."""
+        if not isinstance(model, nn.Module) and not callable(model):
+            raise ConfigError(f"model must be an nn.Module or a zero-argument callable returning one, not "
+                              f"{type(model).__name__}")
+        example = _check_dataset("train_data", train_data)
+        if eval_data is not None:
+            _check_dataset("eval_data", eval_data)
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise ConfigError(f"metrics must be a dict {{name: torchmetrics.Metric}}, not {type(metrics).__name__}")
+        for name, metric in (metrics or {}).items():
+            if not (callable(getattr(metric, "update", None)) and callable(getattr(metric, "compute", None))):
+                raise ConfigError(f"metrics[{name!r}] is a {type(metric).__name__}, not a torchmetrics Metric "
+                                  "(it needs update() and compute())")
+        if optimizer is not None and not callable(optimizer):
+            raise ConfigError("optimizer must be a callable taking the model and returning a torch.optim.Optimizer")
+        if collate_fn is not None and not callable(collate_fn):
+            raise ConfigError("collate_fn must be a callable, as DataLoader's")
+        task = build_user_task(loss, loss_reduction, count_items, example_target=example[1])
+        return cls(model, train_data, eval_data, task, dict(metrics or {}), optimizer, collate_fn)
+
+    @classmethod
+    def from_config(cls, config: Config) -> UserParts:
+        """Import and call the config's factories ([model] factory, [data] factory, [task])."""
+        model_factory = import_callable("model.factory", config.model.factory)
+        model_args = dict(config.model.args)
+        made = _call("data.factory", import_callable("data.factory", config.data.factory), config.data.args)
+        if not isinstance(made, tuple) or len(made) not in (2, 3):
+            raise ConfigError(f"data.factory {config.data.factory} returned {describe(made)}; it must return "
+                              "(train, eval) or (train, eval, collate_fn), eval may be None")
+        train, evaluation, collate = (*made, None)[:3]
+        task = config.task
+        loss = task.loss if task.loss in ("cross_entropy", "mse") else import_callable("task.loss", task.loss)
+        count = import_callable("task.count_items", task.count_items) if task.count_items else None
+        metrics = None
+        if task.metrics:
+            metrics = _call("task.metrics", import_callable("task.metrics", task.metrics), {})
+            if not isinstance(metrics, Mapping):
+                raise ConfigError(f"task.metrics {task.metrics} returned {describe(metrics)}; it must return "
+                                  "{name: torchmetrics.Metric}")
+        return cls.checked(lambda: _call("model.factory", model_factory, model_args), train, evaluation,
+                           loss, task.loss_reduction, count, metrics, None, collate)
+
+    def build_model(self, seed: int) -> nn.Module:
+        """The model, built after seeding (every rank builds the same weights), or the module as given."""
+        if isinstance(self.model, nn.Module):
+            return self.model
+        torch.manual_seed(seed)
+        model = self.model()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"the model factory returned {describe(model)}, not an nn.Module")
+        return model
+
+    def data_split(self) -> DatasetSplit:
+        return DatasetSplit(train=self.train_data, test=self.eval_data, num_classes=0, input_shape=(),
+                            collate_fn=self.collate_fn)
+
+
+def import_callable(field_name: str, path: str | None) -> Callable:
+    """``'package.module:function'`` -> the callable, imported from the current directory and PYTHONPATH."""
+    if path is None:
+        raise ConfigError(f"{field_name} is not set")
+    module_name, _, attribute = path.partition(":")
+    # `ringtrain train my.toml` run from the user's project imports their modules from there.
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as err:  # an ImportError, or anything the module raised while importing
+        raise ConfigError(f"{field_name} = '{path}': cannot import {module_name} ({type(err).__name__}: "
+                          f"{_first_line(err)}); run from your project's folder or add it to PYTHONPATH") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{field_name} = '{path}': {module_name} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{field_name} = '{path}' is a {type(target).__name__}, not a callable")
+    return target
+
+
+def check_factories(config: Config) -> None:
+    """What the launcher can know before any worker starts: every named callable imports and is callable."""
+    for field_name, path in (("model.factory", config.model.factory), ("data.factory", config.data.factory),
+                             ("task.count_items", config.task.count_items), ("task.metrics", config.task.metrics)):
+        if path is not None:
+            import_callable(field_name, path)
+    if config.task.loss not in ("cross_entropy", "mse"):
+        import_callable("task.loss", config.task.loss)
+    if config.model.factory is None or config.data.factory is None:
+        missing = "model.factory" if config.model.factory is None else "data.factory"
+        raise ConfigError(f"{missing} is not set; a config with your own model or data names both "
+                          "([model] factory and [data] factory)")
+
+
+def describe_callable(value: Any) -> str:
+    """'module:qualname' of a callable (or of an object's class), for the record in config.toml."""
+    target = value if callable(value) and hasattr(value, "__qualname__") else type(value)
+    name = getattr(target, "__qualname__", type(value).__name__).replace("<", "").replace(">", "")
+    name = ".".join(part for part in name.split(".") if part.isidentifier()) or "model"
+    module = getattr(target, "__module__", None) or "__main__"
+    return f"{module}:{name}"
+
+
+def _check_dataset(name: str, dataset: Any) -> tuple:
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError(f"{name} is a {type(dataset).__name__}; ringtrain needs a map-style Dataset (__len__ and "
+                          "__getitem__) to deal exactly-once shares and resume mid-epoch; wrap an IterableDataset's "
+                          "items in a list or a map-style Dataset")
+    if len(dataset) == 0:
+        raise ConfigError(f"{name} is empty")
+    item = dataset[0]
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise ConfigError(f"{name}[0] is {describe(item)}; each item must be an (input, target) pair, input a "
+                          "tensor, a tuple or a dict of tensors")
+    return tuple(item)
+
+
+def _call(field_name: str, fn: Callable, kwargs: Mapping[str, Any]) -> Any:
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{field_name} cannot be called with {sorted(kwargs) or 'no arguments'} ({err}); "
+                          f"match its parameters in [{field_name.split('.')[0]}.args]") from None
+    except ValueError:
+        pass  # no signature to check (a builtin): let the call say
+    return fn(**kwargs)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

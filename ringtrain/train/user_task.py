@@ -1,0 +1,165 @@
+"""The task of a user's model: their loss (or a built-in one), its reduction, and their metrics.
+
+The loop wants a *sum* of per-item losses and the items' count (train/tasks.py). A user's loss gives one
+of two things:
+
+- ``loss_reduction="mean"`` (the default, what ``nn.CrossEntropyLoss()`` returns): the mean over the
+  micro-batch's samples; ringtrain multiplies it by the micro-batch's sample count, so the step's gradient
+  is the mean over all of its samples however they fall across micro-batches and ranks;
+- ``loss_reduction="sum"``: the sum over items (tokens, say); ringtrain divides by the step's global item
+  count, counted from the targets before the forward by ``count_items`` (default: the targets' elements that
+  are not -100), as the built-in language model does.
+
+Built-ins: ``"cross_entropy"`` (logits [N, C] and class targets [N]: per sample; logits [N, T, V] and
+targets [N, T]: per target token, -100 ignored) and ``"mse"`` (per sample: the mean over a sample's
+elements). A micro-batch of 0 rows never reaches the user's loss (the loop skips it).
+
+    task = build_user_task("cross_entropy", "mean", None, example_target=train[0][1])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ringtrain.data.batch import describe, logits_of
+from ringtrain.errors import ConfigError
+
+__all__ = ["UserTask", "build_user_task", "IGNORE_INDEX", "default_count_items"]
+
+IGNORE_INDEX = -100
+"""Targets equal to this are not items (padding): torch's cross_entropy ignore_index."""
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def default_count_items(targets: torch.Tensor) -> int:
+    """Elements of the targets that are not -100."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+class UserTask:
+    """Loss sums and item counts for the loop; loss (and accuracy for classifiers) for evaluation."""
+
+    def __init__(self, loss: str | LossFn, reduction: str, count_items: Callable[[torch.Tensor], int] | None,
+                 token_targets: bool, name: str):
+        self.loss = loss
+        self.reduction = reduction
+        self.name = name
+        self.token_targets = token_targets
+        """Targets are sequences (one item per target token), not one per sample."""
+        self._count = count_items or default_count_items
+        self.classifier = loss == "cross_entropy" and not token_targets
+        self.eval_fields = ("loss_sum", "count", *(("correct", "correct_top5") if self.classifier else ()))
+        self._checked = False
+
+    @property
+    def items_are_samples(self) -> bool:
+        """Whether a step's item count is its window (no collective needed to know it)."""
+        return self.reduction == "mean" and not self.token_targets
+
+    def count_items(self, targets: torch.Tensor) -> int:
+        if self.items_are_samples:
+            return len(targets)
+        return int(self._count(targets))
+
+    def loss_sum(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        if self.loss == "cross_entropy":
+            return self._cross_entropy_sum(logits_of(outputs), targets)
+        if self.loss == "mse":
+            predictions = _aligned(logits_of(outputs), targets, "mse")
+            per_sample = max(1, targets[0].numel()) if len(targets) else 1
+            return F.mse_loss(predictions.float(), targets.float(), reduction="sum") / per_sample
+        value = self.loss(outputs, targets)
+        if not self._checked:
+            self._check_scalar(value)
+        return value * len(targets) if self.reduction == "mean" else value
+
+    def _cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.token_targets:
+            if logits.dim() != targets.dim() + 1:
+                raise ConfigError(f"loss 'cross_entropy' got logits {describe(logits)} for token targets "
+                                  f"{describe(targets)}; logits must be [batch, time, vocab] for targets [batch, time]")
+            return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        return F.cross_entropy(logits, targets, reduction="sum")
+
+    def _check_scalar(self, value: Any) -> None:
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise ConfigError(
+                f"loss {self.name} returned {describe(value)}, not a scalar; reduce it inside the loss "
+                f"(.mean() with loss_reduction='mean', .sum() with 'sum')"
+            )
+        self._checked = True
+
+    def train_metrics(self, loss: float) -> dict[str, float]:
+        return {"ppl": _perplexity(loss)} if self.loss == "cross_entropy" and self.token_targets else {}
+
+    # --- evaluation: sums over batches and ranks, then metrics ------------------------------------------
+    def eval_sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_sum(outputs, targets).detach().double()
+        count = torch.tensor(self.count_items(targets), dtype=torch.float64, device=loss.device)
+        sums = [loss, count]
+        if self.classifier:
+            logits = logits_of(outputs)
+            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            hits = top == targets[:, None]
+            sums += [hits[:, 0].sum().double(), hits.any(dim=1).sum().double()]
+        return torch.stack(sums)
+
+    def eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        values = dict(zip(self.eval_fields, sums.tolist()))
+        count = values["count"]
+        metrics = {"loss": values["loss_sum"] / count if count else math.nan, "count": int(count)}
+        if self.classifier:
+            metrics["accuracy"] = values["correct"] / count
+            metrics["top5_accuracy"] = values["correct_top5"] / count
+        metrics.update(self.train_metrics(metrics["loss"]))
+        return metrics
+
+    def metric_inputs(self, outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predictions, targets) for torchmetrics: the logits, shaped like the targets for a regression."""
+        logits = logits_of(outputs)
+        if self.loss == "mse" and logits.shape != targets.shape and logits.numel() == targets.numel():
+            logits = logits.reshape(targets.shape)
+        return logits.float(), targets
+
+
+def build_user_task(loss: str | LossFn, loss_reduction: str, count_items: Callable | None,
+                    example_target: Any) -> UserTask:
+    """The task for a user's loss; ``example_target`` (one dataset item's target) tells per-sample targets
+    (a number) from per-token ones (a sequence)."""
+    if loss_reduction not in ("mean", "sum"):
+        raise ConfigError(f"loss_reduction = {loss_reduction!r}: use 'mean' (the loss averages over samples) or "
+                          "'sum' (it sums over items, counted by count_items)")
+    if isinstance(loss, str) and loss not in ("cross_entropy", "mse"):
+        raise ConfigError(f"loss = {loss!r} is not a built-in loss; use 'cross_entropy', 'mse' or a callable "
+                          "loss(outputs, targets) -> scalar")
+    if not isinstance(loss, str) and not callable(loss):
+        raise ConfigError(f"loss must be 'cross_entropy', 'mse' or a callable, not {type(loss).__name__}")
+    if count_items is not None and loss_reduction != "sum":
+        raise ConfigError("count_items goes with loss_reduction='sum'; a 'mean' loss is weighted by its samples")
+    if isinstance(loss, str) and loss_reduction == "sum":
+        raise ConfigError(f"loss_reduction applies to your own loss callable; the built-in {loss!r} normalises "
+                          "itself (per sample, or per token for sequence targets)")
+    target = torch.as_tensor(example_target)
+    token_targets = loss == "cross_entropy" and target.dim() >= 1
+    name = loss if isinstance(loss, str) else getattr(loss, "__qualname__", type(loss).__name__)
+    return UserTask(loss, loss_reduction, count_items, token_targets, repr(name))
+
+
+def _aligned(predictions: torch.Tensor, targets: torch.Tensor, loss: str) -> torch.Tensor:
+    if predictions.shape == targets.shape:
+        return predictions
+    if predictions.numel() == targets.numel():
+        return predictions.reshape(targets.shape)  # [N, 1] outputs for [N] targets
+    raise ConfigError(f"loss {loss!r}: the model returned {describe(predictions)} for targets {describe(targets)}; "
+                      "they must have the same number of elements")
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 50 else math.inf
