@@ -184,3 +184,16 @@ def check_replicas(module: torch.nn.Module, step: int) -> list[str]:
         shown = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
         raise ReplicasDiverged(f"after step {step} the ranks hold different parameters ({shown})")
     return digests
+
+
+def check_every_parameter_has_a_gradient(module: torch.nn.Module, step: int) -> None:
+    """After the first step's backward: a trainable parameter the forward never used has no gradient. The
+    gradient sync waits for every parameter, so DDP would fail one step later with a generic message (or the
+    manual strategy wait); name the parameters now, on every rank alike."""
+    missing = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise RingtrainError(
+            f"step {step}: {len(missing)} trainable parameter(s) got no gradient ({shown}): the forward does not "
+            "use them; freeze them (param.requires_grad_(False)) or remove them from the model"
+        )

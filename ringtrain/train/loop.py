@@ -37,7 +37,14 @@ from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
 from ringtrain.train.evaluate import evaluate
 from ringtrain.train.comm_state import gather_rank_states
 from ringtrain.train.optim import load_optimizer_state, optimizer_name, position_lr_scheduler
-from ringtrain.train.guards import StepGuard, Stopped, StopSignal, Verdict, check_replicas
+from ringtrain.train.guards import (
+    StepGuard,
+    Stopped,
+    StopSignal,
+    Verdict,
+    check_every_parameter_has_a_gradient,
+    check_replicas,
+)
 from ringtrain.train.resume import ResumePlan, check_same_choice, config_changes, pick_checkpoint, resume_record
 from ringtrain.train.state import TrainState
 from ringtrain.train.parts import TrainParts
@@ -73,6 +80,7 @@ class Trainer:
         """Records of the resume (warnings, the restart report), logged once training starts."""
         self.previous = PreviousAttempt(starts=1, last_step=None, last_step_time=None)
         self._saved_step = -1
+        self._gradients_checked = False
 
     @property
     def finished(self) -> bool:
@@ -210,6 +218,9 @@ class Trainer:
             batch = batch.to(self.ctx.device)
         with self.watch.op("all_reduce (DDP gradient sync)", step):
             loss_sum, items = self.gradient.run(batch, window, step, on_shrink=self.logger.log)
+        if not self._gradients_checked:
+            check_every_parameter_has_a_gradient(self.module, step)
+            self._gradients_checked = True
         with self.clock.phase("optimizer"):
             # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient. Its
             # scaler skips overflowing steps itself; those are not bad steps.

@@ -28,7 +28,10 @@ __all__ = ["Job", "records", "last_step", "ledger_steps", "assert_loopback_only"
 
 
 class Job:
-    def __init__(self, *args: str, env: dict | None = None, watch_sockets: bool = False):
+    def __init__(self, *args: str, env: dict | None = None, watch_sockets: bool = False,
+                 worker_command: str = "ringtrain.worker"):
+        self.worker_command = worker_command
+        """What a worker's command line holds: ringtrain.worker, or the script of `ringtrain run`."""
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         self.started = time.monotonic()
         self.process = subprocess.Popen([sys.executable, "-m", "ringtrain", *args], cwd=REPO, env=full_env,
@@ -80,7 +83,7 @@ class Job:
         found = {}
         for proc in self.tree():
             try:
-                if "ringtrain.worker" in " ".join(proc.cmdline()) and "RANK" in proc.environ():
+                if self.worker_command in " ".join(proc.cmdline()) and "RANK" in proc.environ():
                     found[int(proc.environ()["RANK"])] = proc
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue

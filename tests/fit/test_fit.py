@@ -1,0 +1,204 @@
+"""ringtrain.fit, ringtrain run and config factories, through the commands a user runs.
+
+- the oracle: the built-in MLP trained by name and the same MLP class through fit() give bit-identical
+  parameters (and so do dict inputs, model(**x));
+- a factory config trains through `ringtrain train`; every mistake in one is one line, exit 2;
+- a part that does not fit (an IterableDataset, items that are not pairs, a non-scalar loss, a parameter
+  that gets no gradient) is one line, exit 2;
+- --resume, SIGKILL + --max-restarts and the exactly-once ledger on a user model through `ringtrain run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.jobs import Job, last_step, records
+from tests.conftest import REPO, run_cli
+
+SCRIPT = "tests/fit/user_code.py"
+# configs/debug_mlp.toml is the same job as user_code.CONFIG; its model is user_code.digits_mlp.
+BUILT_IN = "configs/debug_mlp.toml"
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir, "train")}
+
+
+def run_script(*args: str, case: str = "oracle", config: dict | None = None, timeout: float = 240):
+    script_args = ["--", "--case", case, *(["--config", json.dumps(config)] if config else [])]
+    return run_cli("run", SCRIPT, *args, *script_args, timeout=timeout)
+
+
+def test_the_builtin_mlp_and_the_same_class_through_fit_train_bit_identical_parameters(tmp_path):
+    by_name = run_cli("train", BUILT_IN, "--nproc", "2", "--run-dir", str(tmp_path / "by_name"))
+    through_fit = run_script("--nproc", "2", "--run-dir", str(tmp_path / "fit"))
+    assert by_name.returncode == 0, by_name.stderr
+    assert through_fit.returncode == 0, through_fit.stderr
+    want, got = summary(tmp_path / "by_name"), summary(tmp_path / "fit")
+    print(f"oracle: built-in {want['param_sha256'][0][:16]} vs fit {got['param_sha256'][0][:16]} after "
+          f"{got['steps']} steps on 2 workers")
+    assert got["param_sha256"] == want["param_sha256"], "fit() trained other parameters than the built-in path"
+    assert losses(tmp_path / "fit") == losses(tmp_path / "by_name")
+    assert got["eval"]["accuracy"] == want["eval"]["accuracy"]
+    # The run directory is ringtrain train's, plus what was run.
+    program = json.loads((tmp_path / "fit" / "program.json").read_text())
+    assert program["script"] == str(REPO / SCRIPT) and program["args"] == ["--case", "oracle"]
+    config = (tmp_path / "fit" / "config.toml").read_text()
+    assert 'factory = "tests.fit.user_code:digits_mlp"' in config or 'factory = "__main__:digits_mlp"' in config
+
+
+def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path):
+    """model(**input) with dict items trains the same numbers as tensors; a user's mean loss and a
+    torchmetrics metric run end to end, and --set reaches the script's config."""
+    dict_run = run_script("--nproc", "2", "--run-dir", str(tmp_path / "dict"), case="dict_inputs")
+    mean_run = run_script("--nproc", "2", "--run-dir", str(tmp_path / "mean"), "--set", "train.epochs=1",
+                          case="mean_loss")
+    reference = run_script("--nproc", "2", "--run-dir", str(tmp_path / "ref"))
+    for result in (dict_run, mean_run, reference):
+        assert result.returncode == 0, result.stderr
+    assert losses(tmp_path / "dict") == losses(tmp_path / "ref")
+    mean = summary(tmp_path / "mean")
+    assert mean["steps"] == 23, "--set train.epochs=1 did not override the script's 2 epochs"
+    assert 0.5 < mean["eval"]["macro_accuracy"] <= 1.0 and mean["eval"]["loss"] < 1.0
+    assert "accuracy" not in mean["eval"], "accuracy is reported for the built-in cross_entropy only"
+    # A mean loss times its samples is the built-in sum, up to float rounding.
+    ref_losses, mean_losses = losses(tmp_path / "ref"), losses(tmp_path / "mean")
+    common = set(mean_losses) & set(ref_losses)
+    assert len(common) >= 4 and all(abs(mean_losses[s] - ref_losses[s]) < 1e-4 for s in common)
+
+
+FACTORY_CONFIG = """
+[model]
+factory = "tests.fit.user_code:digits_mlp"
+[model.args]
+hidden = 32
+[data]
+factory = "tests.fit.user_code:digits"
+[task]
+loss = "tests.fit.user_code:sum_cross_entropy"
+loss_reduction = "sum"
+metrics = "tests.fit.user_code:accuracy_metrics"
+[train]
+epochs = 1
+global_batch_size = 64
+local_batch_size = 16
+lr = 0.1
+lr_schedule = "constant"
+[monitor]
+progress = false
+"""
+
+
+def test_a_factory_config_trains_through_ringtrain_train(tmp_path):
+    config = tmp_path / "mine.toml"
+    config.write_text(FACTORY_CONFIG)
+    result = run_cli("train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    got = summary(tmp_path / "run")
+    assert got["steps"] == 23 and got["eval"]["macro_accuracy"] > 0.5
+    assert len(set(got["param_sha256"])) == 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.no_such_module:digits_mlp"'),
+         "model.factory = 'tests.fit.no_such_module:digits_mlp': cannot import tests.fit.no_such_module"),
+        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.user_code:NOT_CALLABLE"'),
+         "model.factory = 'tests.fit.user_code:NOT_CALLABLE' is a int, not a callable"),
+        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.user_code:no_such_function"'),
+         "model.factory = 'tests.fit.user_code:no_such_function': tests.fit.user_code has no attribute"),
+        (('"tests.fit.user_code:digits_mlp"', '"digits_mlp"'),
+         "model.factory = 'digits_mlp' must be 'package.module:function'"),
+        (('factory = "tests.fit.user_code:digits_mlp"', 'factory = "tests.fit.user_code:digits_mlp"\nname = "mlp"'),
+         "set model.factory (your own model) or model.name (a built-in one), not both"),
+        (('loss = "tests.fit.user_code:sum_cross_entropy"', 'loss = "tests.fit.user_code:missing_loss"'),
+         "task.loss = 'tests.fit.user_code:missing_loss': tests.fit.user_code has no attribute"),
+    ],
+    ids=["import-fails", "not-callable", "no-such-name", "not-an-import-path", "factory-and-name", "bad-loss"],
+)
+def test_a_factory_mistake_is_one_line_before_any_worker_starts(tmp_path, edit, message):
+    config = tmp_path / "mine.toml"
+    config.write_text(FACTORY_CONFIG.replace(*edit))
+    result = run_cli("train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert message in lines[0], lines[0]
+    assert not (tmp_path / "run").exists(), "a worker started"
+
+
+def test_what_a_factory_returns_is_checked_on_the_workers_in_one_line(tmp_path):
+    config = tmp_path / "mine.toml"
+    config.write_text(FACTORY_CONFIG.replace('"tests.fit.user_code:digits"', '"tests.fit.user_code:data_as_list"')
+                      .replace("[model.args]\nhidden = 32", "[model.args]\nwidth = 32"))
+    result = run_cli("train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: error: [rank")]
+    assert errors and "data.factory tests.fit.user_code:data_as_list returned list of 2; it must return (train, " \
+        "eval)" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("iterable", "train_data is a Stream; ringtrain needs a map-style Dataset"),
+        ("triples", "train_data[0] is tuple of 3; each item must be an (input, target) pair"),
+        ("non_scalar_loss", "loss 'per_sample_loss' returned tensor[16], not a scalar"),
+        ("unused_parameter", "step 1: 2 trainable parameter(s) got no gradient (unused.weight, unused.bias)"),
+    ],
+)
+def test_a_part_that_does_not_fit_is_one_line_and_exit_2(tmp_path, case, message):
+    """Plain `python script.py` (one worker): what fit() checks itself."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, SCRIPT, "--case", case, "--config", json.dumps({"run_dir": str(tmp_path)})],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("ringtrain: error: [rank 0] ") and message in lines[0], lines[0]
+
+
+def test_a_parameter_without_gradient_is_named_under_ddp_on_two_workers(tmp_path):
+    result = run_script("--nproc", "2", "--run-dir", str(tmp_path / "run"), case="unused_parameter")
+    assert result.returncode != 0
+    assert "got no gradient (unused.weight, unused.bias)" in result.stderr, result.stderr
+    assert "Expected to have finished reduction" not in result.stderr
+
+
+def test_resume_of_a_user_model_through_ringtrain_run_is_bit_exact(tmp_path):
+    straight = run_script("--nproc", "2", "--run-dir", str(tmp_path / "straight"))
+    first = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--set", "train.max_steps=20")
+    again = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"))  # a fresh run over checkpoints
+    resumed = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--resume")
+    for result in (straight, first, resumed):
+        assert result.returncode == 0, result.stderr
+    assert again.returncode == 2 and "already holds checkpoints" in again.stderr, again.stderr
+    assert summary(tmp_path / "split")["param_sha256"] == summary(tmp_path / "straight")["param_sha256"]
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+
+
+def test_sigkill_of_a_user_model_worker_restarts_and_every_sample_is_used_once(tmp_path):
+    run_dir = tmp_path / "chaos"
+    config = json.dumps({"train": {"epochs": 4}, "monitor": {"log_every_steps": 1}, "data": {"ledger": True}})
+    with Job("run", SCRIPT, "--nproc", "2", "--run-dir", str(run_dir), "--max-restarts", "1", "--", "--case", "oracle",
+             "--config", config, worker_command=SCRIPT) as job:
+        victim = job.worker(1)
+        job.wait_for(lambda: last_step(run_dir) >= 25, what="step 25")
+        victim.kill()
+        assert job.finish() == 0, job.stderr
+    [resumed] = records(run_dir, "resume")
+    assert resumed["restart"] == 1 and summary(run_dir)["restarts"] == 1
+    ledger = run_cli("ledger", str(run_dir))
+    assert ledger.returncode == 0, ledger.stdout + ledger.stderr
+    print(f"SIGKILL of a user model's worker: restart {resumed['restart_s']:.1f} s, {resumed['steps_lost']} steps "
+          f"lost; ledger: {ledger.stdout.strip().splitlines()[-1]}")

@@ -1,0 +1,151 @@
+"""A user's project as ringtrain meets it: model and data factories, losses, metrics, a fit() script.
+
+Imported by the tests in-process, named by configs as ``tests.fit.user_code:...``, and run as a script
+(``ringtrain run tests/fit/user_code.py``): one file plays every role a user's code plays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from ringtrain.data.digits import load_digits_split
+from ringtrain.models import MLP
+
+# --- the user's parts -------------------------------------------------------------------------------------
+
+
+def digits_mlp(hidden: int = 32) -> nn.Module:
+    """The built-in digits MLP class, as a user would import it: the oracle of bit-identity."""
+    return MLP(64, [hidden, hidden], 10)
+
+
+def digits() -> tuple[Dataset, Dataset]:
+    split = load_digits_split(0.2, 0)
+    return split.train, split.test
+
+
+def mean_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets)
+
+
+def sum_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets, reduction="sum")
+
+
+def per_sample_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets, reduction="none")  # not a scalar: a user error
+
+
+def accuracy_metrics() -> dict:
+    from torchmetrics.classification import MulticlassAccuracy
+
+    return {"macro_accuracy": MulticlassAccuracy(num_classes=10, average="macro")}
+
+
+class DictInputs(Dataset):
+    """Items whose input is a dict ({"pixels": x}): the model is called as model(**input)."""
+
+    def __init__(self, base: Dataset):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        x, y = self.base[index]
+        return {"pixels": x}, y
+
+
+class DictMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = digits_mlp()
+
+    def forward(self, pixels: torch.Tensor):
+        return self.mlp(pixels)
+
+
+class UnusedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(64, 10)
+        self.unused = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from digits()[0]
+
+
+class Triples(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        return torch.zeros(64), 0, "extra"
+
+
+# --- factories with mistakes, named by configs in the error tests --------------------------------------------
+
+NOT_CALLABLE = 42
+
+
+def data_as_list():
+    return list(digits())
+
+
+# --- the script: `ringtrain run tests/fit/user_code.py -- --case NAME` ------------------------------------------
+
+CONFIG = {
+    "train": {"epochs": 2, "global_batch_size": 64, "local_batch_size": 16, "lr": 0.1, "lr_schedule": "constant",
+              "seed": 0},
+    "checkpoint": {"every_steps": 10},
+    "monitor": {"log_every_steps": 5, "progress": False},
+}
+
+
+def main() -> None:
+    import ringtrain
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="oracle")
+    parser.add_argument("--config", default="{}", help="JSON merged into CONFIG's sections")
+    args = parser.parse_args()
+    config = {section: dict(values) for section, values in CONFIG.items()}
+    for section, values in json.loads(args.config).items():
+        if isinstance(values, dict):
+            config.setdefault(section, {}).update(values)
+        else:
+            config[section] = values  # a top-level field: run_dir
+    train, test = digits()
+    kwargs = {}
+    model = digits_mlp
+    if args.case == "dict_inputs":
+        train, test, model = DictInputs(train), DictInputs(test), DictMLP
+    elif args.case == "mean_loss":
+        kwargs = {"loss": mean_cross_entropy, "metrics": accuracy_metrics()}
+    elif args.case == "sum_loss":
+        kwargs = {"loss": sum_cross_entropy, "loss_reduction": "sum"}
+    elif args.case == "non_scalar_loss":
+        kwargs = {"loss": per_sample_loss}
+    elif args.case == "unused_parameter":
+        model = UnusedLayer
+    elif args.case == "iterable":
+        train = Stream()
+    elif args.case == "triples":
+        train = Triples()
+    summary = ringtrain.fit(model=model, train_data=train, eval_data=test, config=config, **kwargs)
+    print("SUMMARY " + json.dumps({k: summary[k] for k in ("steps", "eval", "param_sha256")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
