@@ -149,3 +149,46 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- variable-length sequences for token budgets (the gradient tests) ------------------------------------------
+
+
+class Sequences(Dataset):
+    """Token sequences of 3 to 20 tokens: (ids[:-1], ids[1:]) as 1-D tensors of different lengths."""
+
+    def __init__(self, count: int = 64, vocab: int = 11, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(4, 22, (count,), generator=g)
+        self.items = [torch.randint(0, vocab, (int(n),), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        ids = self.items[index]
+        return ids[:-1], ids[1:]
+
+
+def pad_sequences(items):
+    """The user's collate: inputs padded with 0, targets with -100 (what train.max_tokens reads lengths from)."""
+    width = max(len(x) for x, _ in items)
+    inputs = torch.zeros(len(items), width, dtype=torch.long)
+    targets = torch.full((len(items), width), -100, dtype=torch.long)
+    for row, (x, y) in enumerate(items):
+        inputs[row, : len(x)], targets[row, : len(y)] = x, y
+    return inputs, targets
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 11, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def token_sum_loss(outputs, targets):
+    return F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
