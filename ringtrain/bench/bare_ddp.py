@@ -1,7 +1,7 @@
 """The reference for `ringtrain bench train`: a bare PyTorch DDP loop, no ringtrain trainer.
 
 Same model, data, optimizer and sample order as `ringtrain train CONFIG` (it borrows only ringtrain's
-model and dataset builders, and the process settings its workers use: one compute thread, pinned, and
+model and dataset builders, or a factory config's parts and loss, and the process settings its workers use: one compute thread, pinned, and
 the allocator's thresholds), written as plainly as torch allows, so the benchmark can report ringtrain's
 overhead as a ratio of median step times and check that both produce bit-identical weights.
 
@@ -30,6 +30,7 @@ from ringtrain.config import load_config
 from ringtrain.data import build_datasets
 from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.models import build_model
+from ringtrain.train.user_parts import UserParts
 
 
 def main() -> None:
@@ -52,32 +53,43 @@ def main() -> None:
     if config.dist.keep_freed_memory:
         keep_freed_memory()
 
-    torch.manual_seed(train.seed)
-    data = build_datasets(config.data)
-    model = DDP(build_model(config.model, data), bucket_cap_mb=config.comm.bucket_mb)
+    if config.user_parts:  # a factory config: the user's model, data and loss, as ringtrain builds them
+        user = UserParts.from_config(config)
+        dataset, collate, loss_sum = user.train_data, user.collate_fn or default_collate, user.task.loss_sum
+        module = user.build_model(train.seed)
+    else:
+        torch.manual_seed(train.seed)
+        data = build_datasets(config.data)
+        dataset, collate = data.train, default_collate
+        module = build_model(config.model, data)
+
+        def loss_sum(outputs, targets):
+            return torch.nn.functional.cross_entropy(outputs, targets, reduction="sum")
+
+    model = DDP(module, bucket_cap_mb=config.comm.bucket_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum,
                                 weight_decay=train.weight_decay)
 
     step_times, interval_start = [], time.perf_counter()
     step, epoch, cursor = 0, 0, 0
-    order = np.random.default_rng([train.seed, epoch]).permutation(len(data.train))
+    order = np.random.default_rng([train.seed, epoch]).permutation(len(dataset))
     while step < args.steps:
         window = order[cursor : cursor + train.global_batch_size]
-        inputs, targets = default_collate([data.train[i] for i in window[rank::world_size].tolist()])
+        inputs, targets = collate([dataset[i] for i in window[rank::world_size].tolist()])
         # ringtrain's rule: a short last window of an epoch needs fewer micro-batches.
         count = math.ceil(math.ceil(len(window) / world_size) / train.local_batch_size)
         micro = list(zip(torch.tensor_split(inputs, count), torch.tensor_split(targets, count)))
         for index, (x, y) in enumerate(micro):
             # Forward and backward both inside no_sync: DDP decides in forward whether backward syncs.
             with model.no_sync() if index < len(micro) - 1 else contextlib.nullcontext():
-                loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum") * (world_size / len(window))
+                loss = loss_sum(model(x), y) * (world_size / len(window))
                 loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step, cursor = step + 1, cursor + len(window)
         if cursor >= len(order):
             epoch, cursor = epoch + 1, 0
-            order = np.random.default_rng([train.seed, epoch]).permutation(len(data.train))
+            order = np.random.default_rng([train.seed, epoch]).permutation(len(dataset))
         if step % args.interval == 0:
             now = time.perf_counter()
             step_times.append((now - interval_start) / args.interval)
