@@ -215,3 +215,34 @@ def test_bench_train_measures_a_factory_config_against_bare_ddp_on_the_same_part
     [ours] = [r for r in rows if r["runner"] == "ringtrain"]
     assert ours["bit_identical_to_bare"], "ringtrain and the bare DDP loop trained different weights on the user's parts"
     assert ours["overhead_vs_bare"] > 0
+
+
+def test_every_feature_on_a_user_model_manual_shm_bf16_oom_shrink_export_report(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_script("--nproc", "2", "--run-dir", str(run_dir), "--set", "comm.strategy=manual",
+                        "--set", "comm.algorithm=shm", "--set", "train.precision=bf16",
+                        "--set", "train.auto_micro_batch=true", "--set", "train.inject_oom_at_step=3",
+                        "--set", "train.inject_oom_rank=1", "--set", "train.epochs=1", case="dict_inputs")
+    assert result.returncode == 0, result.stderr
+    [shrunk] = records(run_dir, "micro_batch")
+    assert shrunk["step"] == 3 and shrunk["failed_ranks"] == [1] and shrunk["micro_batch_size"] == 8
+    got = summary(run_dir)
+    assert got["micro_batch_size"] == 8 and len(set(got["param_sha256"])) == 1 and got["eval"]["accuracy"] > 0.5
+    exported = run_cli("export", str(run_dir))
+    assert exported.returncode == 0 and (run_dir / "model.safetensors").is_file(), exported.stderr
+    report = run_cli("report", str(run_dir))
+    assert report.returncode == 0 and (run_dir / "report" / "report.md").is_file(), report.stderr
+
+
+def test_an_elastic_ringtrain_run_records_the_program_for_join(tmp_path):
+    run_dir = tmp_path / "run"
+    without = run_cli("run", SCRIPT, "--nproc", "2", "--min-nproc", "1")
+    assert without.returncode == 2 and "ringtrain run with --min-nproc needs --run-dir" in without.stderr
+    result = run_script("--nproc", "2", "--min-nproc", "1", "--run-dir", str(run_dir), "--set", "train.epochs=1")
+    assert result.returncode == 0, result.stderr
+    assert summary(run_dir)["world_size"] == 2
+    program = json.loads((run_dir / "job.json").read_text())["program"]
+    assert program["args"] == [str(REPO / SCRIPT), "--case", "oracle"] and program["cwd"] == str(REPO)
+    assert program["env"]["RINGTRAIN_RUN_DIR"] == str(run_dir)
+    late = run_cli("join", str(run_dir))  # the job is over: one line, nothing started
+    assert late.returncode == 2 and "no job is running" in late.stderr
