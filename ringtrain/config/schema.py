@@ -38,6 +38,16 @@ def _check_import_path(field: str, value: str | None, builtins: tuple[str, ...] 
     raise ValueError(f"{field} = {value!r} must be {choices}'package.module:function' (an importable callable)")
 
 
+def _check_factory(section: BaseModel, name: str, builtin: str, what: str) -> None:
+    """``[name] factory`` is an import path, replaces ``builtin`` (not both), and owns ``[name.args]``."""
+    factory = section.factory
+    _check_import_path(f"{name}.factory", factory)
+    if factory is not None and builtin in section.model_fields_set:
+        raise ValueError(f"set {name}.factory (your own {what}) or {name}.{builtin} (a built-in one), not both")
+    if section.args and factory is None:
+        raise ValueError(f"[{name}.args] are keyword arguments of {name}.factory, which is not set")
+
+
 class Section(BaseModel):
     # strict: a string where a number belongs is an error, not a silent conversion.
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
@@ -77,11 +87,7 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _factory_or_name(self) -> ModelConfig:
-        _check_import_path("model.factory", self.factory)
-        if self.factory is not None and "name" in self.model_fields_set:
-            raise ValueError("set model.factory (your own model) or model.name (a built-in one), not both")
-        if self.args and self.factory is None:
-            raise ValueError("[model.args] are keyword arguments of model.factory, which is not set")
+        _check_factory(self, "model", "name", "model")
         return self
 
     @model_validator(mode="after")
@@ -143,11 +149,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _factory_or_dataset(self) -> DataConfig:
-        _check_import_path("data.factory", self.factory)
-        if self.factory is not None and "dataset" in self.model_fields_set:
-            raise ValueError("set data.factory (your own data) or data.dataset (a built-in one), not both")
-        if self.args and self.factory is None:
-            raise ValueError("[data.args] are keyword arguments of data.factory, which is not set")
+        _check_factory(self, "data", "dataset", "data")
         return self
 
     seq_len: int = Field(default=256, gt=1)
