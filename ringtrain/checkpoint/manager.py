@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +46,17 @@ ringtrain saves is tensors, numbers, strings and containers; add a class here on
 
 
 class CheckpointManager:
-    """Saves (writer rank only) and finds checkpoints ``step_XXXXXXXX.pt`` in one folder."""
+    """Saves (writer rank only) and finds checkpoints ``step_XXXXXXXX.pt`` in one folder.
+
+    Every rank makes one; only the writer writes, every rank can load::
+
+        checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=3, is_writer=rank == 0)
+        checkpoints.save(step, {"model": module.state_dict(), "sampler": sampler.state_dict()})
+        found = checkpoints.load_latest()        # (path, state) of the newest that verifies, or None
+        if found is not None:
+            path, state = found
+            module.load_state_dict(state["model"])
+    """
 
     def __init__(self, directory: str | Path, keep_last: int = 3, is_writer: bool = True):
         if keep_last < 1:
@@ -87,8 +98,10 @@ class CheckpointManager:
         """Verify ``path`` against its manifest, then unpickle it weights-only."""
         return load_checkpoint_file(Path(path))
 
-    def load_latest(self, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
-        """The newest checkpoint that verifies, and its state; ``warn`` hears about each broken newer one."""
+    def load_latest(self, warn: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that verifies, and its state; ``warn`` hears about each broken newer one
+        (by default a ``ringtrain: warning: ...`` line on stderr)."""
+        warn = warn or _warn
         skipped: list[str] = []
         for path in reversed(self.checkpoints()):
             try:
@@ -147,6 +160,10 @@ def checkpoint_step(path: Path) -> int | None:
         return int(read_manifest(path)["step"])
     except (CorruptCheckpoint, KeyError, TypeError, ValueError):
         return None
+
+
+def _warn(message: str) -> None:
+    print(f"ringtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _save_hashed(state: dict[str, Any], f) -> Any:

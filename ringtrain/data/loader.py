@@ -24,7 +24,12 @@ __all__ = ["StepBatch", "build_train_loader", "build_eval_loader", "pack_by_toke
 
 @dataclass
 class StepBatch:
-    """One rank's samples for one optimizer step."""
+    """One rank's samples for one optimizer step, with their dataset ids.
+
+        for inputs, targets in batch.micro_batches(2):   # the same count on every rank
+            ...
+        ledger.record(step, epoch, batch.indices.tolist(), skipped=False)
+    """
 
     indices: torch.Tensor
     """Dataset ids of the samples (what the exactly-once ledger records)."""
@@ -142,7 +147,13 @@ def build_train_loader(
     pin_memory: bool = False,
     collate_fn: Callable | None = None,
 ) -> DataLoader:
-    """A loader that restarts from the sampler's cursor each time it is iterated."""
+    """A loader of ``StepBatch``es, one per optimizer step: this rank's share of the sampler's next window.
+    Each iteration covers the rest of the sampler's epoch, starting from its cursor (so after a resume,
+    mid-epoch); it does not move the cursor, ``sampler.advance()`` does.
+
+        loader = build_train_loader(train_set, sampler, rank, world_size)
+        batch = next(iter(loader))          # batch.indices, batch.inputs, batch.targets
+    """
     return DataLoader(
         _Indexed(dataset, sampler.seed),
         batch_sampler=_StepShards(sampler, rank, world_size),

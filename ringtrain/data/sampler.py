@@ -24,7 +24,20 @@ __all__ = ["ResumableSampler", "eval_shard"]
 
 
 class ResumableSampler:
-    """Global order from (seed, epoch); a cursor of committed samples; shares dealt per step."""
+    """Global order from (seed, epoch); a cursor of committed samples; shares dealt per step.
+
+    Every rank makes the same one; ``advance()`` after each committed optimizer step, ``set_epoch`` when
+    the epoch is done; its ``state_dict()`` (epoch, cursor) in the checkpoint makes a resume continue
+    mid-epoch with the samples not yet used::
+
+        sampler = ResumableSampler(len(train_set), global_batch_size=64, seed=0)
+        loader = build_train_loader(train_set, sampler, rank, world_size)   # one StepBatch per step
+        for batch in loader:                      # the rest of the epoch, from the cursor
+            window = sampler.next_window_size()   # samples in this step, all ranks together
+            ...
+            sampler.advance()
+        sampler.set_epoch(sampler.epoch + 1)
+    """
 
     def __init__(self, num_samples: int, global_batch_size: int, seed: int = 0, shuffle: bool = True):
         if num_samples <= 0:

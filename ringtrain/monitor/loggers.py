@@ -23,7 +23,7 @@ __all__ = ["Logger", "NullLogger", "ConsoleLogger", "RunDirLogger", "MultiLogger
 
 
 class Logger:
-    """The interface; also the null logger every rank but 0 gets."""
+    """The interface; also the null logger (``NullLogger``) every rank but 0 gets: every call does nothing."""
 
     def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None: ...
 
@@ -100,16 +100,26 @@ class ConsoleLogger(Logger):
 
 
 class RunDirLogger(Logger):
-    """Writes the run directory's files: config.toml, metrics.jsonl (one record a line), summary.json."""
+    """Writes the run directory's files: config.toml (given a config), metrics.jsonl (one record a line),
+    summary.json.
 
-    def __init__(self, run_dir: str | Path, config: Config):
+    Rank 0 writes, every other rank gets the null logger, and the loop calls both alike::
+
+        logger = RunDirLogger(run_dir) if rank == 0 else NullLogger()
+        logger.start(total_steps, start_step=step, steps_per_epoch=sampler.steps_per_epoch)
+        logger.log({"type": "train", "step": step, "loss": loss, **clock.flush()})
+        logger.finish({"steps": step, "accuracy": accuracy})       # summary.json; closes metrics.jsonl
+    """
+
+    def __init__(self, run_dir: str | Path, config: Config | None = None):
         self.run_dir = Path(run_dir)
         self.config = config
         self.metrics = None
 
     def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        if self.config is not None:
+            (self.run_dir / "config.toml").write_text(self.config.to_toml())
         # Appending keeps the history of a resumed run in one file.
         self.metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
 

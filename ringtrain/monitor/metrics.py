@@ -19,7 +19,15 @@ __all__ = ["StepClock", "model_flops_utilization"]
 
 
 class StepClock:
-    """Accumulates per-phase wall time and samples between two flushes."""
+    """Accumulates per-phase wall time and samples between two flushes.
+
+        clock = StepClock()
+        with clock.phase("forward_backward"):
+            loss.backward()
+        clock.end_step(samples=window)           # once per optimizer step
+        if step % 10 == 0:
+            logger.log({"type": "train", "step": step, **clock.flush()})   # step_time_s, samples_per_s, time/*_s
+    """
 
     def __init__(self):
         self._reset(time.perf_counter())

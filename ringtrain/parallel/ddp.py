@@ -24,6 +24,14 @@ class DDPStrategy:
 
     ``algorithm`` picks DDP's communication hook: 'torch' (DDP's own all-reduce), ringtrain's 'ring',
     'ring_chunked', 'shm', or torch's 'fp16', 'bf16', 'powersgd' (``ringtrain.comm.hooks``).
+
+        strategy = DDPStrategy(device)
+        model = strategy.wrap(module)               # the process group must exist
+        with strategy.no_sync(model):               # accumulation: no all-reduce in this backward
+            loss_fn(model(x0)).backward()
+        loss_fn(model(x1)).backward()               # one all-reduce: gradients averaged over the ranks
+        strategy.comm_timer.syncs                   # gradient synchronisations so far
+        strategy.unwrap(model).state_dict()         # the bare module's, for checkpoints
     """
 
     name = "ddp"

@@ -107,16 +107,38 @@ class Verdict:
 
 
 class StepGuard:
-    """The per-step agreement, and the count of consecutive skipped steps."""
+    """The per-step agreement, and the count of consecutive skipped steps.
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, max_consecutive: int,
-                 stop_signal: StopSignal):
+    In a hand-written loop, after the step's backward (``with guard:`` turns SIGTERM / SIGINT into
+    ``verdict.stop`` at the next step boundary, on every rank)::
+
+        guard = StepGuard(rank, world_size, device)          # a StopSignal of its own unless given one
+        with guard:
+            ...
+            verdict = guard.agree(guard.check(loss_sum, model.parameters()))
+            if not verdict.skip:
+                optimizer.step()
+            guard.count(verdict, state, step)                  # raises after max_consecutive bad steps
+            if verdict.stop:
+                ...save a checkpoint, exit...
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, max_consecutive: int = 3,
+                 stop_signal: StopSignal | None = None):
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.max_consecutive = max_consecutive
-        self.stop_signal = stop_signal
+        self.stop_signal = stop_signal if stop_signal is not None else StopSignal()
         self.last_problem = ""
+
+    def __enter__(self) -> StepGuard:
+        """Install the stop signal's SIGTERM / SIGINT handlers (the main thread's) until the block ends."""
+        self.stop_signal.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_signal.__exit__(*exc)
 
     def check(self, loss_sum: torch.Tensor, parameters: Iterable[torch.nn.Parameter], gradients: bool = True) -> torch.Tensor:
         """This rank's flags: [loss bad per rank, gradient bad per rank, stop] (only its own slots set).
