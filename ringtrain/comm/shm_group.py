@@ -111,7 +111,8 @@ class ShmGroup:
         self.segment: Segment | None = None
         self.board: FlagBoard | None = None
         self.bytes: torch.Tensor | None = None
-        self.arenas: list[Arena] = []
+        self.arenas: dict[int, Arena] = {}
+        """The live arenas of ``shared_empty``; one leaves with the last tensor that uses its memory."""
         self.small_turn = 0
         self.staging_turn = 0
         self._views: dict = {}
@@ -212,11 +213,15 @@ class ShmGroup:
         stride = max(64, -(-numel * element // 64) * 64)
         segment = self.share_segment(stride * self.local_size, "arena")
         arena = Arena(segment, stride, self.local_rank, torch.frombuffer(segment.buf, dtype=torch.uint8))
-        self.arenas.append(arena)
-        return arena.view(self.local_rank, 0, numel, dtype)
+        tensor = arena.view(self.local_rank, 0, numel, dtype)
+        # Forget the arena once this tensor and every view of it are gone (a re-wrapped model's old buckets):
+        # nothing else holds its mapping, so the memory is unmapped then instead of at exit.
+        self.arenas[id(arena)] = arena
+        weakref.finalize(tensor, self.arenas.pop, id(arena), None)
+        return tensor
 
     def find_arena(self, tensor: torch.Tensor) -> tuple[Arena, int] | None:
-        for arena in self.arenas:
+        for arena in self.arenas.values():
             offset = arena.contains(tensor)
             if offset is not None:
                 return arena, offset

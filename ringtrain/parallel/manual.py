@@ -27,11 +27,14 @@ How it works, in the order things happen:
   reduces the accumulated sum, so there is exactly one all-reduce per bucket per optimizer step.
 - buffers (BatchNorm statistics) are broadcast from rank 0 before the first forward after a synchronised
   one, as DDP does.
+- ``release()`` (or ``ManualStrategy.unwrap(model, release=True)``, or wrapping the same module again) ends
+  the wrapping: hooks off, gradients copied out of the buckets, the buckets and their shared memory freed.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +49,9 @@ from ringtrain.comm.groups import global_rank, resolve_group
 from ringtrain.monitor.comm_timer import CommTimer
 
 __all__ = ["ManualStrategy", "BucketedDataParallel"]
+
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""module -> weakref to the BucketedDataParallel whose hooks are on its parameters (one at a time)."""
 
 
 @dataclass
@@ -75,6 +81,10 @@ class BucketedDataParallel(nn.Module):
         super().__init__()
         if algorithm not in comm.ALGORITHMS:
             raise ValueError(f"the manual strategy reduces with one of {', '.join(comm.ALGORITHMS)}, not {algorithm!r}")
+        previous = _OWNERS.get(module)
+        if previous is not None and previous() is not None:
+            # Wrapped again: its hooks would reduce every bucket twice, and its buckets would stay mapped.
+            previous().release()
         self.module = module
         self.algorithm = algorithm
         self.chunk_kb = chunk_kb if algorithm == "ring_chunked" else None
@@ -93,6 +103,7 @@ class BucketedDataParallel(nn.Module):
         self._next_bucket = 0
         self._pending: list[dist.Work] = []
         self._callback_queued = False
+        _OWNERS[module] = weakref.ref(self)
 
     def forward(self, *args, **kwargs):
         # DDP's rule: buffers follow rank 0 before the first forward after a synchronised one.
@@ -112,11 +123,19 @@ class BucketedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def remove_hooks(self) -> None:
-        """Detach from the module's parameters (after this, backward no longer synchronises)."""
+    def release(self) -> None:
+        """End the wrapping: backward no longer synchronises, gradients become tensors of their own, and the
+        buckets (with their shared memory, for ``shm``) are freed. Idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for bucket in self._buckets:
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad is not None and param.grad.data_ptr() == view.data_ptr():
+                    param.grad = view.clone()  # a view would keep the whole bucket mapped
+        self._buckets, self._where, self._pending = [], {}, []
+        if _OWNERS.get(self.module) is not None and _OWNERS[self.module]() is self:
+            del _OWNERS[self.module]
 
     # --- set-up ---------------------------------------------------------------------------------------
     def _broadcast_state(self) -> None:
@@ -242,5 +261,8 @@ class ManualStrategy:
         """Skip gradient synchronisation for the backward passes inside (accumulation micro-steps)."""
         return model.no_sync()
 
-    def unwrap(self, model: BucketedDataParallel) -> nn.Module:
+    def unwrap(self, model: BucketedDataParallel, release: bool = False) -> nn.Module:
+        """The wrapped module; ``release=True`` also ends the wrapping (``BucketedDataParallel.release``)."""
+        if release:
+            model.release()
         return model.module
