@@ -45,10 +45,13 @@ _LIVENESS_EVERY_S = 0.02
 
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 _OPS = ("sum", "avg")
-_DTYPES = (
+_COMMON = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8,
 )
+# Every dtype gets a code of its own (one shared code for "other" let uint16 pass for uint32): the common
+# ones first, then all others torch defines, by name. Ranks of one host run one torch, so the codes agree.
+_DTYPES = _COMMON + tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(_COMMON), key=str))
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
@@ -68,7 +71,7 @@ def require_tso() -> None:
 
 def encode_call(kind: str, op: str, dtype: torch.dtype, numel: int, offset: int = -1) -> tuple[int, int, int]:
     """What a rank is about to do, as three integers peers can compare with theirs."""
-    code = _KINDS.index(kind) * 10_000 + _OPS.index(op) * 1_000 + _DTYPE_CODE.get(dtype, 999)
+    code = _KINDS.index(kind) * 10_000 + _OPS.index(op) * 1_000 + _DTYPE_CODE[dtype]
     return numel, code, offset
 
 

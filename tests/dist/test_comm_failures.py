@@ -87,6 +87,22 @@ def test_ranks_calling_with_different_sizes_fail_naming_each_other():
     assert "rank 0 called all_reduce(sum) of 10 float32" in messages[1], messages[1]
 
 
+def different_unsigned_dtypes(rank: int, world_size: int) -> str:
+    # all_gather only copies, so torch's missing uint16/uint32 arithmetic does not stop it: only the check can.
+    try:
+        comm.all_gather(torch.zeros(10, dtype=torch.uint16 if rank == 0 else torch.uint32), algorithm="shm")
+    except comm.MismatchError as err:
+        return str(err)
+    return ""
+
+
+def test_ranks_calling_with_dtypes_of_no_common_code_fail_naming_each_other():
+    # Before, every dtype outside the common nine shared one code: uint16 against uint32 passed the check.
+    messages = run_distributed(different_unsigned_dtypes, 2, collective_timeout_s=TIMEOUT_S)
+    assert "rank 1 called all_gather(sum) of 10 uint32" in messages[0], messages[0]
+    assert "rank 0 called all_gather(sum) of 10 uint16" in messages[1], messages[1]
+
+
 def segment_names(rank: int, world_size: int) -> dict:
     sg = shm.init_shm(hosts=["a", "a", "b", "b"][:world_size])
     tensor = shm.shared_empty(1000)
