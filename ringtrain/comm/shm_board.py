@@ -15,7 +15,8 @@ hand-over), or yields (``sched_yield``) when ranks share cores so that the peer 
 backoff. The clock is read every 256 looks while spinning; peer liveness (``/proc/<pid>/stat``) every
 20 ms after that. A dead peer
 fails the wait within milliseconds, a stopped one at the timeout, and the first rank to notice posts the
-culprit on a shared abort line so every other rank fails naming the same rank::
+culprit and reason on a shared abort line, as one 64-bit word in one store, so every other rank fails
+naming the same rank for the same reason::
 
     >>> count = board.arrive(descriptor)      # after writing this rank's data
     >>> board.wait_all(count, "shm all_reduce", step=1, steps=2, timeout_s=60.0)
@@ -35,8 +36,11 @@ __all__ = ["FlagBoard", "header_bytes", "require_tso", "describe_call", "encode_
 
 LINE = 8  # int64 words per 64-byte line: one line per rank, so ranks never write the same cache line
 _COUNT, _PID, _DESC = 0, 1, 2  # _DESC: two slots of 3 words (numel, code, offset), chosen by count parity
-_ABORT, _CULPRIT, _REASON, _REPORTER, _STEP = 0, 1, 2, 3, 4
 _DIED, _TIMEOUT, _MISMATCH = 1, 2, 3
+# The abort line's first word holds the whole report, packed: reason (bits 56+), culprit and reporter (16 bits
+# each, local ranks), step (24 bits). One aligned 8-byte store is atomic on x86-64, so two ranks failing at
+# once leave one rank's report whole (whichever store lands last), never one's culprit with the other's reason.
+_STEP_MAX = (1 << 24) - 1
 
 _SPIN_S = 0.002  # ranks on cores of their own spin this long before sleeping
 _YIELD_S = 0.002  # ranks sharing cores yield this long before sleeping
@@ -115,7 +119,7 @@ class FlagBoard:
     def arrive(self, desc: tuple[int, int, int] | None = None) -> int:
         """Announce that this rank's data for the next barrier is written; return the barrier's count."""
         flags = self.flags
-        if flags[self.abort_line + _ABORT]:
+        if flags[self.abort_line]:
             raise self._aborted("shm", 0, 0)
         count = self.count = self.count + 1
         if desc is not None:
@@ -171,7 +175,7 @@ class FlagBoard:
         next_check = start + _LIVENESS_EVERY_S
         pause_s = 20e-6
         while flags[line] < count:
-            if flags[self.abort_line + _ABORT]:
+            if flags[self.abort_line]:
                 raise self._aborted(what, step, steps)
             now = time.monotonic()
             if now >= next_check:
@@ -217,18 +221,14 @@ class FlagBoard:
         return "stopped" if state in (b"T", b"t") else "running"
 
     def _post_abort(self, culprit: int, reason: int, step: int) -> None:
-        """Tell every local rank who broke the group (first reporter wins), so they fail naming it."""
-        flags = self.flags
-        if flags[self.abort_line + _ABORT]:
-            return
-        base = self.abort_line
-        flags[base + _CULPRIT], flags[base + _REASON] = culprit, reason
-        flags[base + _REPORTER], flags[base + _STEP] = self.local_rank, step
-        flags[base + _ABORT] = 1
+        """Tell every local rank who broke the group, so they fail naming it: one store of the packed report."""
+        if self.flags[self.abort_line]:
+            return  # somebody reported already; racing reports are each whole (see _STEP_MAX)
+        self.flags[self.abort_line] = reason << 56 | culprit << 40 | self.local_rank << 24 | min(step, _STEP_MAX)
 
     def _aborted(self, what: str, step: int, steps: int) -> CollectiveError:
-        base = self.abort_line
-        culprit, reason, reporter = self.flags[base + _CULPRIT], self.flags[base + _REASON], self.flags[base + _REPORTER]
+        report = self.flags[self.abort_line]  # one load: the report of one rank
+        reason, culprit, reporter = report >> 56, (report >> 40) & 0xFFFF, (report >> 24) & 0xFFFF
         rank, me = self.ranks[culprit], self.ranks[self.local_rank]
         pid = f" (pid {self.pids[culprit]})" if self.pids else ""
         happened = {_DIED: "died", _TIMEOUT: "timed out", _MISMATCH: "called a different collective"}.get(reason, "failed")

@@ -1,0 +1,48 @@
+"""The shm flag board's abort line when two ranks fail at once (issue 9, item 6): every rank must read one
+report, culprit and reason from the same rank, never a mix of two."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ringtrain import comm
+from ringtrain.comm import shm
+from ringtrain.comm.shm_board import _MISMATCH, _TIMEOUT
+from tests.distributed import run_distributed
+
+ROUNDS = 1500
+# What each rank reports when both fail together: rank 0 saw rank 1 time out, rank 1 saw rank 0 call another
+# collective. Whichever lands, the error every rank raises must be one of these two, whole.
+POSTS = {0: (1, _TIMEOUT), 1: (0, _MISMATCH)}
+REPORTS = {("PeerTimeoutError", 1, "seen by rank 0"), ("MismatchError", 0, "seen by rank 1")}
+
+
+def race_to_abort(rank: int, world_size: int) -> list[tuple]:
+    board = shm.init_shm().board
+    seen = []
+    for round_index in range(ROUNDS):
+        count = board.arrive()
+        board.wait_all(count, "test barrier", 1, 1, 10.0)  # spin: both leave within a microsecond or so
+        culprit, reason = POSTS[rank]
+        board._post_abort(culprit, reason, round_index + 1)
+        dist.barrier()
+        try:
+            board.arrive()  # refuses, raising what the abort line says
+            seen.append(("no error", None, ""))
+        except comm.CollectiveError as err:
+            reporter = str(err).split("(seen by rank ")[1].split(")")[0]
+            seen.append((type(err).__name__, err.peer, f"seen by rank {reporter}"))
+        dist.barrier()
+        if rank == 0:  # clear the line for the next round (the test's doing; a real group stays aborted)
+            for word in range(8):
+                board.flags[board.abort_line + word] = 0
+        dist.barrier()
+    return seen
+
+
+def test_two_ranks_aborting_together_leave_one_whole_report():
+    per_rank = run_distributed(race_to_abort, 2, timeout_s=120)
+    mixed = [(i, per_rank[0][i]) for i in range(ROUNDS) if per_rank[0][i] not in REPORTS]
+    differ = [i for i in range(ROUNDS) if per_rank[0][i] != per_rank[1][i]]
+    assert not mixed, f"{len(mixed)} of {ROUNDS} rounds read a report no rank wrote, e.g. {mixed[0]}"
+    assert not differ, f"{len(differ)} of {ROUNDS} rounds: the two ranks read different reports"
