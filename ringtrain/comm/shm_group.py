@@ -34,7 +34,9 @@ from ringtrain.comm.groups import global_rank, group_rank, group_size
 from ringtrain.comm.shm_board import FlagBoard, header_bytes, require_tso
 from ringtrain.comm.shm_segment import Segment, segment_name, sweep_stale, unlink
 
-__all__ = ["ShmGroup", "Arena", "get_shm_group", "set_up", "SMALL_BYTES", "PIECE_BYTES", "MIN_PIECE_BYTES"]
+__all__ = [
+    "ShmGroup", "Arena", "get_shm_group", "set_up", "cgroup_cpu_limit", "SMALL_BYTES", "PIECE_BYTES", "MIN_PIECE_BYTES",
+]
 
 SMALL_BYTES = 256 << 10
 """Messages up to this size are reduced directly: every rank sums all copies (one barrier). Measured with
@@ -63,6 +65,53 @@ def set_up(group: dist.ProcessGroup, hosts: Sequence[str] | None, small_bytes: i
         raise RuntimeError("shm is already set up for this group; call init_shm before its first shm collective")
     shm_group = _groups[group] = ShmGroup.build(group, hosts, small_bytes, piece_bytes)
     return shm_group
+
+
+def _affinity() -> set[int]:
+    """The cores this thread may run on (all the machine's where affinity is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", cgroup_file: str = "/proc/self/cgroup") -> float | None:
+    """CPUs this process's cgroup may use (quota / period: 1.5 for ``cpu.max`` = ``150000 100000``), the
+    tightest of its cgroup and their ancestors, v2 (``cpu.max``) or v1 (``cpu.cfs_quota_us``); None if unlimited."""
+    try:
+        with open(cgroup_file) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:  # v2: /sys/fs/cgroup, or /sys/fs/cgroup/unified (hybrid)
+            for base in (root, os.path.join(root, "unified")):
+                for folder in _with_ancestors(base, path):
+                    quota, _, period = _read(os.path.join(folder, "cpu.max")).partition(" ")
+                    if quota.isdigit() and period.strip().isdigit():
+                        limits.append(int(quota) / int(period))
+        elif "cpu" in controllers.split(","):  # v1: mounted as cpu, cpu,cpuacct or the listed name
+            for name in dict.fromkeys((controllers, "cpu", "cpu,cpuacct")):
+                for folder in _with_ancestors(os.path.join(root, name), path):
+                    quota = _read(os.path.join(folder, "cpu.cfs_quota_us"))
+                    period = _read(os.path.join(folder, "cpu.cfs_period_us"))
+                    if quota.isdigit() and period.isdigit() and int(quota) > 0:  # -1: no quota
+                        limits.append(int(quota) / int(period))
+    return min(limits) if limits else None
+
+
+def _with_ancestors(base: str, path: str) -> list[str]:
+    parts = [part for part in path.split("/") if part]
+    return [os.path.join(base, *parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -134,14 +183,19 @@ class ShmGroup:
             raise ValueError(f"hosts has {len(hosts)} entries for a group of {size} ranks; give one host name per rank")
         mine = hosts[group_rank(group)] if hosts is not None else socket.gethostname()
         gathered: list = [None] * size
-        dist.all_gather_object(gathered, mine, group=group)
-        shm_group = cls(group, [str(h) for h in gathered], small_bytes, piece_bytes)
+        dist.all_gather_object(gathered, (mine, sorted(_affinity())), group=group)
+        shm_group = cls(group, [str(host) for host, _ in gathered], small_bytes, piece_bytes)
         total = shm_group.header_bytes + shm_group.local_size * shm_group.region_bytes
         shm_group.segment = shm_group.share_segment(total, "workspace")
         shm_group.bytes = torch.frombuffer(shm_group.segment.buf, dtype=torch.uint8)
         ranks = [global_rank(group, r) for r in shm_group.local]
-        # Spinning only pays when every rank has a core of its own.
-        spin = shm_group.local_size <= (os.cpu_count() or 1)
+        # Spinning only pays when every rank has a core of its own: count the cores the local ranks may run on
+        # (their affinity masks, e.g. pinned one core each) within the cgroup's CPU quota, not the machine's.
+        cores = len(set().union(*(gathered[r][1] for r in shm_group.local)))
+        limit = cgroup_cpu_limit()
+        if limit is not None:
+            cores = min(cores, max(1, int(limit)))
+        spin = shm_group.local_size <= cores
         board = FlagBoard(shm_group.segment.buf, shm_group.local_rank, shm_group.local_size, ranks, spin=spin)
         board.publish_pid()
         dist.barrier(group=group)

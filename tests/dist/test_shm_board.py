@@ -46,3 +46,17 @@ def test_two_ranks_aborting_together_leave_one_whole_report():
     differ = [i for i in range(ROUNDS) if per_rank[0][i] != per_rank[1][i]]
     assert not mixed, f"{len(mixed)} of {ROUNDS} rounds read a report no rank wrote, e.g. {mixed[0]}"
     assert not differ, f"{len(differ)} of {ROUNDS} rounds: the two ranks read different reports"
+
+
+def spin_decision(rank: int, world_size: int, pin: bool) -> bool:
+    import os
+
+    if pin:
+        os.sched_setaffinity(0, {0})  # both ranks on one core, as a CPU set of one or a shared pin gives
+    return shm.init_shm().board.spin
+
+
+def test_ranks_that_share_a_core_do_not_spin():
+    # Before, the decision counted os.cpu_count() (2 here) and both ranks spun on one core, each burning
+    # its time slice while the other, which it waits for, could not run.
+    assert run_distributed(spin_decision, 2, True) == [False, False]

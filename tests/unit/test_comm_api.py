@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ringtrain import comm
 from ringtrain.comm.shards import chunk_bounds
+from ringtrain.comm.shm_group import cgroup_cpu_limit
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR, Segment, segment_name, sweep_stale
 from ringtrain.config import load_config
 from ringtrain.errors import ConfigError
@@ -74,6 +75,30 @@ def test_stale_segments_of_dead_creators_are_swept_and_live_ones_kept():
             segment.close()
     assert not any(n in os.listdir(SHM_DIR) for n in (stale.name, live.name))
     assert stale.name.startswith(PREFIX)
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize(
+    "proc_cgroup, files, cpus",
+    [
+        # v2: the job's cgroup allows 1.5 CPUs, its parent 4: the tighter one counts.
+        ("0::/job/worker\n", {"job/cpu.max": "400000 100000\n", "job/worker/cpu.max": "150000 100000\n"}, 1.5),
+        ("0::/job\n", {"unified/job/cpu.max": "max 100000\n"}, None),  # hybrid mount, no quota
+        ("4:memory:/x\n1:cpu,cpuacct:/job\n0::/\n",  # v1, as docker sets it
+         {"cpu,cpuacct/job/cpu.cfs_quota_us": "200000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}, 2.0),
+        ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ],
+    ids=["v2-nested", "v2-unlimited", "v1-quota", "v1-unlimited"],
+)
+def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2(tmp_path, proc_cgroup, files, cpus):
+    _tree(tmp_path / "fs", files)
+    (tmp_path / "cgroup").write_text(proc_cgroup)
+    assert cgroup_cpu_limit(str(tmp_path / "fs"), str(tmp_path / "cgroup")) == cpus
 
 
 @pytest.mark.parametrize(
