@@ -41,7 +41,9 @@ def all_reduce(
     ``op="avg"`` divides by the world size before summing, as DDP's default hook does, so float16
     gradients cannot overflow in the sum. Every rank ends with bit-identical values (``torch``: as
     guaranteed by the backend). ``timeout_s`` defaults to the group's timeout; ``chunk_kb`` sets the chunk
-    of ``ring_chunked``. Any shape, contiguous or not.
+    of ``ring_chunked``. Any shape, contiguous or not (reduced through a contiguous copy). An expanded
+    tensor (stride 0, from ``.expand``) gets the sums through the memory it has, which needs the elements
+    sharing memory to get equal sums: the same expand on every rank does.
 
     >>> t = torch.full((5,), float(rank))
     >>> all_reduce(t, algorithm="ring")        # every rank: 0 + 1 + ... + (world_size - 1)
@@ -67,8 +69,30 @@ def all_reduce(
         else:
             ring_chunked.all_reduce(flat, group, timeout_s, **_chunk(chunk_kb))
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
+        _write_back(tensor, flat.view(tensor.shape))
     return tensor
+
+
+def _expanded_dims(tensor: torch.Tensor) -> tuple:
+    """An index that keeps one element along every stride-0 dimension: the memory the tensor really has."""
+    return tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None) for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _write_back(tensor: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy the reduced ``result`` into ``tensor``; an expanded tensor only through its own memory."""
+    index = _expanded_dims(tensor)
+    if all(part == slice(None) for part in index):
+        tensor.copy_(result)
+        return
+    unique = result[index]
+    # Positions that share memory must agree, or no value can be stored for them (NaN agrees with NaN).
+    agree = (result == unique) | (result.isnan() & unique.isnan()) if result.is_floating_point() else result == unique
+    if not bool(agree.all()):
+        raise ValueError(
+            "ringtrain.comm.all_reduce: elements of this expanded (stride 0) tensor share memory but their sums "
+            "differ, because other ranks passed different values there; pass tensor.clone() to get every sum"
+        )
+    tensor[index].copy_(unique)
 
 
 def reduce_scatter(
@@ -155,6 +179,9 @@ def _check(tensor, op: str, algorithm: str, chunk_kb, what: str, contiguous: boo
         )
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{where} works on the flat layout and needs a contiguous tensor; call .contiguous() first")
+    # (Contiguous tensors cannot overlap: the common case pays nothing. 1 means overlap beyond stride 0.)
+    if not tensor.is_contiguous() and torch._debug_has_internal_overlap(tensor[_expanded_dims(tensor)]) == 1:
+        raise ValueError(f"{where}: elements of this tensor overlap in memory (as_strided?); pass tensor.clone()")
     if chunk_kb is not None:
         if algorithm != "ring_chunked":
             raise ValueError(f"{where}: chunk_kb applies to algorithm='ring_chunked' only (got {algorithm!r})")

@@ -180,3 +180,35 @@ def test_avg_divides_before_summing_so_float16_does_not_overflow():
     for results in run_distributed(avg_of_large_halves, 4):
         for algorithm, t in results.items():
             assert torch.equal(t, torch.full((1000,), 30000.0, dtype=torch.float16)), algorithm
+
+
+def expanded_tensors(rank: int, world_size: int) -> dict:
+    results = {}
+    for algorithm in ("torch", *ALGORITHMS):
+        for op in ("sum", "avg"):
+            base = torch.tensor([[1.0, 2.0, 3.0]]) * (rank + 1)
+            returned = comm.all_reduce(base.expand(4, 3), op=op, algorithm=algorithm)  # stride 0 along dim 0
+            results[f"{algorithm} {op}"] = (base.clone(), returned.shape)
+    # A rank whose elements at one memory location get different sums: one line, not torch's aliasing error.
+    mine = torch.zeros(1, 3).expand(2, 3) if rank == 0 else torch.arange(6.0).view(2, 3)
+    try:
+        comm.all_reduce(mine, algorithm="shm")
+        results["differing"] = ""
+    except ValueError as err:
+        results["differing"] = str(err)
+    return results
+
+
+def test_expanded_tensors_get_the_sums_through_the_memory_they_have():
+    # Before, every algorithm raised torch's "unsupported operation: some elements of the input tensor and
+    # the written-to tensor refer to a single memory location" on the copy back.
+    per_rank = run_distributed(expanded_tensors, 3)
+    total = torch.tensor([[1.0, 2.0, 3.0]]) * 6
+    for rank, results in enumerate(per_rank):
+        for name, outcome in results.items():
+            if name == "differing":
+                continue
+            base, shape = outcome
+            assert shape == (4, 3) and torch.equal(base, total / 3 if name.endswith("avg") else total), (rank, name, base)
+    assert "share memory but their sums differ" in per_rank[0]["differing"] and "\n" not in per_rank[0]["differing"]
+    assert per_rank[1]["differing"] == per_rank[2]["differing"] == ""

@@ -50,6 +50,7 @@ def test_chunks_cover_a_range():
         (lambda: comm.all_reduce(torch.ones(2), algorithm="ring", chunk_kb=64), "chunk_kb applies to algorithm='ring_chunked' only"),
         (lambda: comm.reduce_scatter(torch.ones(4, 4).t()), "needs a contiguous tensor; call .contiguous() first"),
         (lambda: comm.all_reduce([1.0, 2.0]), "needs a torch.Tensor, got list"),
+        (lambda: comm.all_reduce(torch.ones(4).as_strided((3, 2), (1, 1))), "elements of this tensor overlap in memory (as_strided?); pass tensor.clone()"),
         (lambda: comm.all_reduce(torch.ones(2)), "needs an initialised process group; call torch.distributed.init_process_group"),
     ],
 )
