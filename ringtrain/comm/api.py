@@ -78,6 +78,19 @@ def _expanded_dims(tensor: torch.Tensor) -> tuple:
     return tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None) for size, stride in zip(tensor.shape, tensor.stride()))
 
 
+def _overlaps(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` share memory. Sorted by stride, each dimension stepping past all
+    smaller ones proves there is no overlap; only layouts that fail that (as_strided) get the exact count."""
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            offsets = torch.arange(reach + (size - 1) * stride + 1).as_strided(tensor.shape, tensor.stride())
+            return offsets.unique().numel() < tensor.numel()
+        reach += (size - 1) * stride
+    return False
+
+
 def _write_back(tensor: torch.Tensor, result: torch.Tensor) -> None:
     """Copy the reduced ``result`` into ``tensor``; an expanded tensor only through its own memory."""
     index = _expanded_dims(tensor)
@@ -179,8 +192,7 @@ def _check(tensor, op: str, algorithm: str, chunk_kb, what: str, contiguous: boo
         )
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{where} works on the flat layout and needs a contiguous tensor; call .contiguous() first")
-    # (Contiguous tensors cannot overlap: the common case pays nothing. 1 means overlap beyond stride 0.)
-    if not tensor.is_contiguous() and torch._debug_has_internal_overlap(tensor[_expanded_dims(tensor)]) == 1:
+    if not tensor.is_contiguous() and _overlaps(tensor[_expanded_dims(tensor)]):  # contiguous ones cannot
         raise ValueError(f"{where}: elements of this tensor overlap in memory (as_strided?); pass tensor.clone()")
     if chunk_kb is not None:
         if algorithm != "ring_chunked":
