@@ -236,7 +236,11 @@ class ShmGroup:
             return segment
         finally:
             # Mapped everywhere (or failed): the name is no longer needed, and must not outlive the job.
-            unlink(name)
+            # (Segment.unlink also lets go of the creator's lock, which kept sweepers off the name.)
+            if segment is not None:
+                segment.unlink()
+            else:
+                unlink(name)
 
     def _all_ok(self, status: str) -> None:
         statuses: list = [None] * self.size

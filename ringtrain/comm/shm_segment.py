@@ -4,7 +4,9 @@ A segment is created by one rank, opened by the others of its host, and unlinked
 ``/dev/shm``) as soon as every rank has it mapped. From then on the memory lives exactly as long as some
 process maps it: a normal exit, an exception, SIGKILL of every rank, nothing leaves a file behind. The only
 window where a name exists is set-up; a segment left by a set-up that crashed is removed by the next one
-(``sweep_stale``: its name carries the creator's pid)::
+(``sweep_stale``). The creator holds an exclusive ``flock`` on the file while its name exists, and the kernel
+drops it when the creator dies, however it dies: a segment nobody locks is orphaned. Unlike the creator's
+pid, a lock means the same in every container that shares ``/dev/shm``, whatever its pid namespace::
 
     >>> seg = Segment.create(segment_name(), 1 << 20)      # on one rank; the others: Segment.attach(name)
     >>> seg.unlink()                                        # once all have attached
@@ -13,28 +15,35 @@ window where a name exists is set-up; a segment left by a set-up that crashed is
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import secrets
+import time
 
-__all__ = ["Segment", "segment_name", "sweep_stale", "SHM_DIR", "PREFIX"]
+__all__ = ["Segment", "segment_name", "sweep_stale", "unlink", "SHM_DIR", "PREFIX", "STALE_AFTER_S"]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ringtrain-"
+STALE_AFTER_S = 10.0
+"""An unlocked segment is swept only when older than this: between creating the file and locking it, a
+creator holds no lock for a few microseconds."""
 
 
 def segment_name(creator_pid: int | None = None, token: str | None = None) -> str:
-    """``ringtrain-<creator pid>-<random>``: the pid lets ``sweep_stale`` know when it is orphaned."""
+    """``ringtrain-<creator pid>-<random>``: the pid tells a person who made it (``sweep_stale`` asks the lock)."""
     return f"{PREFIX}{creator_pid or os.getpid()}-{token or secrets.token_hex(6)}"
 
 
 class Segment:
     """One mapped shared-memory file of ``/dev/shm``."""
 
-    def __init__(self, name: str, size: int, buf: mmap.mmap):
+    def __init__(self, name: str, size: int, buf: mmap.mmap, lock_fd: int | None = None):
         self.name = name
         self.size = size
         self.buf = buf
+        self._lock_fd = lock_fd
+        """The creator's open file, holding the flock that marks the named segment as in use."""
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
@@ -42,6 +51,9 @@ class Segment:
         _check_shm_dir()
         fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            # Held until unlink(): while it is, no sweeper takes the segment for orphaned. (Blocking: a sweeper
+            # that tried the lock in the microseconds since the open lets go at once, the file being new.)
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 # Reserve the pages now: a sparse file on a full tmpfs would SIGBUS on first touch instead.
                 os.posix_fallocate(fd, 0, size)
@@ -55,9 +67,10 @@ class Segment:
                         "enlarge it (docker run --shm-size=1g) or use algorithm='ring'",
                     ) from None
                 raise
-            return cls(name, size, mmap.mmap(fd, size))
-        finally:
+            return cls(name, size, mmap.mmap(fd, size), lock_fd=fd)
+        except BaseException:
             os.close(fd)
+            raise
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -70,15 +83,22 @@ class Segment:
             os.close(fd)
 
     def unlink(self) -> None:
-        """Remove the name; the memory stays mapped for whoever has it. Idempotent across ranks."""
+        """Remove the name, then let go of the lock; the memory stays mapped for whoever has it. Idempotent."""
         unlink(self.name)
+        self._release_lock()
 
     def close(self) -> None:
         """Unmap, unless tensors still point into the memory (then it goes when they do)."""
+        self._release_lock()
         try:
             self.buf.close()
         except BufferError:
             pass
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def unlink(name: str) -> None:
@@ -89,30 +109,33 @@ def unlink(name: str) -> None:
 
 
 def sweep_stale() -> list[str]:
-    """Remove ringtrain segments whose creating process is gone; return their names."""
+    """Remove ringtrain segments that no live process holds (no creator's lock) and that are older than
+    ``STALE_AFTER_S``; return their names."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
+    now = time.time()
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        pid_text = name[len(PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_exists(int(pid_text)):
-            unlink(name)
-            removed.append(name)
+        try:
+            fd = os.open(_path(name), os.O_RDONLY)
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its creator is alive, in this pid namespace or another
+            os.close(fd)
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime > STALE_AFTER_S:
+                unlink(name)  # under the lock: a creator cannot take it meanwhile
+                removed.append(name)
+        finally:
+            os.close(fd)
     return removed
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _path(name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from ringtrain import comm
 from ringtrain.comm.shards import chunk_bounds
 from ringtrain.comm.shm_group import cgroup_cpu_limit
-from ringtrain.comm.shm_segment import PREFIX, SHM_DIR, Segment, segment_name, sweep_stale
+from ringtrain.comm.shm_segment import PREFIX, SHM_DIR, STALE_AFTER_S, Segment, segment_name, sweep_stale, unlink
 from ringtrain.config import load_config
 from ringtrain.errors import ConfigError
 
@@ -61,21 +62,46 @@ def test_bad_input_is_one_line_naming_the_fix(call, fragment):
     assert fragment in message and "\n" not in message, message
 
 
-def test_stale_segments_of_dead_creators_are_swept_and_live_ones_kept():
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
-    stale = Segment.create(segment_name(int(dead_pid)), 4096)
-    live = Segment.create(segment_name(), 4096)
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+
+
+def _create_and_die(name: str) -> None:
+    """A set-up that crashed: a process creates the segment with ringtrain's code and exits, leaving the name."""
+    module = Path(__file__).resolve().parents[2] / "ringtrain" / "comm" / "shm_segment.py"
+    script = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('seg', sys.argv[1]); "
+        "seg = importlib.util.module_from_spec(spec); spec.loader.exec_module(seg); seg.Segment.create(sys.argv[2], 4096)"
+    )
+    subprocess.run([sys.executable, "-c", script, str(module), name], check=True)
+
+
+def test_orphaned_segments_are_swept_and_live_ones_kept_whatever_pid_their_name_carries():
+    orphan = segment_name(_dead_pid())
+    _create_and_die(orphan)
+    # Live, created here, but named with a pid this process cannot see: what a job in another container
+    # (another pid namespace) sharing /dev/shm looks like. Before, the sweep unlinked it mid-set-up.
+    live_elsewhere = Segment.create(segment_name(_dead_pid()), 4096)
+    live_here = Segment.create(segment_name(), 4096)
+    young_orphan = segment_name(_dead_pid())
+    _create_and_die(young_orphan)
     try:
+        old = time.time() - STALE_AFTER_S - 5
+        for name in (orphan, live_elsewhere.name, live_here.name):
+            os.utime(os.path.join(SHM_DIR, name), (old, old))
         removed = sweep_stale()
         names = os.listdir(SHM_DIR)
-        assert stale.name in removed and stale.name not in names
-        assert live.name in names
+        assert orphan in removed and orphan not in names
+        assert live_elsewhere.name in names and live_here.name in names
+        assert young_orphan in names, "an unlocked segment younger than STALE_AFTER_S may be mid-creation"
     finally:
-        for segment in (stale, live):
+        for segment in (live_elsewhere, live_here):
             segment.unlink()
             segment.close()
-    assert not any(n in os.listdir(SHM_DIR) for n in (stale.name, live.name))
-    assert stale.name.startswith(PREFIX)
+        for name in (orphan, young_orphan):
+            unlink(name)
+    assert not any(n in os.listdir(SHM_DIR) for n in (orphan, young_orphan, live_elsewhere.name, live_here.name))
+    assert orphan.startswith(PREFIX)
 
 
 def _tree(root: Path, files: dict[str, str]) -> None:
