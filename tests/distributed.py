@@ -123,6 +123,10 @@ def _worker(fn, rank, world_size, init_file, collective_timeout_s, results, args
         try:
             value = fn(rank, world_size, *args)
         finally:
+            # Keep the group referenced past its destroy: this process ends with os._exit, so it is never
+            # freed. Freed here, its last reference could be dropped on one of its own Gloo threads (e.g. by
+            # PowerSGD's callbacks), whose destructor would then join itself and abort the worker.
+            group = dist.group.WORLD  # noqa: F841
             dist.destroy_process_group()
         # Pickled here, by value: torch's queue reductions would pass tensors as file descriptors that die
         # with this process.
