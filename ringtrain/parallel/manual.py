@@ -29,6 +29,8 @@ How it works, in the order things happen:
   one, as DDP does.
 - ``release()`` (or ``ManualStrategy.unwrap(model, release=True)``, or wrapping the same module again) ends
   the wrapping: hooks off, gradients copied out of the buckets, the buckets and their shared memory freed.
+  The process group is held weakly: a wrapped model kept past ``destroy_process_group()`` (a module-level
+  variable) must not keep the group's Gloo threads alive into interpreter shutdown, where they abort it.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ class BucketedDataParallel(nn.Module):
         self.module = module
         self.algorithm = algorithm
         self.chunk_kb = chunk_kb if algorithm == "ring_chunked" else None
-        self.group = resolve_group(group)
-        self.world_size = dist.get_world_size(self.group)
+        group = resolve_group(group)
+        self._group = weakref.ref(group)  # never keep a destroyed group (and its Gloo threads) alive
+        self.world_size = dist.get_world_size(group)
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.comm_calls = 0
@@ -104,6 +107,13 @@ class BucketedDataParallel(nn.Module):
         self._pending: list[dist.Work] = []
         self._callback_queued = False
         _OWNERS[module] = weakref.ref(self)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError("this model's process group was destroyed; wrap the module again in a live group")
+        return group
 
     def forward(self, *args, **kwargs):
         # DDP's rule: buffers follow rank 0 before the first forward after a synchronised one.
