@@ -58,8 +58,17 @@ def resolve_backend(requested: str) -> str:
 
 
 @contextmanager
-def init_distributed(env: DistEnv, config: DistConfig) -> Iterator[DistContext]:
-    """Create the default process group for this worker and destroy it on the way out."""
+def init_distributed(env: DistEnv | None = None, config: DistConfig | None = None) -> Iterator[DistContext]:
+    """Create the default process group for this worker and destroy it on the way out.
+
+    ``env`` defaults to what torchrun (or ``ringtrain run``) set in the environment, ``config`` to
+    ``DistConfig()`` (Gloo on CPU, NCCL on GPUs; pinned compute threads)::
+
+        with ringtrain.init_distributed() as ctx:
+            print(ctx.rank, ctx.world_size, ctx.device)
+    """
+    env = DistEnv.from_environ() if env is None else env
+    config = DistConfig() if config is None else config
     backend = resolve_backend(config.backend)
     torch.set_num_threads(config.threads_per_worker)
     device = _device_for(backend, env.local_rank)

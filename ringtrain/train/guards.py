@@ -174,7 +174,7 @@ class StepGuard:
             first = step - state.consecutive_skips + 1
             raise NonFiniteSteps(
                 f"steps {first}-{step}: {self.last_problem} in {state.consecutive_skips} consecutive steps "
-                f"(train.max_consecutive_nonfinite_steps = {self.max_consecutive}); every one was skipped and the "
+                f"(train.max_consecutive_nonfinite_steps = {self.max_consecutive}, StepGuard's max_consecutive); every one was skipped and the "
                 f"parameters are those of step {first - 1}: lower train.lr or set train.grad_clip_norm"
             )
 

@@ -10,6 +10,13 @@ __all__ = ["TrainState"]
 
 @dataclass
 class TrainState:
+    """Where training stands: committed steps, the epoch, samples consumed, skipped steps.
+
+        state = TrainState()
+        state.step += 1; state.samples_seen += window
+        checkpoint["train_state"] = state.state_dict()
+    """
+
     step: int = 0
     """Optimizer steps committed so far."""
     epoch: int = 0

@@ -63,6 +63,10 @@ class UserParts:
         if collate_fn is not None and not callable(collate_fn):
             raise ConfigError("collate_fn must be a callable, as DataLoader's")
         task = build_user_task(loss, loss_reduction, count_items, example_target=example[1])
+        taken = {"loss", "count", "accuracy", "top5_accuracy", "ppl"} & set(metrics or {})
+        if taken:
+            raise ConfigError(f"metrics[{sorted(taken)[0]!r}] would replace ringtrain's own evaluation result of that "
+                              "name; give the metric another name")
         return cls(model, train_data, eval_data, task, dict(metrics or {}), optimizer, collate_fn)
 
     @classmethod
