@@ -206,12 +206,11 @@ def optimizer_state_after_resume(rank: int, world_size: int, run_dir: str, overr
 
 def test_only_the_optimizer_state_comes_from_the_checkpoint(tmp_path):
     run = str(tmp_path / "run")
-    saved = run_distributed(train_uninterrupted, 1, str(DEBUG), ["train.max_steps=10", "train.momentum=0.9"], run)
+    run_distributed(train_uninterrupted, 1, str(DEBUG), ["train.max_steps=10", "train.momentum=0.9"], run)
     lr, momentum, buffers = run_distributed(
         optimizer_state_after_resume, 1, run, ["train.max_steps=20", "train.momentum=0.5", "train.lr=0.3"])[0]
     assert (lr, momentum) == (0.3, 0.5), "the checkpoint's hyperparameters overrode the config's"
     assert all(np.abs(b).sum() > 0 for b in buffers), "the momentum buffers were not restored"
-    assert saved[0]
 
 
 def test_a_changed_optimizer_type_is_refused_in_one_line(tmp_path):
