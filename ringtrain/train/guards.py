@@ -21,6 +21,7 @@ import signal
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,8 @@ class Verdict:
     """Ranks whose gradient was not finite (after synchronisation: usually all, when any)."""
     stop: bool
     """Some rank was asked to stop (SIGTERM, SIGINT)."""
+    synchronised: bool = False
+    """The gradients were checked after synchronisation, where every rank holds the same gradient."""
 
     @property
     def skip(self) -> bool:
@@ -103,7 +106,17 @@ class Verdict:
     def describe(self) -> str:
         if self.loss_ranks:
             return f"non-finite loss on {_ranks(self.loss_ranks)}"
+        if self.synchronised:
+            return "non-finite gradient after synchronisation"
         return f"non-finite gradient on {_ranks(self.grad_ranks)}"
+
+
+@dataclass
+class PendingVerdict:
+    """``StepGuard.start``'s all-reduce in flight; ``StepGuard.finish`` turns it into a Verdict."""
+
+    flags: torch.Tensor
+    work: Any
 
 
 class StepGuard:
@@ -160,6 +173,39 @@ class StepGuard:
             loss_ranks=tuple(r for r in range(size) if values[r]),
             grad_ranks=tuple(r for r in range(size) if values[size + r]),
             stop=values[2 * size] > 0,
+        )
+
+    def start(self, loss_sum: torch.Tensor) -> PendingVerdict:
+        """The overlapped form of ``check`` + ``agree`` that ringtrain's trainer uses: call it before the
+        backward that synchronises the gradients, with the step's loss sum; it starts the all-reduce of the
+        loss and stop flags, which runs beside that backward. ``finish`` after the backward waits for it
+        (usually done by then) and checks the synchronised gradient on this rank alone.
+
+        That local check is the same on every rank because the synchronised gradient is (bit-identical on
+        every rank: a gradient all-reduce ends with every rank holding the same sum, which is also what
+        PyTorch's GradScaler relies on under DDP), and a non-finite gradient on any rank makes the sum
+        non-finite. Only use it where the gradients are synchronised by the time ``finish`` runs."""
+        size = self.world_size
+        flags = torch.zeros(size + 1, device=self.device)
+        flags[self.rank] = float(not torch.isfinite(loss_sum.detach()).all())
+        flags[size] = float(self.stop_signal.requested)
+        work = dist.all_reduce(flags, async_op=True) if dist.is_initialized() and size > 1 else None
+        return PendingVerdict(flags, work)
+
+    def finish(self, pending: PendingVerdict, parameters: Iterable[torch.nn.Parameter],
+               gradients: bool = True) -> Verdict:
+        """Wait for ``start``'s all-reduce and check the synchronised gradients (``gradients=False``: as
+        in ``check``); the same verdict on every rank."""
+        grad_bad = gradients and not _grads_finite(parameters)
+        if pending.work is not None:
+            pending.work.wait()
+        size = self.world_size
+        values = pending.flags.tolist()
+        return Verdict(
+            loss_ranks=tuple(r for r in range(size) if values[r]),
+            grad_ranks=tuple(range(size)) if grad_bad else (),
+            stop=values[size] > 0,
+            synchronised=True,
         )
 
     def count(self, verdict: Verdict, state: TrainState, step: int) -> None:

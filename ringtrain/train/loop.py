@@ -6,8 +6,9 @@ fixed size, or a token budget for text), accumulates their gradients with one al
 backward, and normalises losses by the window's global item count, so the gradient equals the full
 batch's.
 
-After the backward, one small all-reduce (``StepGuard.agree``) tells every rank whether any rank saw a
-non-finite loss or gradient (then all skip the update) or a stop signal (then all checkpoint and exit).
+One small all-reduce (``StepGuard.start``, run beside the synchronising backward) tells every rank whether
+any rank saw a non-finite loss (then all skip the update) or a stop signal (then all checkpoint and exit);
+a non-finite gradient is seen by every rank alike after synchronisation (``StepGuard.finish``).
 Collectives run under ``CollectiveWatch``, so a dead or stopped peer becomes one line naming the rank, the
 operation and the step. Every part of a step is booked in a ``StepClock`` phase for the breakdown.
 """
@@ -38,6 +39,7 @@ from ringtrain.train.evaluate import evaluate
 from ringtrain.train.comm_state import gather_rank_states
 from ringtrain.train.optim import load_optimizer_state, optimizer_name, position_lr_scheduler
 from ringtrain.train.guards import (
+    PendingVerdict,
     StepGuard,
     Stopped,
     StopSignal,
@@ -216,19 +218,26 @@ class Trainer:
         seed_everything(derive_seed(STEP_STREAM, self.config.train.seed, step, self.ctx.rank))
         with self.clock.phase("data"):
             batch = batch.to(self.ctx.device)
+        # One small all-reduce: did any rank see a non-finite loss (all skip) or a stop signal? Started just
+        # before the synchronising backward, so it runs beside it (a recoverable step runs it afterwards).
+        pending: list[PendingVerdict] = []
         with self.watch.op("all_reduce (DDP gradient sync)", step):
-            loss_sum, items = self.gradient.run(batch, window, step, on_shrink=self.logger.log)
+            loss_sum, items = self.gradient.run(batch, window, step, on_shrink=self.logger.log,
+                                                before_sync=lambda loss: pending.append(self.guard.start(loss)))
         if not self._gradients_checked:
             check_every_parameter_has_a_gradient(self.module, step)
             self._gradients_checked = True
+        check_gradients = not self.precision.skips_overflow  # fp16's scaler skips overflowing steps itself
         with self.clock.phase("optimizer"):
-            # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient. Its
-            # scaler skips overflowing steps itself; those are not bad steps.
+            # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient.
             self.precision.unscale_(self.parts.optimizer)
-            flags = self.guard.check(loss_sum, self.model.parameters(), gradients=not self.precision.skips_overflow)
-        # One all-reduce: did any rank see a non-finite loss or gradient (all skip), or a stop signal?
+            if not pending:
+                flags = self.guard.check(loss_sum, self.model.parameters(), gradients=check_gradients)
         with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
-            verdict = self.guard.agree(flags)
+            if pending:  # the gradient check is local: the synchronised gradient is the same on every rank
+                verdict = self.guard.finish(pending[0], self.model.parameters(), gradients=check_gradients)
+            else:
+                verdict = self.guard.agree(flags)
         with self.clock.phase("optimizer"):
             if verdict.skip:
                 self.precision.skip(self.parts.optimizer)

@@ -61,8 +61,14 @@ class GradientStep:
     def precision(self) -> Precision:
         return self.parts.precision
 
-    def run(self, batch: StepBatch, window: int, step: int, on_shrink: Callable[[dict], None]) -> tuple[torch.Tensor, int]:
+    def run(self, batch: StepBatch, window: int, step: int, on_shrink: Callable[[dict], None],
+            before_sync: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, int]:
         """Accumulate step ``step``'s gradient; returns (this rank's loss sum, items in the window).
+
+        ``before_sync(loss_sum)`` is called once with the whole step's loss sum just before the backward
+        that synchronises the gradients, so a collective it starts overlaps that backward (the trainer's
+        step agreement). A recoverable step does not call it: nothing may start a collective before its
+        end (below).
 
         A recoverable step (auto_micro_batch) runs every micro-batch on the bare module, where no forward
         or backward runs a collective (DDP's forward can broadcast buffers), so a rank that runs out of
@@ -75,7 +81,7 @@ class GradientStep:
         if not self.batcher.recoverable:
             plan = self._plan(batch, window)
             with self.clock.phase("forward_backward"):
-                loss_sum = self._accumulate(plan, self.model, step)
+                loss_sum = self._accumulate(plan, self.model, step, before_sync)
             self._book_exposed_communication()
             return loss_sum, plan.global_items
         buffers = BufferSnapshot(self.module)
@@ -104,7 +110,8 @@ class GradientStep:
         with self.clock.phase("data"):
             return self.batcher.plan(batch, window)
 
-    def _accumulate(self, plan: StepPlan, model: nn.Module, step: int) -> torch.Tensor:
+    def _accumulate(self, plan: StepPlan, model: nn.Module, step: int,
+                    before_sync: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Forward and backward over the plan's micro-batches; returns this rank's loss sum."""
         loss_scale = self.world_size / plan.global_items
         loss_sum = torch.zeros((), device=self.device)
@@ -120,6 +127,8 @@ class GradientStep:
                     # rank must; the loss, which may not accept it, is not called.
                     loss = self.task.loss_sum(outputs, targets) if len(targets) else None
                 self.batcher.after_forward(step, is_last=index == last)
+                if sync and before_sync is not None:
+                    before_sync(loss_sum + loss.detach() if loss is not None else loss_sum)
                 if loss is not None:
                     self.precision.scale(loss * loss_scale).backward()
                     loss_sum += loss.detach()

@@ -43,17 +43,20 @@ class NoisyTask:
 
 
 class NaNTask(NoisyTask):
-    """A NaN loss on ``rank`` at the given steps."""
+    """A NaN loss on ``rank`` at the given steps; ``where="gradient"``: a finite loss whose gradient is
+    infinite on that rank (an overflow in the backward)."""
 
-    def __init__(self, task, trainer, rank: int, steps: set[int]):
+    def __init__(self, task, trainer, rank: int, steps: set[int], where: str = "loss"):
         super().__init__(task)
-        self.trainer, self.rank, self.steps = trainer, rank, steps
+        self.trainer, self.rank, self.steps, self.where = trainer, rank, steps, where
 
     def loss_sum(self, outputs, targets):
-        loss = self.task.loss_sum(outputs, targets)
         if dist.get_rank() == self.rank and self.trainer.state.step + 1 in self.steps:
-            return loss * math.nan
-        return loss
+            if self.where == "gradient":
+                outputs.register_hook(lambda grad: grad * math.inf)
+            else:
+                return self.task.loss_sum(outputs, targets) * math.nan
+        return self.task.loss_sum(outputs, targets)
 
 
 def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume: bool, nan: dict | None = None,
@@ -124,6 +127,24 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
     skips = [r for r in records if r["type"] == "skip"]
     assert skips == [{"type": "skip", "step": 5, "reason": "non-finite loss on rank 1"}]
     print("NaN on rank 1 at step 5: skipped on 2/2 ranks, parameters identical on all ranks and equal to step 4's")
+
+
+def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    """A finite loss with an infinite gradient on rank 1 at step 3: the step agreement's all-reduce no longer
+    carries gradient flags (it runs beside the backward); each rank checks the synchronised gradient, which
+    every rank holds bit-identical, so both skip step 3 and the parameters stay those of step 2."""
+    skipped = run_distributed(train, 2, str(tmp_path / "inf"), ["train.max_steps=3"], False,
+                              {"rank": 1, "steps": {3}, "where": "gradient"})
+    clean = run_distributed(train, 2, str(tmp_path / "clean"), ["train.max_steps=2"], False,
+                            {"rank": 1, "steps": set()})
+    for summary, params, state in skipped:
+        assert state["skipped_steps"] == 1 and state["step"] == 3
+        assert summary["param_sha256"][0] == summary["param_sha256"][1]
+        for name, tensor in params.items():
+            assert np.array_equal(tensor, clean[0][1][name]), f"{name}: the skipped step changed the parameters"
+    skips = records(tmp_path / "inf", "skip")
+    assert skips == [{"type": "skip", "step": 3, "reason": "non-finite gradient after synchronisation"}]
+    print("infinite gradient on rank 1 at step 3: skipped on 2/2 ranks, parameters equal to step 2's")
 
 
 def test_consecutive_non_finite_steps_stop_the_job_naming_rank_and_steps(tmp_path):
