@@ -1,19 +1,21 @@
-"""All-reduce bandwidth sweep in the style of nccl-tests: torch (Gloo) and ringtrain side by side.
+"""All-reduce bandwidth sweep in the style of nccl-tests: torch (Gloo), ringtrain and DeepSpeed side by side.
 
     ringtrain bench collectives --nproc 2,4 --algorithms torch,ring,ring_chunked,shm --sizes 4K:64M --out DIR
+    ringtrain bench collectives --nproc 2,4 --algorithms torch,shm,shm_inplace,deepspeed_shm --out DIR
 
 For every world size, N worker processes are started (pinned one per core, round robin, as ``ringtrain
 train`` pins them; sockets on loopback) and time ``all_reduce(sum)`` of every size with every algorithm,
 all in the same run. Per size: a check of each algorithm's result, warm-up calls, then at least
 ``--iters`` rounds (more for small sizes, up to ``min_time_s``) in which the algorithms take turns (an
-untimed call, then a timed one), so that load from other processes falls on all of them alike. A call's time is the maximum over
-ranks; the row reports the median (p50).
+untimed call, then a block of ``BLOCK`` back-to-back timed calls), so that load from other processes falls on
+all of them alike. A block's time per call is the maximum over ranks; the row reports the median (p50).
 
     algbw = bytes / p50          busbw = algbw * 2 (n - 1) / n
 
 busbw is what each rank's links carry for a bandwidth-optimal all-reduce, comparable across world sizes.
 ``shm_inplace`` is shm on a tensor that already lives in shared memory (``shm.shared_empty``), as the
-manual strategy's gradient buckets do. Writes ``DIR/collectives.json`` (a list of rows), ``.csv`` and
+manual strategy's gradient buckets do. ``deepspeed_shm`` is DeepSpeed's CPU shared-memory all-reduce
+(``torch.ops.deepspeed.inference_all_reduce_``, see ``deepspeed_shm.py``), called directly. Writes ``DIR/collectives.json`` (a list of rows), ``.csv`` and
 ``.png`` (busbw against size).
 """
 
@@ -47,6 +49,9 @@ from ringtrain.errors import RingtrainError
 __all__ = ["run_collectives_bench", "bus_bandwidth_factor"]
 
 _MAX_ITERS = 2000
+BLOCK = 5
+"""Timed calls per turn, back to back: a collective called in a loop overlaps one call's exit with the next
+call's entry, which one call alone, timed between two others, does not show."""
 _LOOPBACK = "127.0.0.1"
 
 
@@ -59,23 +64,31 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
     """Run the sweep for every world size, print the table as it goes, write the files; return the rows."""
     options.validate()
     options.out.mkdir(parents=True, exist_ok=True)
-    order = sorted(options.algorithms, key=lambda a: a != "torch")  # torch first: the ratio's reference
+    # The references first: torch (Gloo) and DeepSpeed, so every other row can give its ratio to them.
+    order = sorted(options.algorithms, key=lambda a: (a != "torch", a != "deepspeed_shm"))
     options = BenchOptions(**{**asdict(options), "algorithms": tuple(order)})
+    if "deepspeed_shm" in options.algorithms:
+        from ringtrain.bench import deepspeed_shm
+
+        deepspeed_shm.build()  # once, here: workers find it cached; a missing DeepSpeed is one line
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     echo(f"# ringtrain bench collectives: all_reduce(sum) of {options.dtype}, Gloo over loopback + ringtrain, "
-         f"p50 of the max over ranks; {os.cpu_count()} cores, load average {load}")
+         f"p50 per call of blocks of {BLOCK}, max over ranks; {os.cpu_count()} cores, load average {load}")
     rows: list[dict] = []
     for world_size in options.nprocs:
         echo(f"#\n# world_size {world_size}\n# {'size':>10}  {'algorithm':<13}{'iters':>6}{'p50(us)':>12}"
-             f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'vs torch':>10}")
+             f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'vs torch':>10}{'vs deepspeed':>14}")
         for row in _run_world(world_size, options):
-            reference = next((r for r in rows if r["algorithm"] == "torch" and r["bytes"] == row["bytes"]
-                              and r["world_size"] == world_size), None)
-            row["vs_torch"] = round(row["busbw_gbps"] / reference["busbw_gbps"], 3) if reference else None
+            ratios = []
+            for reference_name, key in (("torch", "vs_torch"), ("deepspeed_shm", "vs_deepspeed")):
+                reference = next((r for r in rows if r["algorithm"] == reference_name and r["bytes"] == row["bytes"]
+                                  and r["world_size"] == world_size), None)
+                # Speed relative to the reference: above 1 is faster.
+                row[key] = round(row["busbw_gbps"] / reference["busbw_gbps"], 3) if reference else None
+                ratios.append(f"{row[key]:.2f}" if row[key] is not None else "-")
             rows.append(row)
-            ratio = f"{row['vs_torch']:.2f}" if row["vs_torch"] is not None else "-"
             echo(f"  {_format_size(row['bytes']):>10}  {row['algorithm']:<13}{row['iters']:>6}{row['p50_s'] * 1e6:>12.1f}"
-                 f"{row['algbw_gbps']:>13.3f}{row['busbw_gbps']:>13.3f}{ratio:>10}")
+                 f"{row['algbw_gbps']:>13.3f}{row['busbw_gbps']:>13.3f}{ratios[0]:>10}{ratios[1]:>14}")
     _write(rows, options.out)
     echo(f"# wrote {options.out / 'collectives.json'}, .csv and .png")
     return rows
@@ -124,7 +137,7 @@ def _worker(rank: int, world_size: int, port: int, options: BenchOptions, result
                       master_addr=_LOOPBACK, master_port=port, use_agent_store=True, bind_addr=_LOOPBACK)
         config = DistConfig(backend="gloo", timeout_s=options.timeout_s, pin_cpu=True, threads_per_worker=1)
         with init_distributed(env, config):
-            for row in _sweep(rank, world_size, options):
+            for row in _sweep(rank, world_size, port, options):
                 if rank == 0:
                     results.put(("row", row))
         results.put(("done", rank))
@@ -132,18 +145,23 @@ def _worker(rank: int, world_size: int, port: int, options: BenchOptions, result
         results.put(("error", rank, traceback.format_exc()))
 
 
-def _sweep(rank: int, world_size: int, options: BenchOptions):
+def _sweep(rank: int, world_size: int, port: int, options: BenchOptions):
     dtype = getattr(torch, options.dtype)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     largest = max(options.sizes) // itemsize + 1
     # One shared-memory arena for every size: slices at offset 0 are at the same offset on every rank.
     arena = shm.shared_empty(largest, dtype) if "shm_inplace" in options.algorithms else None
+    deepspeed_call = None
+    if "deepspeed_shm" in options.algorithms:
+        from ringtrain.bench import deepspeed_shm
+
+        deepspeed_call = deepspeed_shm.init(rank, world_size, port)
     for nbytes in options.sizes:
         numel = max(1, nbytes // itemsize)
         calls = {}
         for algorithm in options.algorithms:
             tensor = arena[:numel] if algorithm == "shm_inplace" else torch.empty(numel, dtype=dtype)
-            calls[algorithm] = _caller(tensor, algorithm, options.chunk_kb)
+            calls[algorithm] = _caller(tensor, algorithm, options.chunk_kb, deepspeed_call)
             _verify(tensor, calls[algorithm], rank, world_size)
             tensor.zero_()  # sums of zeros stay zeros: every call does the same work
         for algorithm, times in _time(calls, options).items():
@@ -160,9 +178,11 @@ def _sweep(rank: int, world_size: int, options: BenchOptions):
             }
 
 
-def _caller(tensor: torch.Tensor, algorithm: str, chunk_kb: int | None) -> Callable[[], None]:
+def _caller(tensor: torch.Tensor, algorithm: str, chunk_kb: int | None, deepspeed_call=None) -> Callable[[], None]:
     if algorithm == "torch":
         return lambda: dist.all_reduce(tensor)  # the backend itself, not through ringtrain's checks
+    if algorithm == "deepspeed_shm":
+        return lambda: deepspeed_call(tensor)  # DeepSpeed's op itself, as deepspeed.comm calls it
     name = "shm" if algorithm == "shm_inplace" else algorithm
     options = {"chunk_kb": chunk_kb} if algorithm == "ring_chunked" and chunk_kb else {}
     return lambda: comm.all_reduce(tensor, algorithm=name, **options)
@@ -181,9 +201,9 @@ def _time(calls: dict[str, Callable[[], None]], options: BenchOptions) -> dict[s
     """Per algorithm, the time of every timed call (max over ranks).
 
     The algorithms take turns, so that a burst of load from another process on the machine slows all of
-    them alike and the ratios stay fair. Each turn is an untimed call, then the timed one: ranks leave
-    the previous algorithm at different moments, and the first call of a turn absorbs that skew (as in
-    a back-to-back loop of one algorithm).
+    them alike and the ratios stay fair. Each turn is an untimed call, then ``BLOCK`` timed ones back to
+    back: ranks leave the previous algorithm at different moments, and the first call of a turn absorbs that
+    skew (as in a back-to-back loop of one algorithm).
     """
     estimates = []
     for call in calls.values():
@@ -192,7 +212,7 @@ def _time(calls: dict[str, Callable[[], None]], options: BenchOptions) -> dict[s
         start = time.perf_counter()
         call()
         estimates.append(time.perf_counter() - start)
-    estimate = torch.tensor([2 * sum(estimates)], dtype=torch.float64)
+    estimate = torch.tensor([(BLOCK + 1) * sum(estimates)], dtype=torch.float64)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
     iters = int(min(_MAX_ITERS, max(options.iters, options.min_time_s / max(float(estimate), 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -201,8 +221,9 @@ def _time(calls: dict[str, Callable[[], None]], options: BenchOptions) -> dict[s
         for name, call in calls.items():
             call()
             start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(BLOCK):
+                call()
+            times[name].append((time.perf_counter() - start) / BLOCK)
     result = {}
     for name, values in times.items():
         per_call = torch.tensor(values, dtype=torch.float64)

@@ -14,8 +14,9 @@ from ringtrain.errors import ConfigError
 
 __all__ = ["BenchOptions", "BENCH_ALGORITHMS", "parse_sizes", "parse_world_sizes"]
 
-BENCH_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "shm_inplace")
-"""ringtrain.comm.ALGORITHMS, plus shm on a tensor that lives in shared memory."""
+BENCH_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "shm_inplace", "deepspeed_shm")
+"""ringtrain.comm.ALGORITHMS, plus shm on a tensor that lives in shared memory, plus DeepSpeed's CPU shm
+all-reduce (``pip install -e '.[bench]'``)."""
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -47,6 +48,8 @@ class BenchOptions:
             raise ConfigError(f"--iters must be at least 20 for a meaningful median, got {self.iters}")
         if self.dtype not in ("float32", "float64", "float16", "bfloat16", "int32", "int64"):
             raise ConfigError(f"--dtype {self.dtype!r} is not one of float32, float64, float16, bfloat16, int32, int64")
+        if "deepspeed_shm" in self.algorithms and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--algorithms deepspeed_shm reduces float32, bfloat16 and float16 only, not --dtype {self.dtype}")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ def test_a_bad_flag_is_one_line_before_any_worker_starts(tmp_path):
 @pytest.mark.parametrize(
     "options, fragment",
     [
-        ({"algorithms": ("torch", "nccl")}, "--algorithms: unknown 'nccl'; choose from torch,ring,ring_chunked,shm,shm_inplace"),
+        ({"algorithms": ("torch", "nccl")}, "--algorithms: unknown 'nccl'; choose from torch,ring,ring_chunked,shm,shm_inplace,deepspeed_shm"),
         ({"nprocs": (0,)}, "--nproc needs world sizes of at least 1"),
         ({"iters": 5}, "--iters must be at least 20"),
         ({"dtype": "complex64"}, "--dtype 'complex64' is not one of"),
