@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
+from functools import cache
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_group", "group_size", "group_rank", "global_rank", "group_timeout_s"]
+__all__ = ["resolve_group", "group_size", "group_rank", "global_rank", "group_timeout_s", "host_id"]
 
 _FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
 
@@ -45,3 +48,27 @@ def group_timeout_s(group: dist.ProcessGroup, device: torch.device | None = None
     except (AttributeError, RuntimeError):  # a backend without options, or none for this device
         return _FALLBACK_TIMEOUT_S
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+@cache
+def host_id() -> str:
+    """Which host this process is on, as ranks that share memory see it: ``name/boot id/net namespace``.
+
+    The host name alone is fooled by network namespaces (and containers) on one machine: they share the
+    host name, yet their ranks talk over different network stacks and must be told apart (on one machine
+    they also share ``/dev/shm``). The kernel's boot id (random at every boot) tells machines apart even
+    with equal names; the inode of this process's network namespace tells namespaces apart. Two
+    processes get the same id only if they run on the same boot of the same kernel, in one network
+    namespace::
+
+        >>> host_id()
+        'node7/b335b17e/net:4026531833'
+    """
+    name = socket.gethostname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # not Linux: the host name is all there is
+        return name
+    return f"{name}/{boot}/net:{netns}"

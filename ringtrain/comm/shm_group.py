@@ -1,7 +1,7 @@
 """Shared memory for a process group: who shares a host, one workspace per host, shared tensors.
 
 ``ShmGroup.build(group)`` is collective over ``group`` (it is called on the first shm collective, or
-explicitly through ``shm.init_shm``). Ranks are put on hosts by host name, or by an explicit ``hosts``
+explicitly through ``shm.init_shm``). Ranks are put on hosts by ``groups.host_id()``, or by an explicit ``hosts``
 list, which is how one machine can pretend to be two. The first rank of each host creates one segment;
 its layout::
 
@@ -22,7 +22,6 @@ tensor needs the GIL of an interpreter that is gone: ``terminate called without 
 from __future__ import annotations
 
 import os
-import socket
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringtrain.comm.groups import global_rank, group_rank, group_size
+from ringtrain.comm.groups import global_rank, group_rank, group_size, host_id
 from ringtrain.comm.shm_board import FlagBoard, header_bytes, require_tso
 from ringtrain.comm.shm_segment import Segment, segment_name, sweep_stale, unlink
 
@@ -181,7 +180,7 @@ class ShmGroup:
         size = group_size(group)
         if hosts is not None and len(hosts) != size:
             raise ValueError(f"hosts has {len(hosts)} entries for a group of {size} ranks; give one host name per rank")
-        mine = hosts[group_rank(group)] if hosts is not None else socket.gethostname()
+        mine = hosts[group_rank(group)] if hosts is not None else host_id()
         gathered: list = [None] * size
         dist.all_gather_object(gathered, (mine, sorted(_affinity())), group=group)
         shm_group = cls(group, [str(host) for host, _ in gathered], small_bytes, piece_bytes)

@@ -19,6 +19,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm.groups import host_id
 from ringtrain.config import DistConfig
 from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.dist.env import DistEnv
@@ -152,10 +153,11 @@ def _listen_on(address: str, port: int) -> socket.socket:
 
 
 def _host_placement() -> tuple[int, int]:
-    """(index among this host's workers, number of workers on this host), from one all_gather."""
+    """(index among this host's workers, number of workers on this host), from one all_gather; hosts are
+    told apart as shared memory tells them (``comm.groups.host_id``: not fooled by network namespaces)."""
     hosts: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    mine = socket.gethostname()
+    mine = host_id()
+    dist.all_gather_object(hosts, mine)
     same_host = [rank for rank, host in enumerate(hosts) if host == mine]
     return same_host.index(dist.get_rank()), len(same_host)
 
