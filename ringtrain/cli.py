@@ -98,7 +98,8 @@ def _add_launch_arguments(train: argparse.ArgumentParser) -> None:
     launch.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the rendezvous")
     launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: a free port on 127.0.0.1)")
-    launch.add_argument("--local-addr", help="this node's address for worker sockets (default: loopback)")
+    launch.add_argument("--local-addr", help="this node's address for worker sockets (default: loopback on one node; "
+                        "node 0: the --rdzv-endpoint host; other nodes: their address that reaches it)")
     launch.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker failure (default 0)")
     launch.add_argument("--min-nproc", type=int,
                         help="elastic: the fewest workers on this node the job may shrink to (default: --nproc)")
@@ -274,7 +275,8 @@ def _add_fault_tolerance_tools(commands) -> None:
                     "below --nproc). It is admitted when the job next re-forms: at once, after the current step.",
     )
     join.add_argument("run_dir", nargs="?", help="the job's run directory (it holds job.json)")
-    join.add_argument("--local-addr", help="this host's address for worker sockets (default: loopback)")
+    join.add_argument("--local-addr", help="this host's address for worker sockets (default: its address that "
+                      "reaches the job's rendezvous)")
     join.add_argument("--spec", help=argparse.SUPPRESS)  # the job description inline (the launcher's own agents)
     join.set_defaults(handler=_join)
 

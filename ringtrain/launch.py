@@ -16,7 +16,6 @@ worker instead (``elastic.py``); each of them is a ``launch`` with ``join=True``
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
 from ringtrain.dist.env import BIND_ADDR_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.errors import LaunchError, RingtrainError
 
@@ -41,7 +41,8 @@ RDZV_DEFAULTS = {"last_call_timeout": 5, "keep_alive_interval": 1, "keep_alive_m
 """ringtrain's rendezvous timing (torch's: 30 s last call, a lost agent noticed after 15 s): after a lost
 worker the others re-form within about 10 s. ``--rdzv-conf`` overrides any of these (seconds)."""
 _RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
-              "keep_alive_max_attempt")
+              "keep_alive_max_attempt", "read_timeout")
+"""read_timeout: also how long a node waits for the rendezvous endpoint to answer (dist/addresses.py: 45 s)."""
 
 
 class WorkerFailed(RingtrainError):
@@ -100,7 +101,8 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     """HOST:PORT of the rendezvous; unset on a single node: a free port on 127.0.0.1."""
     local_addr: str | None = None
-    """Address of this node that workers bind to (default: loopback, or the endpoint's host on node 0)."""
+    """Address of this node that workers bind to (default: node 0: the endpoint's host; other nodes: the
+    address they reach the endpoint from; a single node: loopback)."""
     max_restarts: int = 0
     """Restarts of the worker group after a failure before the job fails."""
     min_nproc: int | None = None
@@ -172,7 +174,9 @@ def launch(options: LaunchOptions, program: Program) -> None:
     min_nodes, max_nodes = options.node_range()
     host, port = split_endpoint(options.rdzv_endpoint or f"{LOOPBACK}:0")
     hosts_store = options.node_rank == 0 and not options.join
-    bind_addr = options.local_addr or (host if _is_loopback(host) or hosts_store else None)
+    # A wrong --local-addr or an endpoint nobody answers at: one line now, not torch's 600 s join timeout.
+    wait_s = parse_rdzv_conf(options.rdzv_conf).get("read_timeout", RENDEZVOUS_WAIT_S)
+    bind_addr = bind_address(options.local_addr, host, port, hosts_store, wait_s)
     store = host_rendezvous_store(host, port) if hosts_store else None
     if store is not None:
         port = store.port
@@ -268,13 +272,6 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def _describe_failure(err: ChildFailedError) -> str:
