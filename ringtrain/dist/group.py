@@ -82,7 +82,7 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
         backend, store=_build_store(env, timeout), rank=env.rank, world_size=env.world_size, timeout=timeout
     )
     try:
-        host_rank, host_world_size = _host_placement()
+        host_rank, host_world_size = _host_placement(env.bind_addr)
         if device.type == "cpu" and config.pin_cpu and hasattr(os, "sched_setaffinity"):
             allowed = sorted(os.sched_getaffinity(0))
             cores = cores_for_worker(host_rank, host_world_size, config.threads_per_worker, allowed, _warn)
@@ -152,14 +152,31 @@ def _listen_on(address: str, port: int) -> socket.socket:
         raise LaunchError(f"cannot listen on {address}:{port} ({err.strerror}); choose another port") from None
 
 
-def _host_placement() -> tuple[int, int]:
+def _host_placement(bind_addr: str | None) -> tuple[int, int]:
     """(index among this host's workers, number of workers on this host), from one all_gather; hosts are
-    told apart as shared memory tells them (``comm.groups.host_id``: not fooled by network namespaces)."""
-    hosts: list[str] = [""] * dist.get_world_size()
+    told apart as shared memory tells them (``comm.groups.host_id``: not fooled by network namespaces).
+
+    A job on several hosts says, from rank 0, how it sees them (each by its bind address, else its id):
+    ``ringtrain: 4 workers on 2 hosts: 198.18.0.1 ranks 0-1, 198.18.0.2 ranks 2-3``."""
+    placed: list = [None] * dist.get_world_size()
     mine = host_id()
-    dist.all_gather_object(hosts, mine)
+    dist.all_gather_object(placed, (mine, bind_addr))
+    hosts = [host for host, _ in placed]
     same_host = [rank for rank, host in enumerate(hosts) if host == mine]
+    if dist.get_rank() == 0 and len(set(hosts)) > 1:
+        layout = ", ".join(
+            f"{placed[ranks[0]][1] or host} ranks {_rank_span(ranks)}"
+            for host, ranks in ((h, [r for r, x in enumerate(hosts) if x == h]) for h in dict.fromkeys(hosts))
+        )
+        print(f"ringtrain: {len(hosts)} workers on {len(set(hosts))} hosts: {layout}", file=sys.stderr, flush=True)
     return same_host.index(dist.get_rank()), len(same_host)
+
+
+def _rank_span(ranks: list[int]) -> str:
+    """[2, 3] -> '2-3'; [0, 2] -> '0,2'."""
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
 
 
 def cores_for_worker(
