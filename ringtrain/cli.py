@@ -286,6 +286,14 @@ def _add_fault_tolerance_tools(commands) -> None:
     ledger.add_argument("run_dir")
     ledger.set_defaults(handler=_ledger)
 
+    diagnose = commands.add_parser(
+        "diagnose", help="line up every rank's flight recorder: who is behind, who disagrees",
+        description="Read RUN_DIR/flight/rank-R.json (written when a collective fails, or on SIGUSR1 to the "
+                    "launcher) and say which rank is missing or behind, at which collective, and whether ranks "
+                    "disagree about an operation or its size. Exit 1 when something is wrong.")
+    diagnose.add_argument("run_dir")
+    diagnose.set_defaults(handler=_diagnose)
+
     export = commands.add_parser("export", help="write a checkpoint's model weights as safetensors",
                                  description="Export the newest valid checkpoint (or --checkpoint) of RUN_DIR.")
     export.add_argument("run_dir")
@@ -308,6 +316,16 @@ def _join(args: argparse.Namespace) -> int:
     spec = JobSpec.from_json(args.spec) if args.spec else JobSpec.read(args.run_dir)
     join_job(spec, args.local_addr)
     return 0
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from ringtrain.monitor.diagnose import diagnose, summary_line
+
+    findings = diagnose(args.run_dir)
+    print(summary_line(args.run_dir))
+    for finding in findings:
+        print(finding.text)
+    return 0 if all(f.kind == "ok" for f in findings) else 1
 
 
 def _ledger(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -30,7 +31,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
+from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
 from ringtrain.dist.env import BIND_ADDR_VAR, JOB_STORE_VAR, LAUNCHER_VAR
+from ringtrain.dist.jobstore import JobStore
 from ringtrain.errors import LaunchError, RingtrainError
 
 __all__ = ["LaunchOptions", "Program", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS"]
@@ -197,6 +200,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
         local_addr=bind_addr,
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
     )
+    previous = signal.signal(signal.SIGUSR1, _dump_request_handler(host, port, config.run_id))
     try:
         elastic_launch(config, sys.executable)("-u", *program.args)
     except ChildFailedError as err:
@@ -206,8 +210,28 @@ def launch(options: LaunchOptions, program: Program) -> None:
     except RendezvousError as err:
         raise LaunchError(f"rendezvous at {host}:{port} failed: {err}") from None
     finally:
+        signal.signal(signal.SIGUSR1, previous)
         # The rendezvous store lives exactly as long as this node's agent.
         del store
+
+
+def _dump_request_handler(host: str, port: int, run_id: str):
+    """SIGUSR1 to a launcher: ask every worker of the job (all nodes) to write its flight recorder to
+    RUN_DIR/flight/rank-R.json. Each worker's heartbeat thread answers, even one stuck in a collective."""
+
+    def request() -> None:
+        try:
+            JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False).request_dump()
+            print("ringtrain: SIGUSR1: asked every worker to write its flight recorder to RUN_DIR/flight/rank-R.json; "
+                  "then run `ringtrain diagnose RUN_DIR`", file=sys.stderr, flush=True)
+        except (RuntimeError, ValueError) as err:
+            print(f"ringtrain: SIGUSR1: could not reach the job store at {host}:{port} ({err})", file=sys.stderr, flush=True)
+
+    def handle(signum, frame) -> None:
+        # Not in the handler itself: the main thread may be inside the agent's own store calls.
+        threading.Thread(target=request, name="ringtrain-dump-request", daemon=True).start()
+
+    return handle
 
 
 def parse_rdzv_conf(text: str) -> dict[str, int]:

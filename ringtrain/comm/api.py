@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringtrain.comm import ring, ring_chunked, shm
+from ringtrain.comm import flight, ring, ring_chunked, shm
 from ringtrain.comm.groups import group_rank, group_size, group_timeout_s, resolve_group
 from ringtrain.comm.shards import tensor_shards
 from ringtrain.comm.scratch import scratch
@@ -55,6 +55,7 @@ def all_reduce(
         return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     timeout_s = timeout_s or group_timeout_s(group, tensor.device)
+    entry = flight.begin("all_reduce", algorithm, flat)
     if algorithm == "shm":
         # shm folds the division into its first copy (one pass less over the data).
         shm.all_reduce(flat, group, timeout_s, average=op == "avg")
@@ -68,6 +69,7 @@ def all_reduce(
             ring.all_reduce(flat, group, timeout_s)
         else:
             ring_chunked.all_reduce(flat, group, timeout_s, **_chunk(chunk_kb))
+    flight.end(entry)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         _write_back(tensor, flat.view(tensor.shape))
     return tensor
@@ -130,15 +132,20 @@ def reduce_scatter(
     if size == 1 or tensor.numel() == 0:
         return flat[lo:hi]
     timeout_s = timeout_s or group_timeout_s(group, tensor.device)
+    entry = flight.begin("reduce_scatter", algorithm, flat)
     if algorithm == "shm":
-        return shm.reduce_scatter(flat, group, timeout_s, average=op == "avg")
-    if op == "avg":
-        flat.div_(size)  # before the sum, as in all_reduce
-    if algorithm == "torch":
-        return _torch_reduce_scatter(flat, group, timeout_s)
-    if algorithm == "ring":
-        return ring.reduce_scatter(flat, group, timeout_s)
-    return ring_chunked.reduce_scatter(flat, group, timeout_s, **_chunk(chunk_kb))
+        shard = shm.reduce_scatter(flat, group, timeout_s, average=op == "avg")
+    else:
+        if op == "avg":
+            flat.div_(size)  # before the sum, as in all_reduce
+        if algorithm == "torch":
+            shard = _torch_reduce_scatter(flat, group, timeout_s)
+        elif algorithm == "ring":
+            shard = ring.reduce_scatter(flat, group, timeout_s)
+        else:
+            shard = ring_chunked.reduce_scatter(flat, group, timeout_s, **_chunk(chunk_kb))
+    flight.end(entry)
+    return shard
 
 
 def all_gather(
@@ -159,6 +166,7 @@ def all_gather(
         return tensor
     flat = tensor.view(-1)
     timeout_s = timeout_s or group_timeout_s(group, tensor.device)
+    entry = flight.begin("all_gather", algorithm, flat)
     if algorithm == "shm":
         shm.all_gather(flat, group, timeout_s)
     elif algorithm == "torch":
@@ -167,6 +175,7 @@ def all_gather(
         ring.all_gather(flat, group, timeout_s)
     else:
         ring_chunked.all_gather(flat, group, timeout_s, **_chunk(chunk_kb))
+    flight.end(entry)
     return tensor
 
 

@@ -247,6 +247,11 @@ class DistConfig(Section):
     threads_per_worker: int = Field(default=1, gt=0)
     """Intra-op compute threads per worker (1 avoids oversubscribing the cores)."""
 
+    flight_recorder: int = Field(default=2000, ge=0)
+    """Collectives each rank remembers (the flight recorder; 0: off). On a failed collective, and on request
+    (SIGUSR1 to the launcher), each rank writes them to RUN_DIR/flight/rank-R.json; `ringtrain diagnose
+    RUN_DIR` lines the ranks up."""
+
     keep_freed_memory: bool = True
     """On CPU, fix glibc malloc's mmap and trim thresholds so that buffers freed in one step are reused in
     the next instead of being returned to the OS and faulted in again (ResNet-18: 8% of the step). RSS
@@ -282,17 +287,22 @@ class TaskConfig(Section):
 
 
 class CommConfig(Section):
-    strategy: Literal["ddp", "manual"] = "ddp"
-    """Gradient synchronisation: 'ddp' (torch DistributedDataParallel, `algorithm` as its comm hook) or
-    'manual' (ringtrain's own: buckets all-reduced during backward as their gradients become ready)."""
+    strategy: Literal["ddp", "manual", "zero1", "zero2", "zero3", "fsdp"] = "ddp"
+    """Data parallelism: 'ddp' (torch DistributedDataParallel, `algorithm` as its comm hook) or
+    'manual' (ringtrain's own: buckets all-reduced during backward as their gradients become ready), each
+    rank holding everything; or sharded over the ranks with ringtrain's collectives (`algorithm`): 'zero1'
+    (optimizer state), 'zero2' (+ gradients), 'zero3' (+ parameters, gathered per block); or 'fsdp'
+    (PyTorch's FSDP2 fully_shard, one unit per block, the backend's own collectives)."""
 
     algorithm: Literal["torch", "ring", "ring_chunked", "shm", "fp16", "bf16", "powersgd"] = "torch"
     """How gradient buckets are all-reduced: 'torch' (the backend's own), ringtrain's 'ring',
     'ring_chunked' (pipelined ring) or 'shm' (shared memory between the CPU workers of a host; a ring
     between hosts), or torch's DDP hooks 'fp16' / 'bf16' (compressed) and 'powersgd' (strategy 'ddp' only)."""
 
-    bucket_mb: float = Field(default=25.0, gt=0.0, allow_inf_nan=False)
-    """Gradient bucket size in MB (DDP's bucket_cap_mb; the manual strategy's bucket size)."""
+    bucket_mb: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """Gradient bucket size in MB (DDP's bucket_cap_mb; the manual and zero1/zero2 strategies' bucket size).
+    Unset: 25 for 'ddp' and 'manual', 4 for 'zero1'/'zero2' (a bucket of staging is what zero2 holds beyond
+    its shards, so it stays well below a small model's whole gradient)."""
 
     chunk_kb: int | None = Field(default=None, gt=0)
     """Chunk size of the pipelined ring (algorithm 'ring_chunked'), in KiB (unset: its measured default,
@@ -306,12 +316,24 @@ class CommConfig(Section):
 
     @model_validator(mode="after")
     def _strategy_has_algorithm(self) -> CommConfig:
-        if self.strategy == "manual" and self.algorithm in ("fp16", "bf16", "powersgd"):
+        if self.strategy in ("manual", "zero1", "zero2", "zero3") and self.algorithm in ("fp16", "bf16", "powersgd"):
             raise ValueError(
                 f"algorithm '{self.algorithm}' is one of torch's DDP hooks; use strategy = 'ddp' with it, "
-                "or algorithm 'torch', 'ring', 'ring_chunked' or 'shm' with strategy 'manual'"
+                f"or algorithm 'torch', 'ring', 'ring_chunked' or 'shm' with strategy '{self.strategy}'"
+            )
+        if self.strategy == "fsdp" and self.algorithm != "torch":
+            raise ValueError(
+                f"strategy 'fsdp' runs PyTorch's FSDP2 on the backend's own collectives, not algorithm "
+                f"'{self.algorithm}'; leave algorithm = 'torch', or use strategy 'zero3' for ringtrain's"
             )
         return self
+
+    @property
+    def resolved_bucket_mb(self) -> float:
+        """``bucket_mb``, or the strategy's default when unset."""
+        if self.bucket_mb is not None:
+            return self.bucket_mb
+        return 4.0 if self.strategy in ("zero1", "zero2") else 25.0
 
 
 class CheckpointConfig(Section):
@@ -382,6 +404,22 @@ class Config(Section):
             raise ValueError(
                 "comm.algorithm = 'shm' reduces CPU tensors through shared memory and dist.backend = 'nccl' "
                 "trains on GPUs; use comm.algorithm = 'ring' or 'torch'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_fits(self) -> Config:
+        strategy = self.comm.strategy
+        if strategy in ("zero3", "fsdp") and self.train.auto_micro_batch:
+            raise ValueError(
+                f"train.auto_micro_batch needs a step without collectives until its end, but comm.strategy = "
+                f"'{strategy}' gathers parameters in every forward; set train.auto_micro_batch = false or use "
+                "strategy 'zero1' or 'zero2'"
+            )
+        if strategy in ("zero1", "zero2", "zero3", "fsdp") and self.train.precision == "fp16":
+            raise ValueError(
+                f"train.precision = 'fp16' with comm.strategy = '{strategy}' is not supported yet (the GradScaler "
+                "would see a different gradient shard on every rank); use 'bf16', or strategy 'ddp'"
             )
         return self
 

@@ -19,6 +19,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm import flight
 from ringtrain.comm.groups import host_id
 from ringtrain.config import DistConfig
 from ringtrain.dist.allocator import keep_freed_memory
@@ -78,6 +79,9 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
     if env.bind_addr:
         _bind_collectives_to(env.bind_addr)
     timeout = timedelta(seconds=config.timeout_s)
+    # The flight recorder: ringtrain's collectives, and torch's record of the group's (read at creation).
+    flight.torch_recorder_env(config.flight_recorder)
+    flight.enable(config.flight_recorder)
     dist.init_process_group(
         backend, store=_build_store(env, timeout), rank=env.rank, world_size=env.world_size, timeout=timeout
     )

@@ -53,6 +53,12 @@ class NullJobStore:
 
     def beat(self, rank: int, count: int) -> None: ...
 
+    def request_dump(self) -> None: ...
+
+    def dump_requests(self) -> int:
+        """How many flight-recorder dumps were requested over the job (the watchdog answers new ones)."""
+        return 0
+
     def beats(self, world_size: int) -> dict[int, int]:
         return {}
 
@@ -90,6 +96,13 @@ class JobStore(NullJobStore):
 
     def beat(self, rank: int, count: int) -> None:
         self.store.set(f"heartbeat/{rank}", str(count))
+
+    def request_dump(self) -> None:
+        """Ask every rank to write its flight recorder (its heartbeat thread sees this within a beat)."""
+        self.store.add("flight/request", 1)
+
+    def dump_requests(self) -> int:
+        return self.store.add("flight/request", 0)
 
     def beats(self, world_size: int) -> dict[int, int]:
         """Each rank's heartbeat counter (ranks that never beat are left out)."""

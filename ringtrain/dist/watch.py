@@ -14,18 +14,22 @@ collective, and stops when the process is killed or stopped (SIGSTOP). When a co
 
 from __future__ import annotations
 
+import socket
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch.distributed as dist
 
+from ringtrain.comm import flight
 from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.comm.errors import CollectiveError
 from ringtrain.errors import RingtrainError
 
-__all__ = ["CollectiveFailed", "CollectiveWatch", "Heartbeat", "HEARTBEAT_INTERVAL_S"]
+__all__ = ["CollectiveFailed", "CollectiveWatch", "FLIGHT_DIR", "Heartbeat", "HEARTBEAT_INTERVAL_S", "flight_dumper"]
 
 HEARTBEAT_INTERVAL_S = 0.5
 
@@ -44,13 +48,19 @@ class CollectiveFailed(RingtrainError):
 
 
 class Heartbeat:
-    """A daemon thread that bumps this rank's counter in the job store until stopped."""
+    """A daemon thread that bumps this rank's counter in the job store until stopped.
 
-    def __init__(self, job_store: NullJobStore, rank: int, interval_s: float = HEARTBEAT_INTERVAL_S):
+    It is also the rank's watchdog: when someone asks for a flight-recorder dump (``request_dump`` on the
+    job store: the launcher on SIGUSR1), it calls ``on_dump_request``, from this thread, so that a rank
+    whose main thread is stuck inside a collective still answers."""
+
+    def __init__(self, job_store: NullJobStore, rank: int, interval_s: float = HEARTBEAT_INTERVAL_S,
+                 on_dump_request: Callable[[str], None] | None = None):
         # Its own connection: the main thread keeps using the other one.
         self.job_store = job_store.clone()
         self.rank = rank
         self.interval_s = interval_s
+        self.on_dump_request = on_dump_request
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ringtrain-heartbeat-{rank}", daemon=True)
 
@@ -64,12 +74,23 @@ class Heartbeat:
 
     def _run(self) -> None:
         count = 0
+        try:
+            answered = self.job_store.dump_requests()  # requests before this attempt are not ours
+        except RuntimeError:
+            return
         while not self._stopped.is_set():
             count += 1
             try:
                 self.job_store.beat(self.rank, count)
+                requests = self.job_store.dump_requests() if self.on_dump_request else answered
             except RuntimeError:
                 return  # the store is gone: the job is being torn down
+            if requests > answered:
+                answered = requests
+                try:
+                    self.on_dump_request("requested")
+                except OSError as err:  # a full disk must not stop the heartbeat
+                    print(f"ringtrain: rank {self.rank}: flight recorder dump failed: {err}", file=sys.stderr, flush=True)
             self._stopped.wait(self.interval_s)
 
 
@@ -77,22 +98,32 @@ class CollectiveWatch:
     """Turns a failed collective into one line naming the operation, the step and the silent ranks."""
 
     def __init__(self, job_store: NullJobStore, rank: int, world_size: int, timeout_s: float,
-                 interval_s: float = HEARTBEAT_INTERVAL_S):
+                 interval_s: float = HEARTBEAT_INTERVAL_S, on_failure: Callable[[str], None] | None = None):
         self.job_store = job_store
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.interval_s = interval_s
+        self.on_failure = on_failure
+        """Called with the failure's line before it is raised (the trainer dumps the flight recorder)."""
 
     @contextmanager
     def op(self, name: str, step: int) -> Iterator[None]:
-        """Run a collective (or code that runs one, such as a DDP backward) under the watch."""
+        """Run a collective (or code that runs one, such as a DDP backward) under the watch; the flight
+        recorder books the collectives inside to ``name`` at ``step``."""
         try:
-            yield
+            with flight.region(name, step):
+                yield
         except RuntimeError as err:
             if isinstance(err, RingtrainError) or not is_comm_error(err):
                 raise
-            raise CollectiveFailed(self.describe(name, step, err)) from None
+            message = self.describe(name, step, err)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(message)
+                except OSError:
+                    pass  # the failure's own line matters more than the dump
+            raise CollectiveFailed(message) from None
 
     def describe(self, name: str, step: int, err: Exception) -> str:
         text = str(err)
@@ -121,6 +152,20 @@ class CollectiveWatch:
         except RuntimeError:
             return []  # no store to ask
         return [r for r in range(self.world_size) if r != self.rank and after.get(r) == before.get(r)]
+
+
+def flight_dumper(run_dir: str | Path, rank: int, world_size: int) -> Callable[[str], None]:
+    """Write this rank's flight recorder to RUN_DIR/flight/rank-R.json, with the reason (``ringtrain
+    diagnose RUN_DIR`` reads every rank's)."""
+    path = Path(run_dir) / FLIGHT_DIR / f"rank-{rank}.json"
+
+    def dump(reason: str) -> None:
+        flight.dump(path, reason, rank, world_size, host=socket.gethostname())
+
+    return dump
+
+
+FLIGHT_DIR = "flight"
 
 
 def is_comm_error(err: BaseException) -> bool:

@@ -30,7 +30,7 @@ from ringtrain.data.loader import StepBatch
 from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
 from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import PreviousAttempt
-from ringtrain.dist.watch import CollectiveWatch
+from ringtrain.dist.watch import CollectiveWatch, flight_dumper
 from ringtrain.monitor.loggers import Logger
 from ringtrain.monitor.memory import memory_mb
 from ringtrain.monitor.metrics import StepClock, model_flops_utilization
@@ -74,7 +74,9 @@ class Trainer:
         self.tokens_seen = 0
         self.last_loss = math.nan
         self.last_eval: dict[str, Any] = {}
-        self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s)
+        self.dump_flight = flight_dumper(config.run_dir, ctx.rank, ctx.world_size) if config.dist.flight_recorder else None
+        self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s,
+                                     on_failure=self.dump_flight)
         self.stop_signal = StopSignal()
         self.guard = StepGuard(ctx.rank, ctx.world_size, ctx.device,
                                config.train.max_consecutive_nonfinite_steps, self.stop_signal)
@@ -96,8 +98,9 @@ class Trainer:
         (``data/seeding.py``). No scheduler: the lr at a step follows from the config and the step, so a
         resume with a changed schedule or lr follows the new one (``position_lr_scheduler``)."""
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.parts.optimizer.state_dict(),
+            # Full (unsharded) forms, as one process holds them: sharded strategies gather them here.
+            "model": self.parts.strategy.model_state_dict(self.model),
+            "optimizer": self.parts.strategy.optimizer_state_dict(self.parts.optimizer),
             "optimizer_class": optimizer_name(self.parts.optimizer),
             "sampler": self.parts.sampler.state_dict(),
             "train_state": self.state.state_dict(),
@@ -116,9 +119,10 @@ class Trainer:
                 f"the checkpoint's optimizer is {saved} but this run builds {optimizer_name(self.parts.optimizer)}; "
                 "resume with the checkpoint's optimizer, or start a new run (--resume-from loads the same state)"
             )
-        self.module.load_state_dict(state["model"])
+        strategy = self.parts.strategy
+        strategy.load_model_state_dict(self.model, state["model"])
         # Only the optimizer's state comes from the checkpoint; its hyperparameters are this config's.
-        load_optimizer_state(self.parts.optimizer, state["optimizer"])
+        load_optimizer_state(self.parts.optimizer, strategy.shard_optimizer_state(self.parts.optimizer, state["optimizer"]))
         self.parts.sampler.load_state_dict(state["sampler"])
         self.state.load_state_dict(state["train_state"])
         position_lr_scheduler(self.parts.scheduler, self.state.step)
@@ -220,11 +224,12 @@ class Trainer:
             batch = batch.to(self.ctx.device)
         # One small all-reduce: did any rank see a non-finite loss (all skip) or a stop signal? Started just
         # before the synchronising backward, so it runs beside it (a recoverable step runs it afterwards).
-        pending: list[PendingVerdict] = []
+        # Sharded gradients differ per rank: then the gradient's flag joins the agreement after the backward.
+        strategy, pending = self.parts.strategy, []
+        start = (lambda loss: pending.append(self.guard.start(loss))) if strategy.gradients_replicated else None
         with self.watch.op("all_reduce (DDP gradient sync)", step):
-            loss_sum, items = self.gradient.run(batch, window, step, on_shrink=self.logger.log,
-                                                before_sync=lambda loss: pending.append(self.guard.start(loss)))
-        if not self._gradients_checked:
+            loss_sum, items = self.gradient.run(batch, window, step, on_shrink=self.logger.log, before_sync=start)
+        if not self._gradients_checked and strategy.gradients_replicated:
             check_every_parameter_has_a_gradient(self.module, step)
             self._gradients_checked = True
         check_gradients = not self.precision.skips_overflow  # fp16's scaler skips overflowing steps itself
@@ -232,10 +237,12 @@ class Trainer:
             # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient.
             self.precision.unscale_(self.parts.optimizer)
             if not pending:
-                flags = self.guard.check(loss_sum, self.model.parameters(), gradients=check_gradients)
+                flags = self.guard.check(loss_sum, strategy.gradient_parameters(self.model, self.parts.optimizer),
+                                         gradients=check_gradients)
         with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
             if pending:  # the gradient check is local: the synchronised gradient is the same on every rank
-                verdict = self.guard.finish(pending[0], self.model.parameters(), gradients=check_gradients)
+                verdict = self.guard.finish(pending[0], strategy.gradient_parameters(self.model, self.parts.optimizer),
+                                            gradients=check_gradients)
             else:
                 verdict = self.guard.agree(flags)
         with self.clock.phase("optimizer"):
@@ -243,10 +250,12 @@ class Trainer:
                 self.precision.skip(self.parts.optimizer)
             else:
                 if self.config.train.grad_clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip_norm)
+                    # The global norm (sharded strategies sum it over the shards).
+                    strategy.clip_grad_norm_(self.model, self.parts.optimizer, self.config.train.grad_clip_norm)
                 self.precision.step(self.parts.optimizer)
             self.parts.scheduler.step()
             self.parts.optimizer.zero_grad(set_to_none=True)
+        self.clock.move("optimizer", "comm_exposed", strategy.take_step_comm_s())  # zero1/2's parameter all-gather
         with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
             self.parts.ledger.record(step, self.state.epoch, batch.indices.tolist(), skipped=verdict.skip)
         self._commit(step, window, items, loss_sum)
@@ -287,7 +296,7 @@ class Trainer:
         # Every rank takes part in this collective; only rank 0's logger writes the record. It waits for
         # the slowest rank like the gradient all-reduce would, so it is booked as exposed communication.
         with self.clock.phase("comm_exposed"), self.watch.op("all_gather (metrics of every rank)", self.state.step):
-            ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"])
+            ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"], self._model_state_mb())
         with self.clock.phase("monitor"):
             self._log_train_record(timing, memory, ranks, items)
 
@@ -305,6 +314,7 @@ class Trainer:
             "comm_fraction": timing.get("time/comm_exposed_s", 0.0) / timing["step_time_s"],
             **memory,
             "memory/peak_rss_mb": ranks.peak_rss_mb,
+            "model_state_mb": ranks.model_state_mb,
             "straggler/rank": ranks.slowest_rank,
             "straggler/lag_s": ranks.lag_s,
         }
@@ -358,10 +368,14 @@ class Trainer:
         with self.watch.op("all_reduce (evaluation sums)", self.state.step):
             metrics = evaluate(
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
-                self.parts.metrics,
+                self.parts.metrics, collective_forward=self.parts.strategy.forward_is_collective,
             )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics
+
+    def _model_state_mb(self) -> float:
+        """This rank's unique storage of parameters, gradients, optimizer state and strategy buffers."""
+        return self.parts.strategy.model_state_bytes(self.model, self.parts.optimizer) / 2**20
 
     def _utilization(self, tokens_per_s: float | None) -> dict[str, float]:
         """MFU of a language model, when the config names the device's peak."""
@@ -373,7 +387,9 @@ class Trainer:
 
     def _summary(self, wall_s: float, samples: int) -> dict[str, Any]:
         with self.watch.op("all_gather (parameter digests)", self.state.step):
-            digests = check_replicas(self.module, self.state.step)
+            with self.parts.strategy.full_parameters(self.model) as module:
+                digests = check_replicas(module, self.state.step)
+            model_state_mb = gather_rank_stats(0.0, 0.0, 0.0, self._model_state_mb()).model_state_mb
         summary = {
             "world_size": self.ctx.world_size,
             "steps": self.state.step,
@@ -387,6 +403,7 @@ class Trainer:
             "steps_lost": self.parts.job_store.steps_lost(),
             "skipped_steps": self.state.skipped_steps,
             "param_sha256": digests,
+            "model_state_mb": model_state_mb,
         }
         if self.tokens_seen and wall_s > 0:
             summary["tokens_per_s"] = round(self.tokens_seen / wall_s, 1)

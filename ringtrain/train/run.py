@@ -72,7 +72,8 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
     job_store = connect_job_store(ctx.env, is_writer=ctx.rank == 0)
     trainer = build_trainer(config, ctx, job_store, user)
     # The heartbeat lets a failed collective name the rank that stopped responding.
-    with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank):
+    # It is also the watchdog that writes the flight recorder when asked (SIGUSR1 to the launcher).
+    with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank, on_dump_request=trainer.dump_flight):
         trainer.resume(plan)
         return trainer.fit()
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -81,8 +82,16 @@ def test_sigkill_with_no_restart_left_fails_naming_the_rank(tmp_path):
 def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_and_step(tmp_path):
     run_dir = tmp_path / "run"
     args = [*JOB, "--set", "train.epochs=100", "--set", "dist.timeout_s=10", "--run-dir", str(run_dir)]
+    flight = run_dir / "flight"
     with Job("train", *args) as job:
         job.wait_for(lambda: last_step(run_dir) >= 10, what="step 10")
+        # The flight recorder on request, while all is well: every rank dumps, and they agree.
+        job.process.send_signal(signal.SIGUSR1)
+        job.wait_for(lambda: len(list(flight.glob("rank-*.json"))) == 2, timeout=30, what="both flight dumps")
+        healthy = run_cli("diagnose", str(run_dir))
+        print(f"SIGUSR1 to the launcher: {healthy.stdout.strip()}")
+        assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+        assert "ranks 0, 1 of 2 (rank 0: requested; rank 1: requested)" in healthy.stdout
         stopped = job.worker(1)
         stopped.suspend()  # SIGSTOP
         stopped_at = time.monotonic()
@@ -93,6 +102,13 @@ def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_
         # Whichever collective rank 0 was in: the DDP gradient all-reduce, the step agreement, a checkpoint's gather.
         assert re.search(r"\[rank 0\] step \d+: (all_reduce|gather|all_gather) \(.+\) failed: rank 1 did not "
                          r"respond within 10 s", line), line
+        # Rank 0 dumped its flight recorder on the failure; rank 1, stopped, could not answer.
+        job.wait_for(lambda: "did not respond" in json.loads((flight / "rank-0.json").read_text())["reason"],
+                     timeout=10, what="rank 0's dump on the failure")
+        hung = run_cli("diagnose", str(run_dir))
+        print(f"after the SIGSTOP: {hung.stdout.strip()}")
+        assert hung.returncode == 1, hung.stdout + hung.stderr
+        assert "rank 1 did not answer the last dump" in hung.stdout
         # The agent now asks rank 1 to stop (SIGTERM, held while it is stopped); let it receive it.
         stopped.send_signal(signal.SIGCONT)
         code = job.finish(timeout=60)

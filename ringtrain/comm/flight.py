@@ -1,0 +1,222 @@
+"""The collective flight recorder: every rank's last N collectives, dumped when one fails or on request.
+
+Most hangs in data-parallel jobs are ranks that disagree: one rank is a collective behind (it died, stopped,
+or took another branch), or two ranks issued different operations or sizes at the same position. Neither
+shows in an error message; both show when every rank's recent collectives are lined up. So each process
+keeps a ring buffer of what it issued, in order:
+
+- ringtrain's own collectives (``ringtrain.comm``: ring, ring_chunked, shm, torch), recorded here with the
+  sequence number, operation, algorithm, bytes, dtype, the caller (the region the trainer named: "DDP
+  gradient sync", "step agreement", "evaluation", ...) and step, start and end;
+- the process group's collectives as torch's own flight recorder sees them (DDP's bucket all-reduces run
+  in C++ and never pass through Python): enabled by ``TORCH_FR_BUFFER_SIZE`` before the group is created
+  (``torch_recorder_env``), read at dump time and attributed to the region open when they were issued.
+
+``dump(path, reason)`` writes both as one JSON file; ``ringtrain diagnose RUN_DIR`` (monitor/diagnose.py)
+lines up every rank's file. A rank stuck inside a collective cannot run Python in its main thread, so the
+dump on request comes from a watchdog thread (the heartbeat's, dist/watch.py).
+
+    flight.enable(capacity=2000)
+    with flight.region("DDP gradient sync", step=37):
+        comm.all_reduce(bucket, algorithm="shm")          # recorded as #n, caller "DDP gradient sync"
+    flight.dump(Path("run/flight/rank-0.json"), reason="requested", rank=0, world_size=2)
+
+Recording costs a few microseconds per collective and nothing while disabled (the default outside the
+trainer, so ``comm``'s own benchmarks measure the collectives alone).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_CAPACITY", "FlightRecorder", "begin", "dump", "enable", "end", "recorder", "region",
+           "torch_recorder_env"]
+
+DEFAULT_CAPACITY = 2000
+TORCH_BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
+FORMAT_VERSION = 1
+
+
+class FlightRecorder:
+    """A ring buffer of this process's collectives and of the caller regions around them."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = 0
+        self.seq = 0
+        self.entries: collections.deque[list] = collections.deque()
+        self.regions: collections.deque[list] = collections.deque()
+        self.caller = ""
+        self.step: int | None = None
+        self._lock = threading.Lock()  # a dump from the watchdog thread copies while the main thread records
+        self.resize(capacity)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def resize(self, capacity: int) -> None:
+        """Keep the last ``capacity`` collectives (0: record nothing)."""
+        if capacity < 0:
+            raise ValueError(f"flight recorder capacity must be >= 0, got {capacity}")
+        with self._lock:
+            self.capacity = capacity
+            self.entries = collections.deque(self.entries, maxlen=max(capacity, 1))
+            self.regions = collections.deque(self.regions, maxlen=max(capacity, 1))
+
+    def begin(self, op: str, algorithm: str, tensor: torch.Tensor) -> list | None:
+        """Record the start of a collective; pass the result to ``end``. None (nothing recorded) when off."""
+        if not self.capacity:
+            return None
+        self.seq += 1
+        # A list, not an object: this runs on every collective; the field order is _ENTRY_FIELDS.
+        entry = [self.seq, op, algorithm, tensor.numel() * tensor.element_size(), str(tensor.dtype).removeprefix("torch."),
+                 self.caller, self.step, time.time_ns(), None]
+        with self._lock:
+            self.entries.append(entry)
+        return entry
+
+    @staticmethod
+    def end(entry: list | None) -> None:
+        """The collective completed (an entry never ended was in flight, or failed, when dumped)."""
+        if entry is not None:
+            entry[-1] = time.time_ns()
+
+    @contextmanager
+    def region(self, caller: str, step: int | None = None) -> Iterator[None]:
+        """Name the caller of the collectives issued inside (the trainer's operations: DDP sync, ...)."""
+        if not self.capacity:
+            yield
+            return
+        outer = (self.caller, self.step)
+        span = [caller, step, time.time_ns(), None]
+        with self._lock:
+            self.regions.append(span)
+        self.caller, self.step = caller, step
+        try:
+            yield
+        finally:
+            span[-1] = time.time_ns()
+            self.caller, self.step = outer
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this process recorded, as plain data (ringtrain's entries, regions, torch's entries)."""
+        with self._lock:
+            entries = [list(e) for e in self.entries]
+            regions = [list(r) for r in self.regions]
+        return {
+            "collectives": [dict(zip(_ENTRY_FIELDS, e)) for e in entries],
+            "regions": [dict(zip(_REGION_FIELDS, r)) for r in regions],
+            "torch": _torch_entries(regions),
+        }
+
+    def dump(self, path: str | Path, reason: str, rank: int, world_size: int, **extra: Any) -> Path:
+        """Write the snapshot to ``path`` (JSON, atomically: a temporary file renamed over it)."""
+        path = Path(path)
+        record = {
+            "version": FORMAT_VERSION,
+            "rank": rank,
+            "world_size": world_size,
+            "pid": os.getpid(),
+            "reason": reason,
+            "time_ns": time.time_ns(),
+            "capacity": self.capacity,
+            **extra,
+            **self.snapshot(),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        temp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        os.replace(temp, path)
+        return path
+
+
+_ENTRY_FIELDS = ("seq", "op", "algorithm", "bytes", "dtype", "caller", "step", "start_ns", "end_ns")
+_REGION_FIELDS = ("caller", "step", "start_ns", "end_ns")
+
+
+def _torch_entries(regions: list[list]) -> list[dict[str, Any]]:
+    """The process group's collectives from torch's flight recorder (empty unless TORCH_FR_BUFFER_SIZE was
+    set when the group was created), each given the innermost region open when it was issued."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+        raw = json.loads(_dump_fr_trace_json(True, False))
+    except Exception:  # no process group, no recorder, or an older torch: nothing to add
+        return []
+    found = []
+    for e in raw.get("entries", []):
+        created = e.get("time_created_ns", 0)
+        caller, step = _region_at(regions, created)
+        found.append({
+            "pg": _group_name(e.get("process_group") or ["", ""]),
+            "seq": e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id"),
+            "p2p": bool(e.get("is_p2p")),
+            "op": e.get("profiling_name", "").split(":", 1)[-1],
+            "sizes": e.get("input_sizes", []),
+            "dtypes": e.get("input_dtypes", []),
+            "caller": caller,
+            "step": step,
+            "start_ns": created,
+            "completed": bool(e.get("retired")) or bool(e.get("time_discovered_completed_ns")),
+        })
+    return found
+
+
+def _group_name(process_group: list) -> str:
+    """torch names its groups [id, description]; groups made by new_group are described as 'undefined'."""
+    number, description = (list(process_group) + ["", ""])[:2]
+    return description if description not in ("", "undefined") else f"group {number}"
+
+
+def _region_at(regions: list[list], when_ns: int) -> tuple[str, int | None]:
+    """The innermost (latest started) region that was open at ``when_ns``."""
+    for caller, step, start, end in reversed(regions):
+        if start <= when_ns and (end is None or when_ns <= end):
+            return caller, step
+    return "", None
+
+
+_RECORDER = FlightRecorder()
+
+
+def recorder() -> FlightRecorder:
+    """This process's recorder (ringtrain.comm records into it)."""
+    return _RECORDER
+
+
+def enable(capacity: int = DEFAULT_CAPACITY) -> FlightRecorder:
+    """Start recording the last ``capacity`` collectives (0 stops)."""
+    _RECORDER.resize(capacity)
+    return _RECORDER
+
+
+def torch_recorder_env(capacity: int = DEFAULT_CAPACITY) -> None:
+    """Ask torch to record the process group's collectives too (read when a group is created); a value the
+    user set is kept."""
+    if capacity > 0:
+        os.environ.setdefault(TORCH_BUFFER_VAR, str(capacity))
+
+
+def begin(op: str, algorithm: str, tensor: torch.Tensor) -> list | None:
+    return _RECORDER.begin(op, algorithm, tensor)
+
+
+def end(entry: list | None) -> None:
+    FlightRecorder.end(entry)
+
+
+def region(caller: str, step: int | None = None):
+    return _RECORDER.region(caller, step)
+
+
+def dump(path: str | Path, reason: str, rank: int, world_size: int, **extra: Any) -> Path:
+    return _RECORDER.dump(path, reason, rank, world_size, **extra)
