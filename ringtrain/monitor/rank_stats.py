@@ -24,13 +24,16 @@ class RankStats:
     """Busy time of the slowest rank minus that of the fastest, per step."""
     peak_rss_mb: float
     """Largest peak resident memory over ranks."""
+    model_state_mb: float = 0.0
+    """Largest model state (parameters, gradients, optimizer state, strategy buffers) over ranks."""
 
 
-def gather_rank_stats(loss_sum: float, busy_s: float, peak_rss_mb: float) -> RankStats:
+def gather_rank_stats(loss_sum: float, busy_s: float, peak_rss_mb: float, model_state_mb: float = 0.0) -> RankStats:
     """All ranks call this at the same step; every rank gets the same answer."""
     if dist.get_world_size() == 1:  # nothing to gather
-        return RankStats(loss_sum=loss_sum, slowest_rank=0, lag_s=0.0, peak_rss_mb=peak_rss_mb)
-    mine = torch.tensor([loss_sum, busy_s, peak_rss_mb], dtype=torch.float64)
+        return RankStats(loss_sum=loss_sum, slowest_rank=0, lag_s=0.0, peak_rss_mb=peak_rss_mb,
+                         model_state_mb=model_state_mb)
+    mine = torch.tensor([loss_sum, busy_s, peak_rss_mb, model_state_mb], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     # Gloo takes CPU tensors; NCCL would need them on the device.
     if dist.get_backend() == "nccl":
@@ -45,4 +48,5 @@ def gather_rank_stats(loss_sum: float, busy_s: float, peak_rss_mb: float) -> Ran
         slowest_rank=slowest,
         lag_s=float(busy[slowest] - busy.min()),
         peak_rss_mb=float(table[:, 2].max()),
+        model_state_mb=float(table[:, 3].max()),
     )

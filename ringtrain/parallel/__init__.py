@@ -1,7 +1,12 @@
-"""Data-parallel strategies: how gradients are synchronised across workers.
+"""Data-parallel strategies: how gradients are synchronised across workers, and what each rank holds.
 
 A strategy has ``wrap(model)``, ``no_sync(model)`` (a context that skips synchronisation for
-accumulation micro-steps) and ``unwrap(model)``. The training loop only talks to that interface.
+accumulation micro-steps) and ``unwrap(model)``, plus what ``base.ReplicatedStrategy`` answers: the
+optimizer over this rank's shard, where gradients live, the global-norm clip, the full (checkpoint) form of
+the model and optimizer state, and the bytes of model state. The training loop only talks to that interface.
+
+Replicated: 'ddp' (torch DDP), 'manual' (ringtrain's buckets). Sharded: 'zero1', 'zero2', 'zero3'
+(ringtrain's collectives, ``zero.py``), 'fsdp' (PyTorch's FSDP2, ``fsdp.py``).
 """
 
 from __future__ import annotations
@@ -13,22 +18,51 @@ import torch
 from ringtrain.config import CommConfig
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.errors import ConfigError
+from ringtrain.parallel.base import ReplicatedStrategy
 from ringtrain.parallel.ddp import DDPStrategy
+from ringtrain.parallel.fsdp import FSDPStrategy
 from ringtrain.parallel.manual import ManualStrategy
+from ringtrain.parallel.zero import ZeroStrategy
 
-__all__ = ["Strategy", "DDPStrategy", "ManualStrategy", "build_strategy"]
+__all__ = ["Strategy", "ReplicatedStrategy", "DDPStrategy", "ManualStrategy", "ZeroStrategy", "FSDPStrategy",
+           "build_strategy"]
 
 
 class Strategy(Protocol):
+    """The interface; the methods after ``unwrap`` are ``ReplicatedStrategy``'s (documented there)."""
+
     name: str
     comm_timer: CommTimer
     """Times the gradient communication the strategy runs."""
+    gradients_replicated: bool
+    reduces_every_micro_batch: bool
+    forward_is_collective: bool
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
     def no_sync(self, model: torch.nn.Module): ...
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+
+    def take_step_comm_s(self) -> float: ...
+
+    def gradient_parameters(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]: ...
+
+    def clip_grad_norm_(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor: ...
+
+    def full_parameters(self, model: torch.nn.Module): ...
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict: ...
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict) -> None: ...
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict: ...
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict: ...
+
+    def model_state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int: ...
 
 
 def build_strategy(config: CommConfig, device: torch.device) -> Strategy:
@@ -41,12 +75,17 @@ def build_strategy(config: CommConfig, device: torch.device) -> Strategy:
     if config.strategy == "ddp":
         return DDPStrategy(
             device,
-            bucket_mb=config.bucket_mb,
+            bucket_mb=config.resolved_bucket_mb,
             algorithm=config.algorithm,
             chunk_kb=config.chunk_kb,
             powersgd_rank=config.powersgd_rank,
             powersgd_start_iter=config.powersgd_start_iter,
         )
     if config.strategy == "manual":
-        return ManualStrategy(device, bucket_mb=config.bucket_mb, algorithm=config.algorithm, chunk_kb=config.chunk_kb)
+        return ManualStrategy(device, bucket_mb=config.resolved_bucket_mb, algorithm=config.algorithm, chunk_kb=config.chunk_kb)
+    if config.strategy in ("zero1", "zero2", "zero3"):
+        return ZeroStrategy(device, stage=int(config.strategy[-1]), bucket_mb=config.resolved_bucket_mb,
+                            algorithm=config.algorithm, chunk_kb=config.chunk_kb)
+    if config.strategy == "fsdp":
+        return FSDPStrategy(device)
     raise ValueError(f"unknown strategy {config.strategy!r}")  # unreachable: the config validates the name

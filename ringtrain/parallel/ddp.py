@@ -15,11 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ringtrain.comm.hooks import comm_hook
 from ringtrain.monitor.comm_timer import CommTimer
+from ringtrain.parallel.base import ReplicatedStrategy
 
 __all__ = ["DDPStrategy"]
 
 
-class DDPStrategy:
+class DDPStrategy(ReplicatedStrategy):
     """Wraps the model in DDP; gradients are averaged across workers during backward.
 
     ``algorithm`` picks DDP's communication hook: 'torch' (DDP's own all-reduce), ringtrain's 'ring',

@@ -49,6 +49,7 @@ from ringtrain import comm
 from ringtrain.comm import shm
 from ringtrain.comm.groups import global_rank, resolve_group
 from ringtrain.monitor.comm_timer import CommTimer
+from ringtrain.parallel.base import ReplicatedStrategy
 
 __all__ = ["ManualStrategy", "BucketedDataParallel"]
 
@@ -251,7 +252,7 @@ class BucketedDataParallel(nn.Module):
                 bucket.ready = [False] * len(bucket.params)
 
 
-class ManualStrategy:
+class ManualStrategy(ReplicatedStrategy):
     """ringtrain's own data parallelism (``BucketedDataParallel``) as a strategy for the training loop."""
 
     name = "manual"

@@ -57,6 +57,8 @@ def build_trainer(
             raise ConfigError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     else:
         optimizer = build_optimizer(train_cfg, model.parameters())
+    # Sharded strategies (zero1/2/3) step the same optimizer over this rank's shard only.
+    optimizer = strategy.shard_optimizer(optimizer)
     sampler = ResumableSampler(len(data.train), train_cfg.global_batch_size, seed=train_cfg.seed)
     total_steps = planned_steps(config, sampler.steps_per_epoch)
     pin_memory = ctx.device.type == "cuda"

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing import Any
 
-from ringtrain.data.batch import call_model, to_device
+from ringtrain.data.batch import call_model, take, to_device
 from ringtrain.train.tasks import Task
 
 __all__ = ["evaluate"]
@@ -25,19 +25,24 @@ def evaluate(
     device: torch.device,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     metrics: Mapping[str, Any] | None = None,
+    collective_forward: bool = False,
 ) -> dict:
     """Metrics over the whole test set, every sample counted once. ``module`` is the unwrapped model: a DDP
     forward would run collectives, and ranks may hold different numbers of eval batches. ``autocast`` gives
     the training precision's context (the sums themselves are fp64). ``metrics``: torchmetrics objects,
-    updated with every batch and computed (synchronised across ranks by torchmetrics) at the end."""
+    updated with every batch and computed (synchronised across ranks by torchmetrics) at the end.
+    ``collective_forward``: the module's forward runs collectives (zero3/fsdp gather parameters), so every
+    rank runs as many forwards as the rank with the most batches, the others on batches of zero rows."""
     was_training = module.training
     module.eval()
     metrics = metrics or {}
     for metric in metrics.values():
         metric.reset()
     sums = torch.zeros(len(task.eval_fields), dtype=torch.float64, device=device)
-    for inputs, targets in loader:
+    for inputs, targets in _equal_counts(loader) if collective_forward else loader:
         if len(targets) == 0:
+            if collective_forward:
+                call_model(module, to_device(inputs, device))
             continue
         targets = targets.to(device)
         with autocast():
@@ -53,6 +58,21 @@ def evaluate(
     for name, metric in metrics.items():
         results[name] = _plain(metric.compute())
     return results
+
+
+def _equal_counts(loader: DataLoader):
+    """The loader's batches, then batches of zero rows until every rank has run as many as the busiest."""
+    count = torch.tensor([len(loader)], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    template = None
+    for inputs, targets in loader:
+        template = (take(inputs, torch.arange(0)), targets[:0])
+        yield inputs, targets
+    if template is None and int(count) > len(loader):
+        inputs, targets = loader.collate_fn([loader.dataset[0]])
+        template = (take(inputs, torch.arange(0)), targets[:0])
+    for _ in range(int(count) - len(loader)):
+        yield template
 
 
 def _plain(value: Any) -> Any:

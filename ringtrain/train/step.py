@@ -132,8 +132,11 @@ class GradientStep:
                 if loss is not None:
                     self.precision.scale(loss * loss_scale).backward()
                     loss_sum += loss.detach()
-                elif sync:
-                    _backward_zero(outputs, self.module)  # the strategy's sync still needs this backward
+                elif sync or self.strategy.reduces_every_micro_batch:
+                    # The strategy's sync still needs this backward (zero2/zero3/fsdp: on every micro-batch);
+                    # sharded parameters are only reached through the outputs.
+                    sharded = self.strategy.reduces_every_micro_batch
+                    _backward_zero(outputs, None if sharded else self.module)
                 self.batcher.check_budget()
         return loss_sum
 
@@ -161,8 +164,9 @@ class GradientStep:
         self.clock.move("forward_backward", "comm_exposed", self.strategy.comm_timer.backward_done())
 
 
-def _backward_zero(outputs, module: nn.Module) -> None:
+def _backward_zero(outputs, module: nn.Module | None) -> None:
     """A backward that adds nothing but makes every parameter's gradient "ready" (what DDP's and the manual
-    strategy's synchronisation waits for), through the outputs' graph and each parameter."""
-    zero = logits_of(outputs).sum() + sum(p.sum() for p in module.parameters() if p.requires_grad)
+    strategy's synchronisation waits for), through the outputs' graph and each parameter of ``module``."""
+    params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
+    zero = logits_of(outputs).sum() + sum(p.sum() for p in params)
     (zero * 0.0).backward()

@@ -1,0 +1,101 @@
+"""What every strategy answers besides wrap / no_sync / unwrap: where the gradients live, how to clip them,
+how the model and optimizer state look in full (the checkpoint's form), and how much memory they take.
+
+``ReplicatedStrategy`` holds the answers of strategies whose ranks keep full, identical copies (ddp,
+manual); the sharded ones (zero1/2/3, fsdp) override them.
+
+    optimizer = strategy.shard_optimizer(optimizer)     # the same optimizer over this rank's shard
+    norm = strategy.clip_grad_norm_(model, optimizer, 1.0)   # the global norm, across shards
+    full = strategy.optimizer_state_dict(optimizer)      # torch's form, as a single process holds it
+    optimizer.load_state_dict(strategy.shard_optimizer_state(optimizer, full))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ReplicatedStrategy", "unique_storage_bytes", "optimizer_tensors"]
+
+
+class ReplicatedStrategy:
+    """Defaults for strategies whose every rank holds the full parameters, gradients and optimizer state."""
+
+    gradients_replicated = True
+    """After the synchronising backward every rank holds the same full gradient (so a non-finite gradient is
+    seen by all ranks alike, and the step agreement can check it locally)."""
+    reduces_every_micro_batch = False
+    """Backward communicates on every micro-batch (zero2/zero3/fsdp), so every rank must run one on each."""
+    forward_is_collective = False
+    """The bare module's forward runs collectives (zero3/fsdp gather parameters): every rank must run as many."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:  # overridden
+        return model
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer that steps this rank's part of the parameters: all of them here."""
+        return optimizer
+
+    def take_step_comm_s(self) -> float:
+        """Seconds of communication inside the optimizer step since the last call (zero1/2's all-gather)."""
+        return 0.0
+
+    def gradient_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters whose ``.grad`` holds this rank's (synchronised) gradient."""
+        return list(self.unwrap(model).parameters())
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global L2 norm is at most ``max_norm``; return the norm."""
+        return torch.nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm)
+
+    @contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The bare module with full parameters inside the block (sharded strategies gather them)."""
+        yield self.unwrap(model)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full model state, as the bare module's ``state_dict()`` (every rank gets it)."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.unwrap(model).load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full optimizer state in torch's form (state by parameter index, param_groups)."""
+        return optimizer.state_dict()
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """A full optimizer state (``optimizer_state_dict``'s form) as ``optimizer.load_state_dict`` takes it."""
+        return state
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+        """Every tensor of the model state this rank holds: parameters, gradients, optimizer state, buffers
+        of the strategy (``model_state_bytes`` counts their storage once each)."""
+        module = self.unwrap(model)
+        yield from module.parameters()
+        yield from (p.grad for p in module.parameters() if p.grad is not None)
+        yield from optimizer_tensors(optimizer)
+
+    def model_state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Unique storage bytes of ``state_tensors`` (views of one bucket count once)."""
+        return unique_storage_bytes(self.state_tensors(model, optimizer))
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
