@@ -424,22 +424,6 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _sharding_fits(self) -> Config:
-        strategy = self.comm.strategy
-        if strategy in ("zero3", "fsdp") and self.train.auto_micro_batch:
-            raise ValueError(
-                f"train.auto_micro_batch needs a step without collectives until its end, but comm.strategy = "
-                f"'{strategy}' gathers parameters in every forward; set train.auto_micro_batch = false or use "
-                "strategy 'zero1' or 'zero2'"
-            )
-        if strategy in ("zero1", "zero2", "zero3", "fsdp") and self.train.precision == "fp16":
-            raise ValueError(
-                f"train.precision = 'fp16' with comm.strategy = '{strategy}' is not supported yet (the GradScaler "
-                "would see a different gradient shard on every rank); use 'bf16', or strategy 'ddp'"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _workload_fits(self) -> Config:
         check_workload(self)
         return self

@@ -315,7 +315,6 @@ class Trainer:
             **memory,
             "memory/peak_rss_mb": ranks.peak_rss_mb,
             "model_state_mb": ranks.model_state_mb,
-            "model_state_mb": ranks.model_state_mb,
             "straggler/rank": ranks.slowest_rank,
             "straggler/lag_s": ranks.lag_s,
         }
@@ -378,10 +377,6 @@ class Trainer:
         """This rank's unique storage of parameters, gradients, optimizer state and strategy buffers."""
         return self.parts.strategy.model_state_bytes(self.model, self.parts.optimizer) / 2**20
 
-    def _model_state_mb(self) -> float:
-        """This rank's unique storage of parameters, gradients, optimizer state and strategy buffers."""
-        return self.parts.strategy.model_state_bytes(self.model, self.parts.optimizer) / 2**20
-
     def _utilization(self, tokens_per_s: float | None) -> dict[str, float]:
         """MFU of a language model, when the config names the device's peak."""
         flops_per_token = getattr(self.module, "flops_per_token", None)
@@ -408,7 +403,6 @@ class Trainer:
             "steps_lost": self.parts.job_store.steps_lost(),
             "skipped_steps": self.state.skipped_steps,
             "param_sha256": digests,
-            "model_state_mb": model_state_mb,
             "model_state_mb": model_state_mb,
         }
         if self.tokens_seen and wall_s > 0:
