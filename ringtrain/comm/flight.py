@@ -32,8 +32,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +79,7 @@ class FlightRecorder:
         # A list, not an object: this runs on every collective; the field order is _ENTRY_FIELDS.
         entry = [self.seq, op, algorithm, tensor.numel() * tensor.element_size(), str(tensor.dtype).removeprefix("torch."),
                  self.caller, self.step, time.time_ns(), None]
-        with self._lock:
-            self.entries.append(entry)
+        self.entries.append(entry)  # deque.append is atomic; snapshot() copies the deque at once
         return entry
 
     @staticmethod
@@ -91,28 +88,17 @@ class FlightRecorder:
         if entry is not None:
             entry[-1] = time.time_ns()
 
-    @contextmanager
-    def region(self, caller: str, step: int | None = None) -> Iterator[None]:
-        """Name the caller of the collectives issued inside (the trainer's operations: DDP sync, ...)."""
-        if not self.capacity:
-            yield
-            return
-        outer = (self.caller, self.step)
-        span = [caller, step, time.time_ns(), None]
-        with self._lock:
-            self.regions.append(span)
-        self.caller, self.step = caller, step
-        try:
-            yield
-        finally:
-            span[-1] = time.time_ns()
-            self.caller, self.step = outer
+    def region(self, caller: str, step: int | None = None) -> _Region:
+        """Name the caller of the collectives issued inside (the trainer's operations: DDP sync, ...);
+        a context manager."""
+        return _Region(self, caller, step)
 
     def snapshot(self) -> dict[str, Any]:
         """What this process recorded, as plain data (ringtrain's entries, regions, torch's entries)."""
         with self._lock:
-            entries = [list(e) for e in self.entries]
-            regions = [list(r) for r in self.regions]
+            # list(deque) runs in C under the GIL: a consistent copy while the main thread appends.
+            entries = [list(e) for e in list(self.entries)]
+            regions = [list(r) for r in list(self.regions)]
         return {
             "collectives": [dict(zip(_ENTRY_FIELDS, e)) for e in entries],
             "regions": [dict(zip(_REGION_FIELDS, r)) for r in regions],
@@ -138,6 +124,30 @@ class FlightRecorder:
         temp.write_text(json.dumps(record, indent=1), encoding="utf-8")
         os.replace(temp, path)
         return path
+
+
+class _Region:
+    """``FlightRecorder.region``: a plain class, not a generator, as it wraps every collective of a step."""
+
+    __slots__ = ("recorder", "caller", "step", "span", "outer")
+
+    def __init__(self, recorder: FlightRecorder, caller: str, step: int | None):
+        self.recorder, self.caller, self.step = recorder, caller, step
+        self.span: list | None = None
+
+    def __enter__(self) -> None:
+        recorder = self.recorder
+        if not recorder.capacity:
+            return
+        self.outer = (recorder.caller, recorder.step)
+        self.span = [self.caller, self.step, time.time_ns(), None]
+        recorder.regions.append(self.span)  # deque.append is atomic; snapshot() copies the deque at once
+        recorder.caller, recorder.step = self.caller, self.step
+
+    def __exit__(self, *exc) -> None:
+        if self.span is not None:
+            self.span[-1] = time.time_ns()
+            self.recorder.caller, self.recorder.step = self.outer
 
 
 _ENTRY_FIELDS = ("seq", "op", "algorithm", "bytes", "dtype", "caller", "step", "start_ns", "end_ns")
