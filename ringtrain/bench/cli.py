@@ -57,6 +57,8 @@ def _add_train(benchmarks) -> None:
     train.add_argument("--interval", type=int, default=5, help="steps per timing interval (default 5)")
     train.add_argument("--repeat", type=int, default=1, help="runs of every case, taking turns (default 1)")
     train.add_argument("--out", default="bench-out/train", help="output folder (default bench-out/train)")
+    train.add_argument("--no-bare", dest="bare", action="store_false",
+                       help="skip the bare DDP loop (it runs the built-in image and digit workloads only, SGD)")
     train.set_defaults(handler=_bench_train)
 
 
@@ -96,6 +98,7 @@ def _bench_train(args: argparse.Namespace) -> int:
         interval=args.interval,
         repeat=_int_list(str(args.repeat), "--repeat")[0],
         overrides=args.overrides,
+        bare=args.bare,
     )
     print(write_train_bench(results, Path(args.out), "ringtrain " + " ".join(sys.argv[1:])), end="")
     print(f"results: {Path(args.out) / 'train_bench.json'} (Markdown table and plots beside it)")

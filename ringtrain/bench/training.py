@@ -69,6 +69,8 @@ class TrainResult:
     monitor_fraction: float = 0.0
     """Share of the step spent in ringtrain's monitoring (progress bar, metric records, their collective)."""
     peak_rss_mb: float = 0.0
+    model_state_mb: float = 0.0
+    """Parameters, gradients, optimizer state and strategy buffers of the largest rank (``model_state_mb``)."""
     scaling_efficiency: float | None = None
     overhead_vs_bare: float | None = None
     bit_identical_to_bare: bool | None = None
@@ -100,6 +102,7 @@ def run_train_bench(
     interval: int = 5,
     repeat: int = 1,
     overrides: list[str] = (),
+    bare: bool = True,
 ) -> list[TrainResult]:
     """Run every case one after another (never two at once: they would share the cores). With ``repeat``
     above 1 the cases take turns (bare, ringtrain..., bare, ringtrain...) so slow spells of a shared machine
@@ -128,15 +131,19 @@ def run_train_bench(
             bare_times: list[float] = []
             records: dict[TrainCase, list[dict]] = {case: [] for case in cases}
             for _ in range(repeat):
-                bare_times += _run_bare(config, bare_case, settings, out_dir, steps, interval)
+                if bare:
+                    bare_times += _run_bare(config, bare_case, settings, out_dir, steps, interval)
                 for case in cases:
                     records[case] += _run_ringtrain(config, case, settings, out_dir)
-            bare = TrainResult(bare_case, statistics.median(bare_times), 0, local * accum * nproc)
-            bare.samples_per_s = bare.global_batch_size / bare.median_step_s
-            results.append(bare)
+            reference = None
+            if bare:
+                reference = TrainResult(bare_case, statistics.median(bare_times), 0, local * accum * nproc)
+                reference.samples_per_s = reference.global_batch_size / reference.median_step_s
+                results.append(reference)
             for case in cases:
-                result = _ringtrain_result(case, records[case], bare.global_batch_size)
-                _compare_with_bare(result, bare, out_dir)
+                result = _ringtrain_result(case, records[case], local * accum * nproc)
+                if reference is not None:
+                    _compare_with_bare(result, reference, out_dir)
                 results.append(result)
     _add_scaling_efficiency(results)
     return results
@@ -171,6 +178,7 @@ def _ringtrain_result(case: TrainCase, steady: list[dict], global_batch_size: in
         comm_exposed_fraction=breakdown["comm_exposed"] / mean_step,
         monitor_fraction=breakdown["monitor"] / mean_step,
         peak_rss_mb=max(r.get("memory/peak_rss_mb", 0.0) for r in steady),
+        model_state_mb=max(r.get("model_state_mb", 0.0) for r in steady),
     )
 
 

@@ -21,6 +21,8 @@ def write_train_bench(results: list[TrainResult], out_dir: Path, command: str) -
     (out_dir / "train_bench.json").write_text(json.dumps([r.row() for r in results], indent=2) + "\n")
     _plot_throughput(results, out_dir / "train_throughput.png")
     _plot_breakdown(results, out_dir / "train_breakdown.png")
+    if any(r.model_state_mb for r in results):
+        _plot_memory(results, out_dir / "train_memory.png")
     markdown = _table(results, command)
     (out_dir / "train_bench.md").write_text(markdown)
     return markdown
@@ -31,8 +33,8 @@ def _table(results: list[TrainResult], command: str) -> str:
         f"`{command}`",
         "",
         "| runner | workers | accum | global batch | median step ms | samples/s | scaling eff. | exposed comm | "
-        "monitoring | peak RSS MB | step / bare | weights = bare |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "monitoring | model state MB | peak RSS MB | step / bare | weights = bare |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for r in results:
         c = r.case
@@ -42,9 +44,10 @@ def _table(results: list[TrainResult], command: str) -> str:
         comm = f"{r.comm_exposed_fraction:.1%}" if c.runner != "bare" else ""
         monitoring = f"{r.monitor_fraction:.2%}" if c.runner != "bare" else ""
         memory = f"{r.peak_rss_mb:,.0f}" if r.peak_rss_mb else ""
+        state = f"{r.model_state_mb:,.1f}" if r.model_state_mb else ""
         lines.append(
             f"| {c.label} | {c.world_size} | {c.grad_accum_steps} | {r.global_batch_size} | {r.median_step_s * 1e3:.2f} "
-            f"| {r.samples_per_s:,.0f} | {eff} | {comm} | {monitoring} | {memory} | {overhead} | {same} |"
+            f"| {r.samples_per_s:,.0f} | {eff} | {comm} | {monitoring} | {state} | {memory} | {overhead} | {same} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -67,6 +70,22 @@ def _plot_throughput(results: list[TrainResult], path: Path) -> None:
     ax.set_xticks(sorted({r.case.world_size for r in results}))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_memory(results: list[TrainResult], path: Path) -> None:
+    """Model state and peak RSS per strategy, one group of bars per worker count."""
+    rows = [r for r in results if r.model_state_mb]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(rows)), 4.5))
+    names = [f"{r.case.label}\nn={r.case.world_size}" for r in rows]
+    for ax, values, title in ((axes[0], [r.model_state_mb for r in rows], "model state MB (largest rank)"),
+                              (axes[1], [r.peak_rss_mb for r in rows], "peak RSS MB (largest rank)")):
+        ax.bar(range(len(rows)), values, color=["C%d" % (r.case.world_size - 1) for r in rows])
+        ax.set_xticks(range(len(rows)), names, fontsize="small", rotation=45, ha="right")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

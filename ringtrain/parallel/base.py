@@ -57,6 +57,11 @@ class ReplicatedStrategy:
         """The bare module with full parameters inside the block (sharded strategies gather them)."""
         yield self.unwrap(model)
 
+    def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full parameters by name (sharded strategies gather them; a collective then)."""
+        with self.full_parameters(model) as module:
+            return {name: p.detach().clone() for name, p in module.named_parameters()}
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full model state, as the bare module's ``state_dict()`` (every rank gets it)."""
         return self.unwrap(model).state_dict()

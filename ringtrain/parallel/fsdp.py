@@ -62,6 +62,9 @@ class FSDPStrategy(ReplicatedStrategy):
         # DTensors: norms over them are global (a collective every rank runs).
         return list(model.parameters())
 
+    def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: _full(p.detach()) for name, p in model.named_parameters()}
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: _full(v) for k, v in model.state_dict().items()}
 

@@ -370,13 +370,21 @@ class ZeroStrategy(ReplicatedStrategy):
         if self.stage < 3:
             yield model.module
             return
-        for unit in model.units:
-            model._gather(unit)
+        # Into buffers of their own, not the hooks' (exporting one to numpy would pin its storage).
+        views = {}
+        with torch.no_grad():
+            for unit in model.units:
+                views[id(unit)] = [p.data for p in unit.params]
+                flat = torch.empty(unit.numel, dtype=unit.dtype, device=unit.device)
+                flat[unit.lo : unit.hi].copy_(unit.shard)
+                comm.all_gather(flat, self.algorithm, model.group, chunk_kb=model.chunk_kb)
+                unit.point_params_at(flat)
         try:
             yield model.module
         finally:
             for unit in model.units:
-                model._free(unit)
+                for p, view in zip(unit.params, views[id(unit)]):
+                    p.data = view
 
     def model_state_dict(self, model: ZeroDataParallel) -> dict[str, torch.Tensor]:
         with self.full_parameters(model) as module:
@@ -386,8 +394,9 @@ class ZeroStrategy(ReplicatedStrategy):
         with self.full_parameters(model) as module:
             module.load_state_dict(state)
             if self.stage == 3:
-                for unit in model.units:
-                    unit.shard.copy_(unit.full[unit.lo : unit.hi])
+                with torch.no_grad():
+                    for unit in model.units:
+                        unit.shard.copy_(unit.flatten()[unit.lo : unit.hi])
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model = self._require_wrapped()

@@ -201,7 +201,7 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, units: list[FlatUn
                          f"parameters but this model has {len(ids)}")
     saved = {ids[int(i)]: entry for i, entry in full["state"].items()}
     state: dict[int, dict[str, Any]] = {}
-    run_index = {id(r.param): n for n, r in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    run_index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     for unit in units:
         entries = [saved.get(id(p)) for p in unit.params]
         if all(e is None for e in entries):
@@ -212,7 +212,8 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, units: list[FlatUn
             isinstance(e.get(k), torch.Tensor) and e[k].shape == p.shape for e, p in zip(entries, unit.params))]
         flats = {k: torch.cat([e[k].reshape(-1) for e in entries]) for k in keys}
         for run in unit.runs:
-            entry = {k: v for k, v in entries[0].items() if k not in keys}
+            # Copies: each run steps its own counters in place (Adam's step), never the caller's.
+            entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries[0].items() if k not in keys}
             entry.update({k: flat[run.start : run.end].clone() for k, flat in flats.items()})
             state[run_index[id(run.param)]] = entry
     groups, index = [], 0

@@ -237,10 +237,11 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def check_replicas(module: torch.nn.Module, step: int) -> list[str]:
-    """Every rank's parameter sha256 (one all_gather); raise ReplicasDiverged unless all are equal."""
+def check_replicas(module: torch.nn.Module | dict[str, torch.Tensor], step: int) -> list[str]:
+    """Every rank's parameter sha256 (one all_gather); raise ReplicasDiverged unless all are equal.
+    ``module``: the module, or its parameters by name (a sharded strategy's gathered full parameters)."""
     digest = hashlib.sha256()
-    for name, param in module.named_parameters():
+    for name, param in module.items() if isinstance(module, dict) else module.named_parameters():
         digest.update(name.encode())
         digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     mine = digest.hexdigest()

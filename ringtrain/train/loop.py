@@ -85,6 +85,8 @@ class Trainer:
         self.previous = PreviousAttempt(starts=1, last_step=None, last_step_time=None)
         self._saved_step = -1
         self._gradients_checked = False
+        self._state_mb = 0.0
+        """The largest model state (MB) measured after a step's update, before its gradients are dropped."""
 
     @property
     def finished(self) -> bool:
@@ -254,6 +256,8 @@ class Trainer:
                     strategy.clip_grad_norm_(self.model, self.parts.optimizer, self.config.train.grad_clip_norm)
                 self.precision.step(self.parts.optimizer)
             self.parts.scheduler.step()
+            # Model state at its fullest (gradients still held), the largest of the logging interval.
+            self._state_mb = max(self._state_mb, self._model_state_mb())
             self.parts.optimizer.zero_grad(set_to_none=True)
         self.clock.move("optimizer", "comm_exposed", strategy.take_step_comm_s())  # zero1/2's parameter all-gather
         with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
@@ -296,7 +300,7 @@ class Trainer:
         # Every rank takes part in this collective; only rank 0's logger writes the record. It waits for
         # the slowest rank like the gradient all-reduce would, so it is booked as exposed communication.
         with self.clock.phase("comm_exposed"), self.watch.op("all_gather (metrics of every rank)", self.state.step):
-            ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"], self._model_state_mb())
+            ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"], self._state_mb)
         with self.clock.phase("monitor"):
             self._log_train_record(timing, memory, ranks, items)
 
@@ -387,9 +391,8 @@ class Trainer:
 
     def _summary(self, wall_s: float, samples: int) -> dict[str, Any]:
         with self.watch.op("all_gather (parameter digests)", self.state.step):
-            with self.parts.strategy.full_parameters(self.model) as module:
-                digests = check_replicas(module, self.state.step)
-            model_state_mb = gather_rank_stats(0.0, 0.0, 0.0, self._model_state_mb()).model_state_mb
+            digests = check_replicas(self.parts.strategy.full_named_parameters(self.model), self.state.step)
+            model_state_mb = gather_rank_stats(0.0, 0.0, 0.0, max(self._state_mb, self._model_state_mb())).model_state_mb
         summary = {
             "world_size": self.ctx.world_size,
             "steps": self.state.step,

@@ -13,6 +13,8 @@ last rank's shard of a small bucket can be empty.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -136,3 +138,66 @@ def test_world_size_one_trains_like_one_process():
     for index, run in enumerate(runs[1:], 1):
         for ours, theirs in zip(per_rank[0][index], reference):
             torch.testing.assert_close(ours, theirs, **BOUND, msg=lambda m: f"{run['strategy']}: {m}")
+
+
+# --- the trainer: the byte-level LM, checkpoints, memory ------------------------------------------------
+LM = "configs/debug_lm.toml"
+TINY_LM = ["model.n_layers=2", "model.d_model=32", "data.seq_len=64", "train.global_batch_size=16",
+           "train.local_batch_size=4", "train.max_tokens=256", "train.auto_micro_batch=false", "train.precision=fp32",
+           "train.max_steps=3", "checkpoint.every_steps=100", "train.warmup_steps=0"]
+"""A few seconds: AdamW, clipping, token-budget micro-batches (ragged counts: empty micro-batches run too)."""
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _optimizer_state_equal(a: dict, b: dict) -> bool:
+    if a["state"].keys() != b["state"].keys():
+        return False
+    return all(_same({k: v for k, v in a["state"][i].items()}, {k: v for k, v in b["state"][i].items()})
+               for i in a["state"])
+
+
+def checkpoint_round_trip(rank: int, world_size: int, run_root: str) -> dict:
+    """A DDP run's state loads into every sharded strategy and comes back bit for bit; each continues to the
+    same parameters as DDP (within the bound), and its state loads back into DDP bit for bit."""
+    from tests.trainers import build_test_trainer, params_of
+
+    ddp = build_test_trainer(rank, world_size, LM, TINY_LM, f"{run_root}/ddp")
+    ddp.fit()
+    # A copy, as a checkpoint file is: state_dict() hands out the live tensors (Adam's step counters too).
+    saved = copy.deepcopy(ddp.state_dict())
+    ddp_more = build_test_trainer(rank, world_size, LM, [*TINY_LM, "train.max_steps=6"], f"{run_root}/ddp-more")
+    ddp_more.load_state_dict(copy.deepcopy(saved))
+    ddp_more.fit()
+    reference = params_of(ddp_more)
+    results = {}
+    for strategy in ("zero1", "zero2", "zero3", "fsdp"):
+        sharded = build_test_trainer(rank, world_size, LM, [*TINY_LM, "train.max_steps=6", f"comm.strategy={strategy}"],
+                                     f"{run_root}/{strategy}")
+        sharded.load_state_dict(copy.deepcopy(saved))
+        back = sharded.state_dict()
+        loaded_exactly = _same(back["model"], saved["model"]) and _optimizer_state_equal(back["optimizer"], saved["optimizer"])
+        summary = sharded.fit()
+        ours = copy.deepcopy(sharded.state_dict())
+        replicated = build_test_trainer(rank, world_size, LM, [*TINY_LM, "train.max_steps=6"], f"{run_root}/{strategy}-ddp")
+        replicated.load_state_dict(copy.deepcopy(ours))
+        again = replicated.state_dict()
+        returned_exactly = _same(again["model"], ours["model"]) and _optimizer_state_equal(again["optimizer"], ours["optimizer"])
+        results[strategy] = {"loaded_exactly": loaded_exactly, "returned_exactly": returned_exactly,
+                             "params": {k: v.numpy().copy() for k, v in ours["model"].items()},
+                             "steps": summary["steps"]}
+    return {"reference": reference, "results": results}
+
+
+def test_a_ddp_checkpoint_resumes_bit_exactly_into_every_sharded_strategy_and_back(tmp_path):
+    per_rank = run_distributed(checkpoint_round_trip, 2, str(tmp_path), timeout_s=300)
+    reference = per_rank[0]["reference"]
+    for strategy, result in per_rank[0]["results"].items():
+        assert result["loaded_exactly"], f"{strategy}: the DDP checkpoint did not load bit for bit"
+        assert result["returned_exactly"], f"{strategy}: its checkpoint did not load back into DDP bit for bit"
+        assert result["steps"] == 6
+        for name, value in reference.items():
+            torch.testing.assert_close(torch.from_numpy(result["params"][name]), torch.from_numpy(value), **BOUND,
+                                       msg=lambda m: f"{strategy} {name}: {m}")
