@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["Hosts", "HostsError", "unavailable", "sweep_stale", "INTERFACE", "SUBNET"]
+__all__ = ["Hosts", "HostsError", "unavailable", "sweep_stale", "listening_sockets", "INTERFACE", "SUBNET"]
 
 SUBNET = "198.18.0"
 """Hosts get SUBNET.1, SUBNET.2, ... /24; nothing in the namespaces routes anywhere else."""
@@ -199,6 +201,27 @@ class Hosts:
     def run(self, i: int, command: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
         """Run ``command`` on host i to the end."""
         return subprocess.run([*self.exec_prefix(i), *command], **kwargs)
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in the network namespace of process ``pid`` (any
+    process's: a test host's stack holds only the sockets of what runs there). Empty if the process is gone."""
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":  # LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc prints each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
 
 
 def _rate_bytes_per_s(rate: str) -> int:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
@@ -29,12 +29,13 @@ __all__ = ["Job", "records", "last_step", "ledger_steps", "assert_loopback_only"
 
 class Job:
     def __init__(self, *args: str, env: dict | None = None, watch_sockets: bool = False,
-                 worker_command: str = "ringtrain.worker"):
+                 worker_command: str = "ringtrain.worker", prefix: Sequence[str] = ()):
         self.worker_command = worker_command
         """What a worker's command line holds: ringtrain.worker, or the script of `ringtrain run`."""
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         self.started = time.monotonic()
-        self.process = subprocess.Popen([sys.executable, "-m", "ringtrain", *args], cwd=REPO, env=full_env,
+        # prefix: e.g. `ip netns exec NS` (tests/hosts.py), which runs the command on a test host.
+        self.process = subprocess.Popen([*prefix, sys.executable, "-m", "ringtrain", *args], cwd=REPO, env=full_env,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         self.lines: list[tuple[float, str]] = []
         self.stdout: list[str] = []
