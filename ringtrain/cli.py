@@ -8,6 +8,8 @@
     ringtrain export RUN_DIR          # the newest valid checkpoint's weights as model.safetensors
     ringtrain bench collectives --nproc 2,4 --sizes 4K:64M --out bench-out   # all_reduce bandwidth sweep
     ringtrain bench train CONFIG --nproc 1,2 --strategies ddp,ddp:shm --out DIR # throughput, scaling, overhead
+    ringtrain plan calibrate | validate BENCH_JSON --params N | table              # the cost model
+    ringtrain diagnose RUN_DIR        # line up every rank's flight recorder: who is behind, who disagrees
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ringtrain.bench.cli import add_bench_parser
+from ringtrain.bench.plan import add_plan_parser
 from ringtrain.errors import RingtrainError
 
 __all__ = ["main", "build_parser"]
@@ -31,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(commands)
     _add_run(commands)
     add_bench_parser(commands)
+    add_plan_parser(commands)
     _add_report(commands)
     _add_config(commands)
     _add_fault_tolerance_tools(commands)

@@ -1,0 +1,99 @@
+"""The cost model of `ringtrain plan` (bench/plan.py): its formulas, the fit, the step simulation, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ringtrain.bench.plan import (
+    Link, PlanError, Topology, Workload, all_reduce_time, bucket_sizes, extrapolate, fit_link, predict_step,
+    ring_time, validate,
+)
+from tests.conftest import run_cli
+
+GLOO = Link(50e-6, 1e9, "torch")
+FAST = Link(1e-6, 100e9, "shm")
+
+
+def test_a_ring_moves_2_n_minus_1_over_n_of_the_message():
+    assert ring_time(1e9, 1, GLOO) == 0
+    assert ring_time(1e9, 2, Link(0, 1e9)) == pytest.approx(1.0)       # 2(n-1)/n = 1
+    assert ring_time(1e9, 4, Link(0, 1e9)) == pytest.approx(1.5)
+    assert ring_time(0.0, 4, GLOO) == 0
+    assert ring_time(1.0, 4, Link(1e-3, 1e12)) == pytest.approx(6e-3, rel=1e-6)  # 2(n-1) latency terms
+
+
+def test_hierarchical_cuts_cross_host_traffic_by_the_ratio_the_issue_states():
+    """2 hosts x 2 workers, a fast inside link: flat carries 2(n-1)/n = 1.5 of the message over the slow
+    link, hierarchical 2(h-1)/h = 1: the ratio tends to 1.5 for large messages."""
+    topo, slow = Topology(2, 2), Link(0.0, 125e6)
+    flat = all_reduce_time(64e6, topo, Link(0, 1e15), slow, "flat")
+    hier = all_reduce_time(64e6, topo, Link(0, 1e15), slow, "hierarchical")
+    assert flat / hier == pytest.approx(1.5, rel=1e-3)
+    with pytest.raises(PlanError, match="flat"):
+        all_reduce_time(1e6, topo, FAST, slow, "tree")
+
+
+def test_the_fit_recovers_alpha_and_beta():
+    truth = Link(120e-6, 0.8e9)
+    points = [(b, ring_time(b, 2, truth)) for b in (256e3, 1e6, 4e6, 16e6)]
+    got = fit_link(points, 2, "torch")
+    assert got.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6) and got.beta_Bps == pytest.approx(truth.beta_Bps, rel=1e-6)
+    with pytest.raises(PlanError, match="quiet"):
+        fit_link([(1e6, 2e-3), (16e6, 1e-3)], 2)
+
+
+def test_buckets_overlap_the_backward_and_only_the_tail_is_exposed():
+    assert bucket_sizes(60e6, 25e6) == [1 << 20, 25e6, 25e6, 60e6 - (1 << 20) - 50e6]
+    work = Workload(60e6, forward_s=0.1, backward_s=0.2, optimizer_s=0.01)
+    alone = predict_step(work, Topology(1, 1), FAST, FAST, "flat", 25e6)
+    assert alone.exposed_s == 0 and alone.efficiency == 1 and alone.step_s == pytest.approx(0.31)
+    fast = predict_step(work, Topology(1, 2), FAST, FAST, "flat", 25e6)
+    last = bucket_sizes(60e6, 25e6)[-1]
+    # Communication much faster than compute: only the last bucket, ready at the backward's end, shows.
+    assert fast.exposed_s == pytest.approx(ring_time(last, 2, FAST), rel=1e-6)
+    slow = predict_step(work, Topology(1, 2), GLOO, GLOO, "flat", 25e6)
+    assert slow.comm_s == pytest.approx(sum(ring_time(b, 2, GLOO) for b in bucket_sizes(60e6, 25e6)))
+    assert slow.exposed_s > fast.exposed_s and slow.efficiency < fast.efficiency < 1
+    halved = predict_step(work, Topology(1, 2), GLOO, GLOO, "flat", 25e6, compression=0.5)
+    assert halved.exposed_s < slow.exposed_s
+
+
+def test_validate_predicts_each_case_from_its_own_compute():
+    rows = [
+        {"runner": "bare", "world_size": 2, "median_step_s": 0.3, "breakdown_s": {}},
+        {"runner": "ringtrain", "label": "ddp", "algorithm": "torch", "world_size": 2, "median_step_s": 0.4,
+         "breakdown_s": {"forward_backward": 0.3, "optimizer": 0.01, "comm_exposed": 0.05}},
+    ]
+    [case] = validate(rows, 46.8e6, {"torch": GLOO}, 25e6)
+    work = Workload(46.8e6, 0.1, 0.2, 0.01)
+    want = predict_step(work, Topology(1, 2), GLOO, GLOO, "flat", 25e6)
+    assert case["predicted_step_ms"] == pytest.approx(want.step_s * 1e3)
+    assert case["step_error"] == pytest.approx(want.step_s / 0.4 - 1)
+
+
+def test_the_extrapolated_table_falls_with_scale_and_rises_with_link_speed():
+    rows = extrapolate()
+    for model in ("resnet50", "gpt2-small"):
+        for link in ("25gbit", "400gbit"):
+            flat = [r["flat"] for r in rows if r["model"] == model and r["link"] == link]
+            assert flat == sorted(flat, reverse=True), (model, link, flat)
+        slow = {r["workers"]: r for r in rows if r["model"] == model and r["link"] == "25gbit"}
+        fast = {r["workers"]: r for r in rows if r["model"] == model and r["link"] == "400gbit"}
+        assert all(fast[n]["flat"] >= slow[n]["flat"] and slow[n]["hierarchical"] >= slow[n]["flat"] for n in slow)
+
+
+def test_plan_commands(tmp_path):
+    done = run_cli("plan", "table", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "| gpt2-small | 400gbit | 1,024 | 128 |" in (tmp_path / "plan_table.md").read_text()
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps({"links": {"torch": {"alpha_s": 5e-5, "beta_Bps": 1e9, "name": "torch"}}}))
+    bench = tmp_path / "train_bench.json"
+    bench.write_text(json.dumps([{"runner": "ringtrain", "label": "ddp", "algorithm": "torch", "world_size": 2,
+                                  "median_step_s": 0.4, "breakdown_s": {"forward_backward": 0.3}}]))
+    done = run_cli("plan", "validate", str(bench), "--params", "11.69M", "--links", str(links))
+    assert done.returncode == 0 and "| ddp | 2 | torch | 400.0 ms |" in done.stdout, done.stdout + done.stderr
+    bad = run_cli("plan", "validate", str(bench), "--params", "eleven", "--links", str(links))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ringtrain: error: --params 'eleven'")
