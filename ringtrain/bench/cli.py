@@ -39,6 +39,12 @@ def _add_collectives(benchmarks) -> None:
     collectives.add_argument("--iters", type=int, default=20, help="timed calls per point, at least (default 20)")
     collectives.add_argument("--dtype", default="float32", help="element type (default float32)")
     collectives.add_argument("--chunk-kb", type=int, help="ring_chunked's chunk in KiB (default: its measured default)")
+    hosts = collectives.add_argument_group("across hosts (run on every host; --nproc is then the workers per host)")
+    hosts.add_argument("--nnodes", type=int, default=1, help="hosts (default 1)")
+    hosts.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 hosts the store and reports")
+    hosts.add_argument("--rdzv-endpoint", help="HOST:PORT where node 0 hosts the workers' store, e.g. 198.18.0.1:29500")
+    hosts.add_argument("--local-addr", help="this host's address for worker sockets (default: node 0: the endpoint's "
+                       "host; other nodes: their address that reaches it)")
     collectives.set_defaults(handler=_bench_collectives)
 
 
@@ -73,6 +79,10 @@ def _bench_collectives(args: argparse.Namespace) -> int:
         iters=args.iters,
         dtype=args.dtype,
         chunk_kb=args.chunk_kb,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        local_addr=args.local_addr,
     )
     options.validate()  # before torch is imported: mistakes are reported at once
     from ringtrain.bench.collectives import run_collectives_bench

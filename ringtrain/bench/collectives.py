@@ -17,6 +17,12 @@ busbw is what each rank's links carry for a bandwidth-optimal all-reduce, compar
 manual strategy's gradient buckets do. ``deepspeed_shm`` is DeepSpeed's CPU shared-memory all-reduce
 (``torch.ops.deepspeed.inference_all_reduce_``, see ``deepspeed_shm.py``), called directly. Writes ``DIR/collectives.json`` (a list of rows), ``.csv`` and
 ``.png`` (busbw against size).
+
+Across hosts (``--nnodes H --node-rank R --rdzv-endpoint ADDR:PORT --local-addr ADDR``, the flags of
+``ringtrain train``), each host runs the command with ``--nproc`` workers; node 0 hosts the store, prints
+and writes. There ``shm`` is the hierarchical all-reduce (shm inside each host, a ring between the host
+leaders) and its rows say ``hierarchical``. ``bench/hosts_collectives.py`` runs it on test hosts (network
+namespaces, links capped with tc tbf).
 """
 
 from __future__ import annotations
@@ -41,10 +47,13 @@ from ringtrain import comm
 from ringtrain.bench.options import BenchOptions
 from ringtrain.bench.plot import plot_busbw
 from ringtrain.comm import shm
+from ringtrain.comm.shm_group import get_shm_group
 from ringtrain.config import DistConfig
+from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
 from ringtrain.dist.env import DistEnv
 from ringtrain.dist.group import init_distributed
 from ringtrain.errors import RingtrainError
+from ringtrain.launch import split_endpoint
 
 __all__ = ["run_collectives_bench", "bus_bandwidth_factor"]
 
@@ -72,10 +81,18 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
 
         deepspeed_shm.build()  # once, here: workers find it cached; a missing DeepSpeed is one line
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    echo(f"# ringtrain bench collectives: all_reduce(sum) of {options.dtype}, Gloo over loopback + ringtrain, "
+    world_sizes = options.nprocs if options.nnodes == 1 else (options.nnodes * options.nprocs[0],)
+    if options.node_rank > 0:  # node 0 reports; this host only runs its workers
+        for world_size in world_sizes:
+            for _ in _run_world(world_size, options):
+                pass
+        echo(f"# node {options.node_rank}: done")
+        return []
+    links = "loopback" if options.nnodes == 1 else f"{options.nnodes} hosts x {options.nprocs[0]} workers"
+    echo(f"# ringtrain bench collectives: all_reduce(sum) of {options.dtype}, Gloo over {links} + ringtrain, "
          f"p50 per call of blocks of {BLOCK}, max over ranks; {os.cpu_count()} cores, load average {load}")
     rows: list[dict] = []
-    for world_size in options.nprocs:
+    for world_size in world_sizes:
         echo(f"#\n# world_size {world_size}\n# {'size':>10}  {'algorithm':<13}{'iters':>6}{'p50(us)':>12}"
              f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'vs torch':>10}{'vs deepspeed':>14}")
         for row in _run_world(world_size, options):
@@ -95,21 +112,31 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
 
 
 def _run_world(world_size: int, options: BenchOptions):
-    """Start the workers of one world size; yield rank 0's rows as they are measured."""
+    """Start this host's workers of one world size; yield rank 0's rows as they are measured."""
     context = mp.get_context("spawn")
-    # This process hosts the workers' store on a socket bound to loopback; workers join as clients.
-    listener = socket.create_server((_LOOPBACK, 0))
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(_LOOPBACK, port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=options.timeout_s), master_listen_fd=listener.detach())
+    if options.nnodes > 1:
+        host, port = split_endpoint(options.rdzv_endpoint)
+        bind = bind_address(options.local_addr, host, port, options.node_rank == 0, RENDEZVOUS_WAIT_S)
+    else:
+        host, port, bind = _LOOPBACK, 0, _LOOPBACK
+    store = None
+    if options.node_rank == 0:
+        # This process hosts the workers' store on a socket bound to one address; workers join as clients.
+        listener = socket.create_server((host, port))
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=options.timeout_s), master_listen_fd=listener.detach())
     results = context.Queue()
-    workers = [context.Process(target=_worker, args=(rank, world_size, port, options, results), daemon=True)
-               for rank in range(world_size)]
+    local_world_size = world_size // options.nnodes
+    first = options.node_rank * local_world_size
+    placement = (world_size, local_world_size, host, port, bind)
+    workers = [context.Process(target=_worker, args=(first + local, local, placement, options, results), daemon=True)
+               for local in range(local_world_size)]
     for worker in workers:
         worker.start()
     try:
         done = 0
-        while done < world_size:
+        while done < local_world_size:
             try:
                 message = results.get(timeout=1.0)
             except queue.Empty:
@@ -131,10 +158,11 @@ def _run_world(world_size: int, options: BenchOptions):
         del store
 
 
-def _worker(rank: int, world_size: int, port: int, options: BenchOptions, results) -> None:
+def _worker(rank: int, local_rank: int, placement: tuple, options: BenchOptions, results) -> None:
+    world_size, local_world_size, host, port, bind = placement
     try:
-        env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-                      master_addr=_LOOPBACK, master_port=port, use_agent_store=True, bind_addr=_LOOPBACK)
+        env = DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
+                      master_addr=host, master_port=port, use_agent_store=True, bind_addr=bind)
         config = DistConfig(backend="gloo", timeout_s=options.timeout_s, pin_cpu=True, threads_per_worker=1)
         with init_distributed(env, config):
             for row in _sweep(rank, world_size, port, options):
@@ -168,7 +196,7 @@ def _sweep(rank: int, world_size: int, port: int, options: BenchOptions):
             p50_s = float(times.median())
             algbw = numel * itemsize / p50_s / 1e9
             yield {
-                "algorithm": algorithm,
+                "algorithm": _label(algorithm),
                 "world_size": world_size,
                 "bytes": numel * itemsize,
                 "p50_s": p50_s,
@@ -176,6 +204,13 @@ def _sweep(rank: int, world_size: int, port: int, options: BenchOptions):
                 "busbw_gbps": round(algbw * bus_bandwidth_factor(world_size), 4),
                 "iters": len(times),
             }
+
+
+def _label(algorithm: str) -> str:
+    """shm across hosts is the hierarchical all-reduce: say so (the group has decided by the first call)."""
+    if algorithm == "shm" and get_shm_group(dist.group.WORLD).hierarchical:
+        return "hierarchical"
+    return algorithm
 
 
 def _caller(tensor: torch.Tensor, algorithm: str, chunk_kb: int | None, deepspeed_call=None) -> Callable[[], None]:

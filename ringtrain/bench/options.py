@@ -37,15 +37,31 @@ class BenchOptions:
     chunk_kb: int | None = None
     """ring_chunked's chunk (default: its measured default)."""
     timeout_s: float = 300.0
+    nnodes: int = 1
+    """Hosts of the measured group; above 1, ``nprocs`` is one count of workers per host and each host runs
+    this command with its own ``node_rank`` (as ``ringtrain train --nnodes``)."""
+    node_rank: int = 0
+    """This host's index; node 0 hosts the store at ``rdzv_endpoint`` and prints and writes the results."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT where node 0 hosts the workers' store (needed with nnodes > 1)."""
+    local_addr: str | None = None
+    """This host's address for the workers' sockets (default: loopback on one host, the endpoint's host on node 0)."""
 
     def validate(self) -> None:
         if not self.nprocs or min(self.nprocs) < 1:
             raise ConfigError(f"--nproc needs world sizes of at least 1, got {list(self.nprocs)}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.nnodes > 1 and (len(self.nprocs) != 1 or not self.rdzv_endpoint):
+            raise ConfigError("a benchmark across hosts (--nnodes above 1) needs one --nproc (workers per host) and "
+                              "--rdzv-endpoint HOST:PORT, the same on every host, e.g. --nproc 2 --rdzv-endpoint 198.18.0.1:29500")
         unknown = [a for a in self.algorithms if a not in BENCH_ALGORITHMS]
         if unknown:
             raise ConfigError(f"--algorithms: unknown {unknown[0]!r}; choose from {','.join(BENCH_ALGORITHMS)}")
-        if self.iters < 20:
-            raise ConfigError(f"--iters must be at least 20 for a meaningful median, got {self.iters}")
+        # Across hosts the large sizes take seconds a call, limited by the link (steady): fewer blocks do.
+        least = 20 if self.nnodes == 1 else 5
+        if self.iters < least:
+            raise ConfigError(f"--iters must be at least {least} for a meaningful median, got {self.iters}")
         if self.dtype not in ("float32", "float64", "float16", "bfloat16", "int32", "int64"):
             raise ConfigError(f"--dtype {self.dtype!r} is not one of float32, float64, float16, bfloat16, int32, int64")
         if "deepspeed_shm" in self.algorithms and self.dtype not in ("float32", "bfloat16", "float16"):
