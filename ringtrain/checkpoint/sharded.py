@@ -1,0 +1,326 @@
+"""Sharded checkpoints: every rank writes its own shard with ``torch.distributed.checkpoint`` (DCP), and
+ringtrain adds what DCP lacks: a sha256 manifest as the commit marker, metadata read without arbitrary
+unpickling, and background saves whose commit waits for every rank's files.
+
+A checkpoint is a folder ``step_00000040.dcp/`` (DCP's ``__R_I.distcp`` shard files and ``.metadata``) plus
+``step_00000040.dcp.manifest.json`` beside it. The commit, for synchronous and background saves alike:
+
+1. each rank's DCP write finishes (DCP fsyncs its files), then the rank hashes the files it wrote and
+   leaves ``.done-rank-R.json`` in the folder (atomically, fsynced);
+2. the writer (rank 0) waits until every rank's ``.done`` file is there, then writes the manifest (every
+   file's size and sha256) atomically. No manifest, no checkpoint: a save cut anywhere is ignored on load.
+
+This needs no collective after the write, so a background save (``async_save=True``: DCP stages the state in
+memory and writes from a thread) commits from that thread while training goes on; DCP's own collectives
+run on a Gloo group of their own, beside the training's.
+
+Loading verifies the manifest first (size and sha256 of every file), then reads ``.metadata`` with a
+restricted unpickler that admits DCP's metadata classes only (DCP itself uses ``pickle.load``), and only
+tensors are stored through DCP, so nothing in a checkpoint can run code. DCP reshards on load: a state
+saved by N ranks loads into M ranks' layout (DTensors of another mesh, or plain full tensors).
+
+    ckpt = ShardedCheckpointer(run_dir / "checkpoints", rank, world_size)
+    pending = ckpt.save(40, {"model": model_sd, "optim": optim_sd}, async_save=True)   # returns at once
+    ...
+    pending.result()                                                                   # committed, report
+    ckpt.load(ckpt.latest(), state)                                                    # in place, resharded
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from ringtrain.checkpoint.manifest import FORMAT, fsync_dir, make_dirs, write_atomic
+from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
+
+__all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "SafeFileSystemReader"]
+
+_NAME = re.compile(r"^step_(\d{8})\.dcp$")
+_DONE = ".done-rank-{rank}.json"
+MANIFEST_SUFFIX = ".manifest.json"
+
+
+@dataclass
+class SaveReport:
+    """One save, as metrics.jsonl records it."""
+
+    step: int
+    path: str
+    blocked_s: float
+    """Seconds the caller waited (the whole save when synchronous; staging when in the background)."""
+    background_s: float = 0.0
+    """Seconds from the return to the commit (0 when synchronous)."""
+    bytes: int = 0
+    """This rank's bytes written."""
+
+
+@dataclass
+class PendingSave:
+    """A save in flight; ``result()`` waits for its commit (rank 0: the manifest; others: their files)."""
+
+    report: SaveReport
+    future: Future = field(default_factory=Future)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> SaveReport:
+        self.future.result(timeout)
+        return self.report
+
+
+class ShardedCheckpointer:
+    """Saves and loads ``step_XXXXXXXX.dcp`` checkpoints in one folder; every rank of the group calls save
+    and load (collectives), only rank 0 commits and prunes."""
+
+    def __init__(self, directory: str | Path, rank: int, world_size: int, keep_last: int = 3,
+                 commit_timeout_s: float = 600.0):
+        self.directory = Path(directory)
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_last = keep_last
+        self.commit_timeout_s = commit_timeout_s
+        # DCP's planning collectives run beside training's (a background save): a Gloo group of their own.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
+        self._pending: PendingSave | None = None
+
+    # --- names -----------------------------------------------------------------------------------
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}.dcp"
+
+    def checkpoints(self) -> list[Path]:
+        """Committed checkpoints (a manifest beside the folder), oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if _NAME.match(p.name) and manifest_of(p).exists()]
+        return sorted(found, key=lambda p: p.name)
+
+    def latest(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    # --- save ------------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any], async_save: bool = False, **manifest_fields: Any) -> PendingSave:
+        """Save ``state`` (nested dicts of tensors / DTensors) as step ``step``. Every rank calls it. A
+        background save returns once the state is staged in memory; the previous one must have finished
+        (waited for here), so at most one is in flight."""
+        self.wait()
+        path = self.path_for(step)
+        if self.rank == 0:
+            if path.exists():  # an uncommitted leftover of a save that died
+                shutil.rmtree(path)
+            make_dirs(path)
+        self._barrier()  # the folder exists for everyone
+        start = time.perf_counter()
+        report = SaveReport(step=step, path=str(path), blocked_s=0.0)
+        pending = PendingSave(report)
+        writer = FileSystemWriter(path, sync_files=True)
+        tensors = _only_tensors(state)
+        if async_save:
+            response = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
+            staged = time.perf_counter()
+            report.blocked_s = staged - start
+            future = response if isinstance(response, Future) else response.upload_completion
+
+            def finish(done: Future) -> None:
+                try:
+                    done.result()
+                    self._commit(path, step, manifest_fields, report)
+                    report.background_s = time.perf_counter() - staged
+                    pending.future.set_result(report)
+                except BaseException as err:  # noqa: BLE001 - handed to whoever waits for it
+                    pending.future.set_exception(err)
+
+            future.add_done_callback(lambda done: threading.Thread(target=finish, args=(done,), daemon=True).start())
+        else:
+            dcp.save(tensors, storage_writer=writer, process_group=self.group)
+            self._commit(path, step, manifest_fields, report)
+            report.blocked_s = time.perf_counter() - start
+            pending.future.set_result(report)
+        self._pending = pending
+        return pending
+
+    def wait(self) -> SaveReport | None:
+        """Wait for the save in flight, if any (its errors are raised here)."""
+        pending, self._pending = self._pending, None
+        return pending.result(self.commit_timeout_s) if pending is not None else None
+
+    def _commit(self, path: Path, step: int, fields: dict, report: SaveReport) -> None:
+        mine = {p.name: _digest(p) for p in sorted(path.iterdir()) if _written_by(p.name, self.rank)}
+        report.bytes = sum(size for _, size in mine.values())
+        done = path / _DONE.format(rank=self.rank)
+        write_atomic(done, lambda f: f.write(json.dumps({n: list(d) for n, d in mine.items()}).encode()))
+        if self.rank != 0:
+            return
+        files: dict[str, list] = {}
+        deadline = time.monotonic() + self.commit_timeout_s
+        for rank in range(self.world_size):
+            marker = path / _DONE.format(rank=rank)
+            while not marker.exists():
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"checkpoint {path.name}: rank {rank} did not finish writing its shard within "
+                                          f"{self.commit_timeout_s:g} s; the checkpoint is not committed")
+                time.sleep(0.01)
+            files.update(json.loads(marker.read_text()))
+        manifest = {"format": FORMAT, "kind": "sharded", "folder": path.name, "step": step, "world_size": self.world_size,
+                    "files": {name: {"bytes": size, "sha256": sha} for name, (sha, size) in sorted(files.items())},
+                    **fields}
+        write_atomic(manifest_of(path), lambda f: f.write(json.dumps(manifest, indent=1).encode() + b"\n"))
+        self._prune()
+
+    def _prune(self) -> None:
+        for old in self.checkpoints()[: -self.keep_last] if self.keep_last > 0 else []:
+            manifest_of(old).unlink(missing_ok=True)  # uncommit first: a crash leaves a folder, never a half manifest
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(self.directory)
+
+    # --- load ------------------------------------------------------------------------------------
+    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Verify ``path`` and load it into ``state`` in place (its tensors' layout decides the resharding);
+        returns the manifest. Every rank calls it."""
+        path = Path(path)
+        manifest = verify(path)
+        reader = SafeFileSystemReader(path)
+        reader.read_metadata()  # UnsafeCheckpoint here, in one line, rather than wrapped inside DCP's errors
+        target = _only_tensors(state)
+        dcp.load(target, storage_reader=reader, process_group=self.group)
+        _copy_back(target, state)
+        return manifest
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+def manifest_of(path: Path) -> Path:
+    return path.with_name(path.name + MANIFEST_SUFFIX)
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    """The manifest of a committed sharded checkpoint, after checking every file's size and sha256."""
+    path = Path(path)
+    try:
+        manifest = json.loads(manifest_of(path).read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"checkpoint {path} has no manifest {manifest_of(path).name} (a save that never finished?)") from None
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpoint(f"checkpoint manifest {manifest_of(path)} is unreadable ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("kind") != "sharded":
+        raise CorruptCheckpoint(f"checkpoint manifest {manifest_of(path)} is not a sharded {FORMAT} manifest")
+    for name, want in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CorruptCheckpoint(f"checkpoint {path.name}: shard file {name} is missing (its manifest lists it)")
+        sha, size = _digest(file)
+        if size != want["bytes"]:
+            raise CorruptCheckpoint(f"checkpoint {path.name}: {name} is {size} bytes but the manifest says "
+                                    f"{want['bytes']} (truncated?)")
+        if sha != want["sha256"]:
+            raise CorruptCheckpoint(f"checkpoint {path.name}: {name} does not match the sha256 in its manifest (altered on disk)")
+    return manifest
+
+
+# --- metadata without arbitrary unpickling -------------------------------------------------------------
+def _allowed() -> dict[tuple[str, str], Any]:
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names = ["Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"]
+    allowed = {("torch.distributed.checkpoint.metadata", n): getattr(metadata, n) for n in names if hasattr(metadata, n)}
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("pathlib", "PosixPath")] = Path("x").__class__
+    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    allowed: dict[tuple[str, str], Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
+            return getattr(torch, name)
+        raise UnsafeCheckpoint(f"checkpoint metadata refers to {module}.{name}, which a DCP metadata file never holds; "
+                               "it was not loaded (refusing to run code from a checkpoint)")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader, with ``.metadata`` read by a restricted unpickler (DCP's own uses ``pickle.load``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            raw = stream.read()
+        if not _MetadataUnpickler.allowed:
+            _MetadataUnpickler.allowed = _allowed()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        except UnsafeCheckpoint:
+            raise
+        except Exception as err:  # noqa: BLE001 - any unpickling failure is a corrupt file
+            raise CorruptCheckpoint(f"checkpoint metadata {path} is unreadable ({err})") from None
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+def _digest(path: Path) -> tuple[str, int]:
+    sha = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return sha.hexdigest(), size
+
+
+def _written_by(name: str, rank: int) -> bool:
+    """DCP's files: ``__R_I.distcp`` per rank R; the coordinator (rank 0) writes ``.metadata``."""
+    return name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")
+
+
+def _only_tensors(state: Any) -> Any:
+    """The tensors of ``state`` (nested dicts), nothing else. DCP stores any other value by pickling it and
+    loads it with ``torch.load(weights_only=False)``: ringtrain never hands it one, so loading never
+    unpickles an object. The rest (an optimizer's param_groups: they follow the config on resume anyway;
+    counters, the sampler) belongs in the weights-only part of a checkpoint."""
+    if isinstance(state, dict):
+        kept = {k: _only_tensors(v) for k, v in state.items() if isinstance(v, (dict, torch.Tensor))}
+        return {k: v for k, v in kept.items() if not (isinstance(v, dict) and not v)}
+    return state
+
+
+def _copy_back(loaded: dict, state: dict) -> None:
+    """DCP loads in place into the tensors it was given; plain dicts are the same objects, nothing to do
+    except for values DCP replaced (it may return new tensors for non-DTensor entries)."""
+    for key, value in loaded.items():
+        if isinstance(value, dict):
+            _copy_back(value, state[key])
+        elif state[key] is not value:
+            state[key].copy_(value)
