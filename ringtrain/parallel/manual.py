@@ -47,9 +47,10 @@ from torch import nn
 
 from ringtrain import comm
 from ringtrain.comm import shm
-from ringtrain.comm.groups import global_rank, resolve_group
+from ringtrain.comm.groups import resolve_group
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy
+from ringtrain.parallel.buckets import broadcast_from_rank0, bucket_parameters, live_group
 
 __all__ = ["ManualStrategy", "BucketedDataParallel"]
 
@@ -111,10 +112,7 @@ class BucketedDataParallel(nn.Module):
 
     @property
     def group(self) -> dist.ProcessGroup:
-        group = self._group()
-        if group is None:
-            raise RuntimeError("this model's process group was destroyed; wrap the module again in a live group")
-        return group
+        return live_group(self._group)
 
     def forward(self, *args, **kwargs):
         # DDP's rule: buffers follow rank 0 before the first forward after a synchronised one.
@@ -155,34 +153,11 @@ class BucketedDataParallel(nn.Module):
             self._broadcast([p.data for p in self.module.parameters()] + list(self.module.buffers()))
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values into ``tensors`` on every rank: one broadcast per dtype, not one per tensor."""
-        if not tensors or self.world_size == 1:
-            return
-        source = global_rank(self.group, 0)
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            dist.broadcast(flat, src=source, group=self.group)
-            offset = 0
-            with torch.no_grad():
-                for t in same:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        broadcast_from_rank0(tensors, self.group)
 
     def _build_buckets(self, bucket_bytes: int) -> list[_Bucket]:
-        """Reverse registration order, at most ``bucket_bytes`` each (a bigger parameter gets its own)."""
-        groups: list[list[nn.Parameter]] = []
-        open_groups: dict[tuple, tuple[list[nn.Parameter], int]] = {}
-        for param in reversed([p for p in self.module.parameters() if p.requires_grad]):
-            key = (param.dtype, param.device)
-            members, size = open_groups.get(key, ([], 0))
-            nbytes = param.numel() * param.element_size()
-            if members and size + nbytes > bucket_bytes:
-                groups.append(members)
-                members, size = [], 0
-            open_groups[key] = (members + [param], size + nbytes)
-        groups.extend(members for members, _ in open_groups.values() if members)
-        return [self._allocate(params) for params in groups]
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        return [self._allocate(params) for params in bucket_parameters(trainable, bucket_bytes)]
 
     def _allocate(self, params: list[nn.Parameter]) -> _Bucket:
         numel = sum(p.numel() for p in params)

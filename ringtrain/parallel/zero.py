@@ -42,9 +42,10 @@ from torch import nn
 
 from ringtrain import comm
 from ringtrain.errors import ConfigError
-from ringtrain.comm.groups import global_rank, group_rank, resolve_group
+from ringtrain.comm.groups import group_rank, resolve_group
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors, unique_storage_bytes
+from ringtrain.parallel.buckets import broadcast_from_rank0, bucket_parameters, live_group
 from ringtrain.parallel.units import block_units
 from ringtrain.parallel.zero_flat import FlatUnit, full_optimizer_state, shard_optimizer, sharded_optimizer_state
 
@@ -94,7 +95,8 @@ class ZeroDataParallel(nn.Module):
             self._order = [*reversed([u for u in self._blocks if u.params]), *([self._root] if self._root else [])]
             self._set_up_stage3(blocks)
         else:
-            self.units = self._buckets(trainable, int(bucket_mb * 2**20))
+            self.units = [FlatUnit(members, self.rank, self.world_size)
+                          for members in bucket_parameters(trainable, int(bucket_mb * 2**20))]
             self._order = list(self.units)
             for unit in self.units:
                 unit.full = unit.flatten()
@@ -110,10 +112,7 @@ class ZeroDataParallel(nn.Module):
 
     @property
     def group(self) -> dist.ProcessGroup:
-        group = self._group()
-        if group is None:
-            raise RuntimeError("this model's process group was destroyed; wrap the module again in a live group")
-        return group
+        return live_group(self._group)
 
     def forward(self, *args, **kwargs):
         if self._zero_grads_next:  # zero1: the last step's gradients are spent
@@ -138,21 +137,6 @@ class ZeroDataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     # --- set-up ---------------------------------------------------------------------------------------
-    def _buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[FlatUnit]:
-        """Reverse registration order (backward's), at most ``bucket_bytes`` each, one dtype per bucket."""
-        groups: list[list[nn.Parameter]] = []
-        open_groups: dict[tuple, tuple[list[nn.Parameter], int]] = {}
-        for param in reversed(params):
-            key = (param.dtype, param.device)
-            members, size = open_groups.get(key, ([], 0))
-            nbytes = param.numel() * param.element_size()
-            if members and size + nbytes > bucket_bytes:
-                groups.append(members)
-                members, size = [], 0
-            open_groups[key] = (members + [param], size + nbytes)
-        groups.extend(members for members, _ in open_groups.values() if members)
-        return [FlatUnit(members, self.rank, self.world_size) for members in groups]
-
     def _set_up_stage3(self, blocks: list[nn.Module]) -> None:
         for unit in self.units:
             unit.full = unit.flatten()
@@ -171,19 +155,7 @@ class ZeroDataParallel(nn.Module):
                 lambda m, args, out: None if torch.is_grad_enabled() else self._free(self._root))
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values into ``tensors`` on every rank (as DDP starts), one broadcast per dtype."""
-        if not tensors or self.world_size == 1:
-            return
-        source = global_rank(self.group, 0)
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            dist.broadcast(flat, src=source, group=self.group)
-            offset = 0
-            with torch.no_grad():
-                for t in same:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        broadcast_from_rank0(tensors, self.group)
 
     # --- zero3: parameters gathered around their use -------------------------------------------------
     def _gather(self, unit: FlatUnit) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ringtrain.config import CommConfig
 from ringtrain.parallel import build_strategy
+from tests.conftest import run_cli
 from tests.distributed import run_distributed
 
 STEPS = 10
@@ -201,3 +202,89 @@ def test_a_ddp_checkpoint_resumes_bit_exactly_into_every_sharded_strategy_and_ba
         for name, value in reference.items():
             torch.testing.assert_close(torch.from_numpy(result["params"][name]), torch.from_numpy(value), **BOUND,
                                        msg=lambda m: f"{strategy} {name}: {m}")
+
+
+def model_state(rank: int, world_size: int, run_root: str) -> dict:
+    """Each strategy's summary model_state_mb on the tiny LM (AdamW, fp32), with the sizes the bound needs."""
+    from ringtrain.parallel.units import block_units
+    from tests.trainers import build_test_trainer
+
+    out = {}
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+        trainer = build_test_trainer(rank, world_size, LM, [*TINY_LM, "train.max_steps=2", f"comm.strategy={strategy}",
+                                                            "comm.bucket_mb=0.02"], f"{run_root}/{strategy}")
+        summary = trainer.fit()
+        module = trainer.module
+        blocks = [sum(p.numel() for p in b.parameters()) for b in block_units(module)]
+        out[strategy] = {
+            "bytes": summary["model_state_mb"] * 2**20,
+            "params": sum(p.numel() for p in module.parameters()),
+            "largest_param": max(p.numel() for p in module.parameters()),
+            "blocks": blocks,
+        }
+    return out
+
+
+def test_model_state_meets_the_analytic_bound_of_each_strategy(tmp_path):
+    """Bytes per parameter for N workers and AdamW in fp32 (ZeRO paper, Fig. 1), within 5%, plus the buffers
+    each strategy holds by design: zero2 one bucket of gradient staging; zero3 the root unit, two blocks (one
+    gathered for compute while the next one's gather starts in backward) and one unit's gradient staging."""
+    n = 2
+    measured = run_distributed(model_state, n, str(tmp_path), timeout_s=300)[0]
+    params = measured["ddp"]["params"]
+    bucket = max(0.02 * 2**20, 4 * measured["ddp"]["largest_param"])
+    blocks = measured["zero3"]["blocks"]
+    root = 4 * (params - sum(blocks))
+    persistent = {"ddp": 16 * params, "zero1": (4 + 4 + 8 / n) * params, "zero2": (4 + 12 / n) * params,
+                  "zero3": 16 / n * params, "fsdp": 16 / n * params}
+    buffers = {"ddp": 0, "zero1": 0, "zero2": bucket, "zero3": root + 2 * 4 * max(blocks) + max(4 * max(blocks), root),
+               "fsdp": 0}
+    for strategy, analytic in persistent.items():
+        got = measured[strategy]["bytes"]
+        print(f"{strategy}: {got / params:.2f} bytes per parameter (analytic {analytic / params:.2f} "
+              f"+ buffers {buffers[strategy] / params:.2f})")
+        low, high = 0.95 * analytic, 1.05 * analytic + buffers[strategy]
+        assert low <= got <= high, (f"{strategy}: {got / params:.2f} bytes per parameter, expected "
+                                    f"{low / params:.2f} to {high / params:.2f}")
+    assert measured["zero1"]["bytes"] < measured["ddp"]["bytes"]
+    assert measured["zero2"]["bytes"] < measured["zero1"]["bytes"]
+
+
+def test_a_user_model_through_ringtrain_run_trains_under_zero2_and_zero3_like_manual(tmp_path):
+    """The public path (ringtrain.fit in a user's script, `ringtrain run`), bf16 autocast: the losses of every
+    logged step follow the manual strategy's, the checkpoint exports, the records carry model_state_mb."""
+    from tests.chaos.jobs import records
+    from tests.fit.test_fit import run_script
+
+    runs = {}
+    for strategy in ("manual", "zero2", "zero3"):
+        run_dir = tmp_path / strategy
+        result = run_script("--nproc", "2", "--run-dir", str(run_dir), "--set", f"comm.strategy={strategy}",
+                            "--set", "comm.algorithm=shm", "--set", "train.precision=bf16")
+        assert result.returncode == 0, result.stderr
+        runs[strategy] = records(run_dir, "train")
+        assert all(r["model_state_mb"] > 0 for r in runs[strategy])
+    for strategy in ("zero2", "zero3"):
+        assert [r["step"] for r in runs[strategy]] == [r["step"] for r in runs["manual"]]
+        for ours, theirs in zip(runs[strategy], runs["manual"]):
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4), f"{strategy} at step {ours['step']}"
+        assert runs[strategy][-1]["model_state_mb"] < runs["manual"][-1]["model_state_mb"]
+    exported = run_cli("export", str(tmp_path / "zero3"))
+    assert exported.returncode == 0 and (tmp_path / "zero3" / "model.safetensors").is_file(), exported.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["comm.strategy=zero2", "comm.algorithm=powersgd"], "algorithm 'powersgd' is one of torch's DDP hooks"),
+    (["comm.strategy=zero1", "comm.algorithm=bf16"], "use strategy = 'ddp' with it"),
+    (["comm.strategy=zero3"], "train.auto_micro_batch needs a step without collectives"),
+    (["comm.strategy=fsdp", "train.auto_micro_batch=false", "comm.algorithm=shm"], "strategy 'fsdp' runs PyTorch's FSDP2"),
+    (["comm.strategy=zero2", "train.precision=fp16"], "train.precision = 'fp16' with comm.strategy = 'zero2'"),
+])
+def test_combinations_that_cannot_work_are_refused_in_one_line(overrides, message):
+    from ringtrain.config import load_config
+    from ringtrain.errors import ConfigError
+    from tests.trainers import REPO
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(REPO / LM, overrides)
+    assert message in str(raised.value) and "\n" not in str(raised.value).strip(), str(raised.value)
