@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	# Pinned: these releases are on this machine's disk; an open range would download a newer multi-GB build.
 	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# shm's native all-reduce (C++, ~30 s with g++): built now so no job waits; without a compiler, one warning line.
+	$(BIN)/python -m ringtrain.comm.shm_native || true
 	touch $(STAMP)
 
 run: install

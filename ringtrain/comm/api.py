@@ -48,6 +48,15 @@ def all_reduce(
     >>> t = torch.full((5,), float(rank))
     >>> all_reduce(t, algorithm="ring")        # every rank: 0 + 1 + ... + (world_size - 1)
     """
+    if algorithm == "shm" and chunk_kb is None:
+        # The hot path of a training step (DDP buckets, small gradients): a tensor that shm's native path
+        # takes as it is goes there after the few checks that concern it, a microsecond instead of five.
+        sg = shm.native_ready(tensor, op, group)
+        if sg is not None:
+            entry = flight.begin("all_reduce", algorithm, tensor)
+            shm.native_all_reduce(sg, tensor, timeout_s, op == "avg")
+            flight.end(entry)
+            return tensor
     _check(tensor, op, algorithm, chunk_kb, "all_reduce")
     group = resolve_group(group)
     size = group_size(group)

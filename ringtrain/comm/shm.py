@@ -16,6 +16,11 @@ microseconds for a TCP round trip.
   buckets) skip the copies: peers read each other's tensors directly. Three barriers, the last one because
   a rank may overwrite its tensor as soon as the call returns.
 
+**Native path.** Where the C++ module of ``shm_native.py`` loads on every rank of the host, all-reduces of
+the dtypes it covers (float32/64, bfloat16, float16, int32/64) run the same protocol in C++ (``_native``):
+one Python call, the GIL released, the sums vectorised, pieces of ``NATIVE_PIECE_BYTES``. Other dtypes,
+``RINGTRAIN_SHM_NATIVE=0`` and machines without a compiler take the Python code below.
+
 Why double buffering is enough: a rank writes buffer b again two calls (or pieces) after it last did; in
 between it passed a barrier that every rank reaches only after finishing with buffer b.
 
@@ -36,9 +41,14 @@ import torch.distributed as dist
 from ringtrain.comm.groups import resolve_group
 from ringtrain.comm.shards import tensor_shards
 from ringtrain.comm.shm_board import encode_call
-from ringtrain.comm.shm_group import MIN_PIECE_BYTES, PIECE_BYTES, SMALL_BYTES, ShmGroup, get_shm_group, set_up
+from ringtrain.comm.shm_group import (
+    MIN_PIECE_BYTES, NATIVE_IN_PLACE_BYTES, PIECE_BYTES, SMALL_BYTES, ShmGroup, get_shm_group, set_up, set_up_group,
+)
 
-__all__ = ["init_shm", "shared_empty", "all_reduce", "reduce_scatter", "all_gather", "broadcast_from_leader"]
+__all__ = [
+    "init_shm", "shared_empty", "all_reduce", "reduce_scatter", "all_gather", "broadcast_from_leader", "native_ready",
+    "native_all_reduce",
+]
 
 
 def init_shm(
@@ -67,6 +77,8 @@ def shared_empty(numel: int, dtype: torch.dtype = torch.float32, group: dist.Pro
 def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, average: bool = False) -> torch.Tensor:
     """Sum (or average) the contiguous 1-D CPU tensor ``flat`` over ``group`` in place."""
     sg = get_shm_group(group)
+    if sg.native is not None and flat.dtype in sg.native_dtypes and not sg.hierarchical:
+        return _native(sg, flat, timeout_s, average, sg.size)  # the hot path: nothing else on the way
     if sg.hierarchical:
         from ringtrain.comm import hierarchical
 
@@ -96,10 +108,32 @@ def all_gather(flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -
     return flat
 
 
+def native_ready(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> ShmGroup | None:
+    """``comm.all_reduce``'s shortcut: the ShmGroup of ``group`` when ``tensor`` can go straight to the native
+    path (a dense contiguous CPU tensor of a dtype it reduces, ``op`` valid for it, shm already set up on one
+    host with the native path running); None: take the general path, which checks everything and says
+    what is wrong. Each check here is one of the general path's, so both accept the same calls."""
+    if type(tensor) is not torch.Tensor or (op != "sum" and op != "avg"):
+        return None
+    sg = set_up_group(dist.group.WORLD if group is None else group)
+    if (sg is None or sg.native is None or sg.hierarchical or tensor.dtype not in sg.native_dtypes
+            or not tensor.is_cpu or tensor.layout != torch.strided or not tensor.is_contiguous()
+            or tensor.numel() == 0 or (op == "avg" and not tensor.is_floating_point())):
+        return None
+    return sg
+
+
+def native_all_reduce(sg: ShmGroup, tensor: torch.Tensor, timeout_s: float | None, average: bool) -> torch.Tensor:
+    """All-reduce ``tensor`` (any shape, contiguous) through the native path of ``sg`` (see ``native_ready``)."""
+    return _native(sg, tensor, timeout_s or sg.timeout_s, average, sg.size)
+
+
 def local_all_reduce(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
     """All-reduce among the ranks of this host; ``average`` divides by ``divide_by`` first."""
     if sg.local_size == 1:  # alone on this host (hierarchical groups)
         return flat.div_(divide_by) if average else flat
+    if sg.native is not None and flat.dtype in sg.native_dtypes:
+        return _native(sg, flat, timeout_s, average, divide_by)
     nbytes = flat.numel() * flat.element_size()
     if nbytes <= sg.small_bytes:
         return _direct(sg, flat, timeout_s, average, divide_by)
@@ -127,6 +161,22 @@ def broadcast_from_leader(sg: ShmGroup, flat: torch.Tensor, timeout_s: float) ->
             board.check_same_call(count, desc, what)
         if sg.local_rank != 0:
             part.copy_(leader_buffer)
+    return flat
+
+
+def _native(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
+    """All-reduce through the C++ path (``csrc/shm_native.cpp``): small messages directly, large ones
+    pipelined through the staging buffers, or in place when ``flat`` lives in a ``shared_empty`` arena."""
+    arena_ptr = stride = offset = 0
+    if sg.arenas and flat.numel() * flat.element_size() >= NATIVE_IN_PLACE_BYTES:
+        found = sg.find_arena(flat)
+        if found is not None:
+            arena, offset = found
+            arena_ptr, stride = arena.bytes.data_ptr(), arena.stride
+    if sg.native.all_reduce(flat, average, divide_by, timeout_s, sg.codes[flat.dtype, average], arena_ptr, stride, offset):
+        what = "shm all_reduce (in place)" if arena_ptr else "shm all_reduce"
+        desc = encode_call("all_reduce", "avg" if average else "sum", flat.dtype, flat.numel(), offset if arena_ptr else -1)
+        raise sg.board.native_failure(sg.native.failure(), desc, what, timeout_s)
     return flat
 
 

@@ -100,7 +100,6 @@ class FlagBoard:
         self.peers = [r for r in range(local_size) if r != local_rank]
         self.mine = local_rank * LINE
         self.abort_line = local_size * LINE
-        self.count = 0
         self.spin = spin
         self.pids: list[int] = []
         self.check_liveness = True
@@ -121,7 +120,7 @@ class FlagBoard:
         flags = self.flags
         if flags[self.abort_line]:
             raise self._aborted("shm", 0, 0)
-        count = self.count = self.count + 1
+        count = flags[self.mine] + 1  # this rank's own line holds its count (the native path bumps it too)
         if desc is not None:
             base = self.mine + _DESC + 3 * (count & 1)
             flags[base], flags[base + 1], flags[base + 2] = desc
@@ -152,6 +151,11 @@ class FlagBoard:
                     "collectives in the same order with the same sizes and dtypes",
                     peer=self.ranks[peer],
                 )
+
+    @property
+    def count(self) -> int:
+        """Barriers this rank has arrived at."""
+        return self.flags[self.mine]
 
     # --- waiting and failing --------------------------------------------------------------------------
     def _wait_slow(self, peer: int, count: int, what: str, step: int, steps: int, timeout_s: float) -> None:
@@ -185,25 +189,48 @@ class FlagBoard:
                     if flags[line] >= count:  # it arrived, then exited: not our problem
                         return
                     self._post_abort(peer, _DIED, step)
-                    raise PeerDiedError(
-                        f"{what}: rank {self.ranks[peer]} (pid {self.pids[peer]}) died while rank "
-                        f"{self.ranks[self.local_rank]} waited at step {step} of {steps}",
-                        peer=self.ranks[peer],
-                    )
+                    raise self._died(peer, what, step, steps)
                 if now >= deadline:
                     self._post_abort(peer, _TIMEOUT, step)
-                    hint = " (the process is stopped: SIGSTOP or a debugger?)" if state == "stopped" else ""
-                    raise PeerTimeoutError(
-                        f"{what}: rank {self.ranks[peer]} (pid {self.pids[peer]}) did not arrive within "
-                        f"{timeout_s:g} s while rank {self.ranks[self.local_rank]} waited at step {step} of {steps}{hint}",
-                        peer=self.ranks[peer],
-                    )
+                    raise self._timed_out(peer, what, step, steps, timeout_s, state)
             if now < yield_until:
                 os.sched_yield()
             else:
                 time.sleep(pause_s)
                 # Short naps while a peer is merely late; long ones once it is clearly stuck.
                 pause_s = min(pause_s * 2, _NAP_S if now - start < 0.1 else 5e-3)
+
+    def _died(self, peer: int, what: str, step: int, steps: int) -> PeerDiedError:
+        return PeerDiedError(
+            f"{what}: rank {self.ranks[peer]} (pid {self.pids[peer]}) died while rank "
+            f"{self.ranks[self.local_rank]} waited at step {step} of {steps}",
+            peer=self.ranks[peer],
+        )
+
+    def _timed_out(self, peer: int, what: str, step: int, steps: int, timeout_s: float, state: str) -> PeerTimeoutError:
+        hint = " (the process is stopped: SIGSTOP or a debugger?)" if state == "stopped" else ""
+        return PeerTimeoutError(
+            f"{what}: rank {self.ranks[peer]} (pid {self.pids[peer]}) did not arrive within "
+            f"{timeout_s:g} s while rank {self.ranks[self.local_rank]} waited at step {step} of {steps}{hint}",
+            peer=self.ranks[peer],
+        )
+
+    def native_failure(self, failure: tuple[int, int, int, int, int], desc: tuple[int, int, int], what: str,
+                       timeout_s: float) -> CollectiveError:
+        """The error for a failure the native path (``csrc/shm_native.cpp``) reported: the same as this
+        board's own waits raise. ``failure``: (reason, peer, step, steps, count), local ranks; the native
+        path has posted the abort line already, except for a mismatch, which is posted here."""
+        reason, peer, step, steps, count = failure
+        if reason == _DIED:
+            return self._died(peer, what, step, steps)
+        if reason == _TIMEOUT:
+            return self._timed_out(peer, what, step, steps, timeout_s, self._state(peer))
+        if reason == _MISMATCH:
+            try:
+                self.check_same_call(count, desc, what)
+            except MismatchError as err:
+                return err
+        return self._aborted(what if steps else "shm", step, steps)
 
     def _state(self, peer: int) -> str:
         """'running', 'stopped', 'dead' (exited, killed, or a zombie), or 'unknown' (not visible here)."""

@@ -52,6 +52,9 @@ def kill_when_reached(trainer, algorithm: str) -> None:
 
 
 def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir: str) -> dict:
+    # The breakpoint is a Python function of shm.py: its Python path (the native one is C++; a rank killed
+    # inside it is tests/dist/test_shm_native.py's).
+    os.environ["RINGTRAIN_SHM_NATIVE"] = "0"
     overrides = [f"comm.algorithm={algorithm}", "model.hidden_sizes=[512, 512]", "train.max_steps=10",
                  f"train.global_batch_size={16 * world_size}", "train.local_batch_size=16",
                  f"dist.timeout_s={TIMEOUT_S}", "monitor.log_every_steps=1"]

@@ -1,0 +1,453 @@
+// The hot path of ringtrain's shared-memory all-reduce, in C++ (ringtrain/comm/shm_native.py builds it).
+//
+// It runs the same protocol as the Python path of ringtrain/comm/shm.py over the same workspace
+// (shm_group.py's layout, shm_board.py's flag lines), so the two interoperate call by call: the barrier
+// count lives in this rank's flag line, the buffer turns here (ShmGroup reads and writes them through
+// ``small_turn`` / ``staging_turn``). What moves here is what
+// cost time in Python: the dispatch of several torch ops per call, the barrier (a plain store and a
+// spin on a peer's cache line), and the reductions, which sum all ranks in one pass per block with
+// vectorised loops. The GIL is released for the whole call.
+//
+// Guarantees kept: every element is summed in rank order (x_0 + x_1 + ... + x_{n-1}) either by every
+// rank from the same inputs (small messages) or once, by the shard's owner (large ones), so all ranks
+// end with the same bits. Failures are detected as in shm_board.py (a peer's /proc/<pid>/stat, the
+// timeout, the abort line) and reported to Python, which raises the same CollectiveError.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <sched.h>
+#include <string>
+#include <thread>
+#include <time.h>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int LINE = 8;  // int64 words per 64-byte flag line (shm_board.LINE)
+constexpr int PID = 1, DESC = 2;
+constexpr int64_t DIED = 1, TIMEOUT = 2, MISMATCH = 3, ABORTED = 4;  // ABORTED: another rank posted the abort line
+constexpr int64_t STEP_MAX = (int64_t(1) << 24) - 1;
+constexpr double SPIN_S = 0.002, YIELD_S = 0.002, NAP_S = 250e-6, LIVENESS_EVERY_S = 0.02;
+constexpr int64_t BLOCK = 512;  // elements summed per block: the partial sums stay in L1
+
+double now_s() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+// --- element types: load as the accumulator type, store back rounded -----------------------------
+struct BF16 {
+    uint16_t bits;
+};
+inline float to_acc(BF16 x) {
+    uint32_t u = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline BF16 from_acc(float f, BF16*) {  // round to nearest even, NaN stays NaN (as c10::BFloat16)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return BF16{uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
+}
+
+struct F16 {
+    uint16_t bits;
+};
+#if defined(__F16C__)
+inline float to_acc(F16 x) { return _cvtsh_ss(x.bits); }
+inline F16 from_acc(float f, F16*) { return F16{uint16_t(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))}; }
+#endif
+
+inline float to_acc(float x) { return x; }
+inline float from_acc(float f, float*) { return f; }
+inline double to_acc(double x) { return x; }
+inline double from_acc(double f, double*) { return f; }
+// Integers wrap around like torch's: added as unsigned (signed overflow is undefined in C++).
+inline uint32_t to_acc(int32_t x) { return uint32_t(x); }
+inline int32_t from_acc(uint32_t v, int32_t*) { return int32_t(v); }
+inline uint64_t to_acc(int64_t x) { return uint64_t(x); }
+inline int64_t from_acc(uint64_t v, int64_t*) { return int64_t(v); }
+
+template <typename T>
+using Acc = decltype(to_acc(T{}));
+
+// out[i] = round(x_0[i] + x_1[i] + ... + x_{n-1}[i]), in rank order; ``own`` (if not null) replaces
+// src[own_rank] and is divided by ``divide_by`` (rounded to T) first, as the copies of other ranks were.
+// ``out`` may alias any source: each block is summed into a local buffer before it is stored.
+template <typename T>
+void sum_ranks(T* out, T* out2, T* const* src, int n, int64_t count, const T* own, int own_rank, int divide_by) {
+    using A = Acc<T>;
+    alignas(64) A acc[BLOCK];
+    for (int64_t lo = 0; lo < count; lo += BLOCK) {
+        const int64_t m = std::min<int64_t>(BLOCK, count - lo);
+        for (int j = 0; j < n; ++j) {
+            const T* x = (own != nullptr && j == own_rank) ? own + lo : src[j] + lo;
+            if (own != nullptr && j == own_rank && divide_by > 1) {
+                if (j == 0) {
+                    for (int64_t i = 0; i < m; ++i) acc[i] = to_acc(from_acc(to_acc(x[i]) / A(divide_by), (T*)nullptr));
+                } else {
+                    for (int64_t i = 0; i < m; ++i) acc[i] += to_acc(from_acc(to_acc(x[i]) / A(divide_by), (T*)nullptr));
+                }
+            } else if (j == 0) {
+                for (int64_t i = 0; i < m; ++i) acc[i] = to_acc(x[i]);
+            } else {
+                for (int64_t i = 0; i < m; ++i) acc[i] += to_acc(x[i]);
+            }
+        }
+        T* o = out + lo;
+        for (int64_t i = 0; i < m; ++i) o[i] = from_acc(acc[i], (T*)nullptr);
+        if (out2 != nullptr) std::memcpy(out2 + lo, o, m * sizeof(T));
+    }
+}
+
+// to[i] = from[i] / divide_by (rounded to T), or a plain copy.
+template <typename T>
+void copy_in(T* to, const T* from, int64_t count, int divide_by) {
+    if (divide_by <= 1) {
+        std::memcpy(to, from, count * sizeof(T));
+        return;
+    }
+    using A = Acc<T>;
+    for (int64_t i = 0; i < count; ++i) to[i] = from_acc(to_acc(from[i]) / A(divide_by), (T*)nullptr);
+}
+
+struct Failure {
+    int64_t reason = 0, peer = 0, step = 0, steps = 0, count = 0;
+};
+
+class Workspace {
+   public:
+    Workspace(int64_t base, int64_t header_bytes, int64_t region_bytes, int64_t small_bytes, int64_t piece_bytes,
+              int local_rank, int local_size, bool spin, bool check_liveness)
+        : base_(reinterpret_cast<char*>(base)),
+          flags_(reinterpret_cast<volatile int64_t*>(base)),
+          header_bytes_(header_bytes),
+          region_bytes_(region_bytes),
+          small_bytes_(small_bytes),
+          piece_bytes_(piece_bytes),
+          me_(local_rank),
+          n_(local_size),
+          spin_(spin),
+          check_liveness_(check_liveness),
+          direct_bytes_(small_bytes),
+          pipe_piece_bytes_(piece_bytes),
+          small_turn_(0),
+          staging_turn_(0) {
+        for (int r = 0; r < n_; ++r) pids_.push_back(int64_t(flags_[r * LINE + PID]));
+    }
+
+    // Tunables (bytes): messages up to ``direct_bytes`` are summed by every rank; larger ones are
+    // reduce-scattered and all-gathered in pieces of ``piece_bytes`` per rank (at most the staging buffer).
+    int64_t direct_bytes_, pipe_piece_bytes_;
+    // Which of the two small / staging buffers the last call used (shared with the Python path).
+    int64_t small_turn_, staging_turn_;
+
+    // All-reduce ``flat`` in place; ``code``: the call's dtype and op (shm_board.encode_call). ``arena`` > 0:
+    // the tensor lives in a shared arena (every local rank's copy at arena + rank * stride + offset) and is
+    // reduced there without staging. Returns true on failure; ``failure()`` then says what happened.
+    bool all_reduce(const torch::Tensor& flat, bool average, int64_t divide_by, double timeout_s, int64_t code,
+                    int64_t arena, int64_t stride, int64_t offset) {
+        count_ = flags_[me_ * LINE];  // this rank's barrier count: its own flag line
+        timeout_s_ = timeout_s;
+        failure_ = Failure{};
+        const int64_t numel = flat.numel();
+        const int64_t nbytes = numel * flat.element_size();
+        void* data = flat.data_ptr();
+        const int div = average ? int(divide_by) : 1;
+        const int64_t desc[3] = {numel, code, arena > 0 ? offset : -1};
+        bool ok = true;
+        {
+            pybind11::gil_scoped_release no_gil;
+            switch (flat.scalar_type()) {
+                case torch::kFloat: ok = dispatch<float>(data, numel, nbytes, div, desc, arena, stride, offset); break;
+                case torch::kDouble: ok = dispatch<double>(data, numel, nbytes, div, desc, arena, stride, offset); break;
+                case torch::kBFloat16: ok = dispatch<BF16>(data, numel, nbytes, div, desc, arena, stride, offset); break;
+#if defined(__F16C__)
+                case torch::kHalf: ok = dispatch<F16>(data, numel, nbytes, div, desc, arena, stride, offset); break;
+#endif
+                case torch::kInt: ok = dispatch<int32_t>(data, numel, nbytes, div, desc, arena, stride, offset); break;
+                case torch::kLong: ok = dispatch<int64_t>(data, numel, nbytes, div, desc, arena, stride, offset); break;
+                default: TORCH_CHECK(false, "shm_native: unsupported dtype ", flat.scalar_type());
+            }
+        }
+        return !ok;
+    }
+
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> failure() const {
+        return {failure_.reason, failure_.peer, failure_.step, failure_.steps, failure_.count};
+    }
+
+   private:
+    char* base_;
+    volatile int64_t* flags_;
+    int64_t header_bytes_, region_bytes_, small_bytes_, piece_bytes_;
+    int me_, n_;
+    bool spin_, check_liveness_;
+    std::vector<int64_t> pids_;
+    int64_t count_ = 0;
+    double timeout_s_ = 60.0;
+    Failure failure_;
+
+    char* small_buffer(int rank, int64_t turn) const {
+        return base_ + header_bytes_ + rank * region_bytes_ + turn * small_bytes_;
+    }
+    char* staging_buffer(int rank, int64_t turn) const {
+        return base_ + header_bytes_ + rank * region_bytes_ + 2 * small_bytes_ + turn * piece_bytes_;
+    }
+
+    template <typename T>
+    bool dispatch(void* data, int64_t numel, int64_t nbytes, int div, const int64_t* desc, int64_t arena,
+                  int64_t stride, int64_t offset) {
+        T* flat = static_cast<T*>(data);
+        if (nbytes <= direct_bytes_ && nbytes <= small_bytes_) return direct<T>(flat, numel, div, desc);
+        if (arena > 0) return in_place<T>(flat, numel, div, desc, reinterpret_cast<char*>(arena), stride, offset);
+        return pipelined<T>(flat, numel, nbytes, div, desc);
+    }
+
+    // --- barriers (shm_board.FlagBoard.arrive / wait_all / check_same_call) ---------------------------
+    bool arrive(const int64_t* desc) {
+        if (flags_[n_ * LINE] != 0) return fail(ABORTED, 0, 0, 0);
+        const int64_t count = ++count_;
+        if (desc != nullptr) {
+            const int base = me_ * LINE + DESC + 3 * int(count & 1);
+            for (int i = 0; i < 3; ++i) flags_[base + i] = desc[i];
+        }
+        // Last, with release order: a peer that sees the count sees the data written before it.
+        __atomic_store_n(const_cast<int64_t*>(&flags_[me_ * LINE]), count, __ATOMIC_RELEASE);
+        return true;
+    }
+
+    int64_t peer_count(int peer) const {
+        return __atomic_load_n(const_cast<int64_t*>(&flags_[peer * LINE]), __ATOMIC_ACQUIRE);
+    }
+
+    bool wait_all(int64_t step, int64_t steps) {
+        for (int peer = 0; peer < n_; ++peer) {
+            if (peer != me_ && peer_count(peer) < count_ && !wait_slow(peer, step, steps)) return false;
+        }
+        return true;
+    }
+
+    bool check_same_call(const int64_t* desc) {
+        const int slot = DESC + 3 * int(count_ & 1);
+        for (int peer = 0; peer < n_; ++peer) {
+            if (peer == me_) continue;
+            const int base = peer * LINE + slot;
+            if (flags_[base] != desc[0] || flags_[base + 1] != desc[1] || flags_[base + 2] != desc[2]) {
+                // Python's check_same_call names both calls and posts the abort.
+                failure_ = Failure{MISMATCH, peer, 1, 0, count_};
+                return false;
+            }
+        }
+        return true;
+    }
+
+    bool wait_slow(int peer, int64_t step, int64_t steps) {
+        const int64_t count = count_;
+        if (spin_) {  // a core of our own: spin, reading the clock every 256 looks
+            const double spin_until = now_s() + SPIN_S;
+            while (true) {
+                for (int i = 0; i < 256; ++i) {
+                    if (peer_count(peer) >= count) return true;
+                    cpu_relax();
+                }
+                if (now_s() > spin_until) break;
+            }
+        }
+        const double start = now_s();
+        const double deadline = start + timeout_s_;
+        const double yield_until = start + (spin_ ? 0.0 : YIELD_S);
+        double next_check = start + LIVENESS_EVERY_S;
+        double pause_s = 20e-6;
+        while (peer_count(peer) < count) {
+            if (flags_[n_ * LINE] != 0) return fail(ABORTED, 0, step, steps);
+            const double now = now_s();
+            if (now >= next_check) {
+                next_check = now + LIVENESS_EVERY_S;
+                const char state = peer_state(peer);
+                if (state == 'D') {
+                    if (peer_count(peer) >= count) return true;  // it arrived, then exited
+                    post_abort(peer, DIED, step);
+                    return fail(DIED, peer, step, steps);
+                }
+                if (now >= deadline) {
+                    post_abort(peer, TIMEOUT, step);
+                    return fail(TIMEOUT, peer, step, steps);
+                }
+            }
+            if (now < yield_until) {
+                sched_yield();
+            } else {
+                timespec nap{0, long(pause_s * 1e9)};
+                nanosleep(&nap, nullptr);
+                pause_s = std::min(pause_s * 2, now - start < 0.1 ? NAP_S : 5e-3);
+            }
+        }
+        return true;
+    }
+
+    // 'D' dead (gone or a zombie), 'R' anything else or unknown (shm_board.FlagBoard._state).
+    char peer_state(int peer) const {
+        if (!check_liveness_) return 'R';
+        std::ifstream stat("/proc/" + std::to_string(pids_[peer]) + "/stat");
+        if (!stat) return 'D';
+        std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+        const auto close = text.rfind(')');
+        if (close == std::string::npos || close + 2 >= text.size()) return 'R';
+        const char state = text[close + 2];
+        return (state == 'Z' || state == 'X' || state == 'x') ? 'D' : 'R';
+    }
+
+    void post_abort(int culprit, int64_t reason, int64_t step) {
+        volatile int64_t* line = &flags_[n_ * LINE];
+        if (*line != 0) return;
+        *line = reason << 56 | int64_t(culprit) << 40 | int64_t(me_) << 24 | std::min(step, STEP_MAX);
+    }
+
+    bool fail(int64_t reason, int peer, int64_t step, int64_t steps) {
+        failure_ = Failure{reason, peer, step, steps, count_};
+        return false;
+    }
+
+    // --- the algorithms (shm.py's _direct, _pipelined, _in_place) --------------------------------------
+    template <typename T>
+    bool direct(T* flat, int64_t numel, int div, const int64_t* desc) {
+        small_turn_ ^= 1;
+        T* src[64];
+        for (int j = 0; j < n_; ++j) src[j] = reinterpret_cast<T*>(small_buffer(j, small_turn_));
+        copy_in<T>(src[me_], flat, numel, div);
+        if (!arrive(desc) || !wait_all(1, 1) || !check_same_call(desc)) return false;
+        // Every rank adds the same buffers in the same order: bit-identical results.
+        sum_ranks<T>(flat, nullptr, src, n_, numel, nullptr, me_, 1);
+        return true;
+    }
+
+    template <typename T>
+    bool pipelined(T* flat, int64_t numel, int64_t nbytes, int div, const int64_t* desc) {
+        const int n = n_, me = me_;
+        const int64_t align = std::max<int64_t>(1, 64 / int64_t(sizeof(T)));
+        int64_t per_shard = (numel + n - 1) / n;
+        per_shard = (per_shard + align - 1) / align * align;
+        int64_t lo_of[64], hi_of[64];
+        for (int r = 0; r < n; ++r) {
+            lo_of[r] = std::min(numel, r * per_shard);
+            hi_of[r] = std::min(numel, (r + 1) * per_shard);
+        }
+        const int64_t piece = std::min(piece_bytes_, pipe_piece_bytes_);
+        const int64_t q = std::max<int64_t>(1, piece / int64_t(sizeof(T)) / n);  // elements of each shard per piece
+        const int64_t pieces = std::max<int64_t>(1, (per_shard + q - 1) / q);
+        const int64_t first_turn = staging_turn_ ^ 1;
+        staging_turn_ ^= pieces & 1;  // the next call starts on the buffer after this call's last piece
+        auto part = [&](int64_t k, int j, int64_t& lo, int64_t& hi) {
+            lo = std::min(hi_of[j], lo_of[j] + k * q);
+            hi = std::min(hi_of[j], lo_of[j] + (k + 1) * q);
+        };
+        auto buffers = [&](int64_t k, T** out) {
+            for (int j = 0; j < n; ++j) out[j] = reinterpret_cast<T*>(staging_buffer(j, first_turn ^ (k & 1)));
+        };
+        auto copy_piece_in = [&](int64_t k) {  // the parts of piece k that the other ranks reduce
+            T* bufs[64];
+            buffers(k, bufs);
+            for (int j = 0; j < n; ++j) {
+                int64_t lo, hi;
+                part(k, j, lo, hi);
+                if (j != me && hi > lo) copy_in<T>(bufs[me] + j * q, flat + lo, hi - lo, div);
+            }
+        };
+        auto reduce_and_publish = [&](int64_t k) {
+            T* bufs[64];
+            T* src[64];
+            buffers(k, bufs);
+            int64_t lo, hi;
+            part(k, me, lo, hi);
+            if (hi <= lo) return;
+            for (int j = 0; j < n; ++j) src[j] = bufs[j] + me * q;
+            // Sum in rank order, this rank's own part straight from ``flat``; store into flat and the slot.
+            sum_ranks<T>(flat + lo, bufs[me] + me * q, src, n, hi - lo, flat + lo, me, div);
+        };
+        auto gather = [&](int64_t k) {
+            T* bufs[64];
+            buffers(k, bufs);
+            for (int j = 0; j < n; ++j) {
+                int64_t lo, hi;
+                part(k, j, lo, hi);
+                if (j != me && hi > lo) std::memcpy(flat + lo, bufs[j] + j * q, (hi - lo) * sizeof(T));
+            }
+        };
+        copy_piece_in(0);
+        if (!arrive(desc) || !wait_all(1, pieces + 1) || !check_same_call(desc)) return false;
+        for (int64_t k = 1; k <= pieces; ++k) {
+            if (k >= 2) gather(k - 2);
+            reduce_and_publish(k - 1);
+            if (k < pieces) copy_piece_in(k);
+            if (!arrive(nullptr) || !wait_all(k + 1, pieces + 1)) return false;
+        }
+        gather(pieces - 1);
+        return true;
+    }
+
+    template <typename T>
+    bool in_place(T* flat, int64_t numel, int div, const int64_t* desc, char* arena, int64_t stride, int64_t offset) {
+        const int n = n_, me = me_;
+        T* peers[64];
+        for (int j = 0; j < n; ++j) peers[j] = reinterpret_cast<T*>(arena + j * stride + offset);
+        const int64_t align = std::max<int64_t>(1, 64 / int64_t(sizeof(T)));
+        int64_t per_shard = (numel + n - 1) / n;
+        per_shard = (per_shard + align - 1) / align * align;
+        if (div > 1) copy_in<T>(flat, flat, numel, div);
+        if (!arrive(desc) || !wait_all(1, 3) || !check_same_call(desc)) return false;
+        const int64_t lo = std::min(numel, me * per_shard), hi = std::min(numel, (me + 1) * per_shard);
+        if (hi > lo) {
+            T* src[64];
+            for (int j = 0; j < n; ++j) src[j] = peers[j] + lo;
+            sum_ranks<T>(flat + lo, nullptr, src, n, hi - lo, nullptr, me, 1);
+        }
+        if (!arrive(nullptr) || !wait_all(2, 3)) return false;
+        for (int j = 0; j < n; ++j) {
+            const int64_t jlo = std::min(numel, j * per_shard), jhi = std::min(numel, (j + 1) * per_shard);
+            if (j != me && jhi > jlo) std::memcpy(flat + jlo, peers[j] + jlo, (jhi - jlo) * sizeof(T));
+        }
+        // Peers may still be copying this rank's shard: nobody returns (and overwrites) before all are done.
+        return arrive(nullptr) && wait_all(3, 3);
+    }
+};
+
+std::vector<std::string> dtypes() {
+    std::vector<std::string> names{"float32", "float64", "bfloat16", "int32", "int64"};
+#if defined(__F16C__)
+    names.push_back("float16");
+#endif
+    return names;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "ringtrain's shared-memory all-reduce hot path (see ringtrain/comm/shm_native.py)";
+    m.def("dtypes", &dtypes, "the dtypes the native path reduces; others take the Python path");
+    pybind11::class_<Workspace>(m, "Workspace")
+        .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool, bool>())
+        .def("all_reduce", &Workspace::all_reduce)
+        .def("failure", &Workspace::failure)
+        .def_readwrite("direct_bytes", &Workspace::direct_bytes_)
+        .def_readwrite("piece_bytes", &Workspace::pipe_piece_bytes_)
+        .def_readwrite("small_turn", &Workspace::small_turn_)
+        .def_readwrite("staging_turn", &Workspace::staging_turn_);
+}
