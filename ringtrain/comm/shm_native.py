@@ -95,7 +95,7 @@ def load() -> ModuleType | None:
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             reason = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else type(err).__name__)
             print(f"ringtrain: warning: the native shm all-reduce could not be built ({reason[:200]}); using the Python "
-                  f"path (run `python -m ringtrain.comm.shm_native` to see the compiler, or set {ENV_SWITCH}=0)",
+                  f"path (`python -m ringtrain.comm.shm_native --verbose` shows the compiler; {ENV_SWITCH}=0 silences this)",
                   file=sys.stderr)
     _loaded[ENV_SWITCH] = module
     return module
@@ -104,6 +104,9 @@ def load() -> ModuleType | None:
 if __name__ == "__main__":  # `make install`: build now, so that no job waits for the compiler
     if os.environ.get(ENV_SWITCH, "1").strip() == "0":
         print(f"ringtrain: {ENV_SWITCH}=0, not building the native shm all-reduce")
+    elif "--verbose" in sys.argv[1:]:
+        build(verbose=True)  # the compiler's own output, and its error if any
+        print(f"ringtrain: native shm all-reduce ready in {cache_dir()}")
     else:
         loaded = load()
         print(f"ringtrain: native shm all-reduce {'ready in ' + str(cache_dir()) if loaded else 'unavailable (Python path)'}")

@@ -1,0 +1,189 @@
+"""shm's native all-reduce (comm/csrc/shm_native.cpp) against torch.distributed, and its fallbacks.
+
+Checked on real processes: the sums of every dtype the native path takes, at sizes on both sides of its
+thresholds (direct, staged in one and in many pieces, in place in a shared arena), equal to Gloo's
+(the same bits at 2 ranks; within the error bound of an n-term float sum at 3) and bit-identical on every
+rank; that the Python path is really not taken then, and really taken with RINGTRAIN_SHM_NATIVE=0 or a
+dtype the native path does not cover, interleaved with native calls in one group; a build that fails
+falls back with one warning line; a rank killed inside a native call is named; nothing stays in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringtrain import comm
+from ringtrain.comm import shm, shm_native
+from ringtrain.comm.shm_group import NATIVE_DIRECT_BYTES, NATIVE_IN_PLACE_BYTES, NATIVE_PIECE_BYTES, get_shm_group
+from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
+from tests.distributed import run_distributed
+
+# A string: evaluated by pytest, not when a worker process imports this module (which would load the
+# native module before a test could switch it off).
+pytestmark = pytest.mark.skipif("shm_native.load() is None", reason="the native shm all-reduce could not be built here")
+
+# Elements per dtype: tiny, at the direct threshold's edge, staged in one piece, staged in several pieces.
+# Odd sizes so that shards and pieces end unevenly.
+DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
+
+
+def _sizes(dtype: torch.dtype) -> list[int]:
+    item = torch.tensor([], dtype=dtype).element_size()
+    return [1, 37, NATIVE_DIRECT_BYTES // item, NATIVE_DIRECT_BYTES // item + 5, 100_003, 3 * NATIVE_PIECE_BYTES // item + 11]
+
+
+def _values(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return (torch.randn(numel, generator=g, dtype=torch.float64) * 4).to(dtype)
+    return torch.randint(-(1 << 20), 1 << 20, (numel,), generator=g).to(dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _forbid_python_path() -> None:
+    """In this worker process, make the Python path's algorithms raise: a call that took them fails."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Python shm path ran where the native one should have")
+
+    for name in ("_direct", "_pipelined", "_in_place", "_staged"):
+        setattr(shm, name, refuse)
+
+
+def against_torch(rank: int, world_size: int) -> list[dict]:
+    _forbid_python_path()
+    reports = []
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        for numel in _sizes(dtype):
+            for op in ("sum", "avg") if dtype.is_floating_point else ("sum",):
+                x = _values(dtype, numel, seed=1000 * rank + numel)
+                ours = x.clone()
+                comm.all_reduce(ours, op=op, algorithm="shm")
+                reference = x.clone()
+                if op == "avg":
+                    reference.div_(world_size)  # torch's answer for the same divide-then-sum
+                dist.all_reduce(reference)
+                if dtype.is_floating_point:
+                    sum_abs = x.double().abs()
+                    dist.all_reduce(sum_abs)
+                    info = torch.finfo(dtype)
+                    bound = 2 * ((world_size + 2) * info.eps * sum_abs + world_size * info.smallest_normal)
+                    worst = float(((ours.double() - reference.double()).abs() - bound).max())
+                else:
+                    worst = float((ours != reference).sum())
+                reports.append({"case": (name, numel, op), "same_bits": torch.equal(ours, reference),
+                                "within_bound": worst <= 0, "digest": _digest(ours)})
+    assert get_shm_group(dist.group.WORLD).native is not None
+    return reports
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_native_sums_match_torch_and_are_bit_identical_on_every_rank(world_size):
+    results = run_distributed(against_torch, world_size, timeout_s=180)
+    for cases in zip(*results):
+        case = cases[0]["case"]
+        assert len({c["digest"] for c in cases}) == 1, f"{case}: ranks differ"
+        for c in cases:
+            assert c["within_bound"], f"{case}: beyond the error bound of the sum"
+            # Two addends commute and halving is exact: the same bits as Gloo at 2 ranks; integers always.
+            if world_size == 2 or not case[0].startswith(("float", "bfloat")):
+                assert c["same_bits"], f"{case}: not the bits torch.distributed gives"
+
+
+def in_place_and_mixed(rank: int, world_size: int) -> dict:
+    """A tensor in a shared arena (in place), then native and Python-path calls interleaved in one group."""
+    sg = get_shm_group(dist.group.WORLD) if dist.get_world_size() > 1 else None
+    numel = NATIVE_IN_PLACE_BYTES // 4 + 17
+    shared = shm.shared_empty(numel)
+    digests, equal = [], []
+    for round_index in range(3):
+        x = _values(torch.float32, numel, seed=10 * round_index + rank)
+        shared.copy_(x)
+        comm.all_reduce(shared, op="avg", algorithm="shm")
+        reference = x / world_size
+        dist.all_reduce(reference)
+        equal.append(torch.equal(shared, reference))
+        digests.append(_digest(shared))
+        # int16 and uint8: not native dtypes; they run the Python path on the same flags and buffers.
+        for dtype, n in ((torch.int16, 70_001), (torch.uint8, 513), (torch.float32, 5000), (torch.int16, 7)):
+            y = torch.full((n,), rank + 1, dtype=dtype)
+            comm.all_reduce(y, algorithm="shm")
+            equal.append(bool((y == world_size * (world_size + 1) // 2).all()))
+    return {"equal": equal, "digests": digests, "native": sg.native is not None, "arena": sg.find_arena(shared) is not None}
+
+
+def test_in_place_and_python_path_calls_interleave_with_native_ones():
+    results = run_distributed(in_place_and_mixed, 2, timeout_s=120)
+    assert all(r["native"] and r["arena"] for r in results)
+    assert all(all(r["equal"]) for r in results)
+    assert results[0]["digests"] == results[1]["digests"]
+
+
+def switched_off(rank: int, world_size: int) -> dict:
+    os.environ[shm_native.ENV_SWITCH] = "0"
+    calls = {"python": 0}
+    direct = shm._direct
+
+    def counted(*args, **kwargs):
+        calls["python"] += 1
+        return direct(*args, **kwargs)
+
+    shm._direct = counted
+    x = torch.full((1000,), float(rank + 1))
+    comm.all_reduce(x, algorithm="shm")
+    return {"native": get_shm_group(dist.group.WORLD).native is not None, "python_calls": calls["python"],
+            "sum_ok": bool((x == world_size * (world_size + 1) / 2).all())}
+
+
+def test_the_environment_switch_turns_the_native_path_off():
+    for result in run_distributed(switched_off, 2):
+        assert result == {"native": False, "python_calls": 1, "sum_ok": True}
+
+
+def test_a_build_that_fails_falls_back_with_one_warning_line(tmp_path):
+    # A real failed build: an empty cache and a compiler that fails (torch's cpp_extension honours CXX).
+    env = {**os.environ, "RINGTRAIN_CACHE_DIR": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": os.getcwd()}
+    code = "from ringtrain.comm import shm_native; print(shm_native.load())"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "None"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ringtrain: warning: the native shm all-reduce could not be built"), lines
+    assert "using the Python path" in lines[0]
+
+
+def killed_inside(rank: int, world_size: int) -> dict:
+    x = torch.ones(16 << 20 >> 2)  # 16 MB: a native call of many pieces, long enough to be killed inside
+    comm.all_reduce(x, algorithm="shm")
+    if rank == 1:
+        # The call releases the GIL: this thread kills the process while the main thread is in C++.
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    started = time.monotonic()
+    try:
+        while True:
+            comm.all_reduce(x, algorithm="shm")
+    except comm.CollectiveError as err:
+        return {"type": type(err).__name__, "message": str(err), "peer": err.peer, "after_s": time.monotonic() - started}
+
+
+def test_a_rank_killed_inside_a_native_call_is_named():
+    before = {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
+    results = run_distributed(killed_inside, 3, lost_ranks={1}, collective_timeout_s=5.0, timeout_s=60)
+    for rank in (0, 2):
+        result = results[rank]
+        assert result["type"] == "PeerDiedError" and result["peer"] == 1, result
+        assert "rank 1 (pid" in result["message"] and "died" in result["message"], result["message"]
+    assert {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)} <= before  # nothing left behind
