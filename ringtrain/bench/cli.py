@@ -2,6 +2,7 @@
 
     ringtrain bench collectives --nproc 2,4 --algorithms torch,ring,ring_chunked,shm --sizes 4K:64M --out DIR
     ringtrain bench train CONFIG --nproc 1,2 --strategies ddp,ddp:shm,manual --accum 1,4 --out DIR
+    ringtrain bench checkpoint configs/text_lm.toml --nproc 2 --repeat 5 --out DIR
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def add_bench_parser(commands) -> None:
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     _add_collectives(benchmarks)
     _add_train(benchmarks)
+    _add_checkpoint(benchmarks)
 
 
 def _add_collectives(benchmarks) -> None:
@@ -66,6 +68,34 @@ def _add_train(benchmarks) -> None:
     train.add_argument("--no-bare", dest="bare", action="store_false",
                        help="skip the bare DDP loop (it runs the built-in image and digit workloads only, SGD)")
     train.set_defaults(handler=_bench_train)
+
+
+def _add_checkpoint(benchmarks) -> None:
+    checkpoint = benchmarks.add_parser(
+        "checkpoint", help="sharded checkpoint saves: time blocked, synchronous against background",
+        description="Save the config's model and AdamW state (FSDP2-sharded over --nproc workers) with the sharded "
+                    "checkpointer, synchronously and in the background, --repeat times each; write checkpoint_bench.json.")
+    checkpoint.add_argument("config", help="TOML config file, e.g. configs/text_lm.toml")
+    checkpoint.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+    checkpoint.add_argument("--repeat", type=int, default=5, help="saves of each kind (default 5)")
+    checkpoint.add_argument("--out", default="bench-out/checkpoint", help="output folder (default bench-out/checkpoint)")
+    checkpoint.set_defaults(handler=_bench_checkpoint)
+
+
+def _bench_checkpoint(args: argparse.Namespace) -> int:
+    from ringtrain.bench.checkpoint import run_checkpoint_bench
+    from ringtrain.config import load_config
+
+    load_config(args.config)  # a bad config is one line here, not a worker's traceback
+    if args.nproc < 1 or args.repeat < 1:
+        raise RingtrainError("--nproc and --repeat must be at least 1")
+    result = run_checkpoint_bench(args.config, args.nproc, args.repeat, Path(args.out))
+    print(f"sharded save of {args.config} ({result['world_size']} workers, {result['bytes_rank0'] / 1e6:.1f} MB on rank 0): "
+          f"synchronous {result['sync_save_s'] * 1e3:.1f} ms, background {result['async_blocked_s'] * 1e3:.1f} ms blocked "
+          f"+ {result['async_background_s'] * 1e3:.1f} ms behind training: blocked {result['blocked_ratio']:.1%} of the "
+          f"synchronous save (medians of {result['repeat']})")
+    print(f"results: {Path(args.out) / 'checkpoint_bench.json'}")
+    return 0
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:

@@ -45,7 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from ringtrain.checkpoint.manifest import FORMAT, fsync_dir, make_dirs, write_atomic
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
@@ -100,6 +102,7 @@ class ShardedCheckpointer:
         # DCP's planning collectives run beside training's (a background save): a Gloo group of their own.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
         self._pending: PendingSave | None = None
+        self._stager = _ReusedStager()
 
     # --- names -----------------------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
@@ -134,7 +137,8 @@ class ShardedCheckpointer:
         writer = FileSystemWriter(path, sync_files=True)
         tensors = _only_tensors(state)
         if async_save:
-            response = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
+            response = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
+                                      async_stager=self._stager)
             staged = time.perf_counter()
             report.blocked_s = staged - start
             future = response if isinstance(response, Future) else response.upload_completion
@@ -235,6 +239,20 @@ def verify(path: str | Path) -> dict[str, Any]:
         if sha != want["sha256"]:
             raise CorruptCheckpoint(f"checkpoint {path.name}: {name} does not match the sha256 in its manifest (altered on disk)")
     return manifest
+
+
+class _ReusedStager(BlockingAsyncStager):
+    """Stages a background save by copying into buffers kept from the last save: no allocation and no page
+    faults on the training thread after the first save (torch's own cache pins its buffers, which needs
+    CUDA). Safe because ``save`` waits for the previous background write before staging the next."""
+
+    def __init__(self):
+        super().__init__(cache_staged_state_dict=True)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict)
+        return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
 # --- metadata without arbitrary unpickling -------------------------------------------------------------
