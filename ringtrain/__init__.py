@@ -26,7 +26,8 @@ whole loop in under 100 lines, run with ``torchrun``)::
 - processes: ``DistEnv`` (what torchrun's environment says), ``init_distributed`` (the process group),
   ``DistConfig`` (its backend, timeout, threads);
 - gradients: ``DDPStrategy``, ``ManualStrategy`` (``wrap``, ``no_sync``, ``unwrap``, ``comm_timer``);
-- safety: ``CheckpointManager`` (atomic, verified, keep-last-K), ``StepGuard`` (skip non-finite steps and
+- safety: ``CheckpointManager`` (atomic, verified, keep-last-K), ``ShardedCheckpointer`` (each rank its shard,
+  verified, resharded on load, saved in the background), ``StepGuard`` (skip non-finite steps and
   stop on SIGTERM together), ``TrainState`` (step, epoch, samples seen, skips);
 - monitoring: ``StepClock`` (time per phase, throughput), ``RunDirLogger`` / ``NullLogger`` (metrics.jsonl
   on rank 0, nothing elsewhere).
@@ -54,6 +55,7 @@ _LAZY = {
     "DDPStrategy": "ringtrain.parallel.ddp",
     "ManualStrategy": "ringtrain.parallel.manual",
     "CheckpointManager": "ringtrain.checkpoint.manager",
+    "ShardedCheckpointer": "ringtrain.checkpoint.sharded",
     "StepGuard": "ringtrain.train.guards",
     "TrainState": "ringtrain.train.state",
     "StepClock": "ringtrain.monitor.metrics",
@@ -66,6 +68,7 @@ __all__ = ["__version__", *_LAZY]
 if TYPE_CHECKING:
     from ringtrain.api import fit
     from ringtrain.checkpoint.manager import CheckpointManager
+    from ringtrain.checkpoint.sharded import ShardedCheckpointer
     from ringtrain.config import DistConfig
     from ringtrain.data.ledger import Ledger, check_ledger
     from ringtrain.data.loader import StepBatch, build_train_loader

@@ -20,7 +20,7 @@ PUBLIC = {
     "DistEnv", "DistConfig", "init_distributed",
     "ResumableSampler", "StepBatch", "build_train_loader", "Ledger", "check_ledger",
     "DDPStrategy", "ManualStrategy",
-    "CheckpointManager", "StepGuard", "TrainState",
+    "CheckpointManager", "ShardedCheckpointer", "StepGuard", "TrainState",
     "StepClock", "RunDirLogger", "NullLogger",
 }
 
