@@ -14,6 +14,7 @@ DeepSpeed; the bench removes their names once every rank has mapped them, so non
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -30,6 +31,8 @@ INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or: pip install -e '.[bench]')"
 
 
 def _load():
+    # torch.utils.cpp_extension warns at import on a machine without CUDA: noise on the CPU machines this is for.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
     except ImportError:
