@@ -66,7 +66,10 @@ class RingPeers:
         sizes, so they skip the same messages.
         """
         ops, kinds = [], []
-        for kind, tensor, peer in (("send", send, self.right), ("recv", recv, self.left)):
+        # Receives first: in a ring of two (host leaders of two hosts) both directions share one Gloo pair, and
+        # with sends posted first a 16 MB all-reduce between two test hosts over a 1 Gbit/s link took 2x as
+        # long as Gloo's own (0.51x); receives first, 0.94x (docs/benchmarks.md, "Across hosts").
+        for kind, tensor, peer in (("recv", recv, self.left), ("send", send, self.right)):
             if tensor is None or not tensor.numel():
                 continue
             step = max(1, MAX_MESSAGE_BYTES // tensor.element_size())

@@ -6,7 +6,7 @@ it up); under plain torchrun it is the agent's shared store. Workers use it for:
 - progress: rank 0 records each committed step, so the next attempt can report the steps it lost;
 - starts: how many times the worker group has started (restarts = starts - 1);
 - heartbeats: every rank's counter, bumped by a background thread (``watch.py``), so a failed collective
-  can name the rank that stopped responding.
+  can name the rank that stopped responding, and every rank's host (its address), so it can name the host.
 
 Without such a store (a single process, or torchrun without a shared store) the ``NullJobStore`` answers
 "unknown" and nothing is reported.
@@ -62,6 +62,12 @@ class NullJobStore:
     def beats(self, world_size: int) -> dict[int, int]:
         return {}
 
+    def set_host(self, rank: int, address: str) -> None: ...
+
+    def hosts(self, world_size: int) -> dict[int, str]:
+        """Each rank's host, as its address (or host id) (ranks that never said are left out)."""
+        return {}
+
     def clone(self) -> NullJobStore:
         return self
 
@@ -108,6 +114,13 @@ class JobStore(NullJobStore):
         """Each rank's heartbeat counter (ranks that never beat are left out)."""
         keys = [f"heartbeat/{rank}" for rank in range(world_size)]
         return {rank: int(self.store.get(key)) for rank, key in enumerate(keys) if self.store.check([key])}
+
+    def set_host(self, rank: int, address: str) -> None:
+        self.store.set(f"host/{rank}", address)
+
+    def hosts(self, world_size: int) -> dict[int, str]:
+        keys = [f"host/{rank}" for rank in range(world_size)]
+        return {rank: self.store.get(key).decode() for rank, key in enumerate(keys) if self.store.check([key])}
 
     def clone(self) -> JobStore:
         """A second connection, for another thread (one client socket must not be shared)."""

@@ -10,10 +10,17 @@ collective, and stops when the process is killed or stopped (SIGSTOP). When a co
     with watch.op("all_reduce (DDP gradient sync)", step=37):
         loss.backward()
     # CollectiveFailed: step 37: all_reduce (DDP gradient sync) failed: rank 1 did not respond within 10 s
+
+Across hosts every rank also records its host's address in the job store. When every rank of another host
+went silent and the host does not answer on the network (a connection attempt neither accepted nor refused
+within a second), the line names the host: ``host 198.18.0.2 (rank 1) is unreachable``; a rank whose own
+host lost its link finds the job store unreachable and says that instead.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import socket
 import sys
 import threading
@@ -25,6 +32,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ringtrain.comm import flight
+from ringtrain.comm.groups import host_id
+from ringtrain.dist.env import DistEnv
 from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.comm.errors import CollectiveError
 from ringtrain.errors import RingtrainError
@@ -61,6 +70,7 @@ class Heartbeat:
         self.rank = rank
         self.interval_s = interval_s
         self.on_dump_request = on_dump_request
+        self.address = host_address()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ringtrain-heartbeat-{rank}", daemon=True)
 
@@ -75,6 +85,7 @@ class Heartbeat:
     def _run(self) -> None:
         count = 0
         try:
+            self.job_store.set_host(self.rank, self.address)
             answered = self.job_store.dump_requests()  # requests before this attempt are not ours
         except RuntimeError:
             return
@@ -130,6 +141,15 @@ class CollectiveWatch:
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         silent = self.silent_ranks()
         what = f"step {step}: {name} failed"
+        if silent is None:
+            store = f"{getattr(self.job_store, 'host', '?')}:{getattr(self.job_store, 'port', '?')}"
+            return (f"{what}: the job store at {store} does not answer either: this host ({host_address()}) lost its "
+                    "link to the others, or the host that runs the rendezvous is down")
+        lost_host = self.unreachable_host(silent)
+        if lost_host is not None:
+            address, ranks = lost_host
+            return (f"{what}: host {address} ({_ranks(ranks)}) is unreachable: its ranks' heartbeats stopped and it "
+                    f"does not answer on the network (its link or the host is down; timeout {self.timeout_s:g} s)")
         if silent:
             ranks = _ranks(silent)
             if timed_out:
@@ -141,17 +161,36 @@ class CollectiveWatch:
             return f"{what}: no peer answered within {self.timeout_s:g} s ({detail})"
         return f"{what}: {detail}"
 
-    def silent_ranks(self) -> list[int]:
-        """Ranks (other than this one) whose heartbeat did not move over a few beat intervals."""
+    def silent_ranks(self) -> list[int] | None:
+        """Ranks (other than this one) whose heartbeat did not move over a few beat intervals; None when the
+        job store itself cannot be reached (from a host that lost its link)."""
         try:
             before = self.job_store.beats(self.world_size)
             if not before:
                 return []
             time.sleep(2.5 * self.interval_s)
             after = self.job_store.beats(self.world_size)
-        except RuntimeError:
-            return []  # no store to ask
+        except RuntimeError as err:
+            # A store that timed out is unreachable; one that is closed is being torn down (nothing to say).
+            return None if "timeout" in str(err).lower() or "timed out" in str(err).lower() else []
         return [r for r in range(self.world_size) if r != self.rank and after.get(r) == before.get(r)]
+
+    def unreachable_host(self, silent: list[int]) -> tuple[str, list[int]] | None:
+        """(address, ranks) of another host all of whose ranks are silent and that does not answer on the
+        network; None if there is none (a single host, or the silent ranks' host is up)."""
+        hosts = self._hosts()
+        mine = hosts.get(self.rank)
+        for address in dict.fromkeys(hosts[r] for r in silent if r in hosts):
+            ranks = sorted(r for r, a in hosts.items() if a == address)
+            if address != mine and set(ranks) <= set(silent) and not _answers(address):
+                return address, ranks
+        return None
+
+    def _hosts(self) -> dict[int, str]:
+        try:
+            return self.job_store.hosts(self.world_size)
+        except RuntimeError:
+            return {}
 
 
 def flight_dumper(run_dir: str | Path, rank: int, world_size: int) -> Callable[[str], None]:
@@ -166,6 +205,31 @@ def flight_dumper(run_dir: str | Path, rank: int, world_size: int) -> Callable[[
 
 
 FLIGHT_DIR = "flight"
+
+
+def host_address() -> str:
+    """This rank's host as its peers know it: the address its sockets bind to, else its host id."""
+    return DistEnv.from_environ().bind_addr or host_id()
+
+
+def _answers(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether a host answers on the network: a TCP connection to its discard port (9) is accepted or
+    refused (the host is up), not met with silence or 'no route' (its link or the host is down). Host ids
+    that are not addresses (a rank without a bind address) count as answering: nothing to probe."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return True
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout_s)
+        try:
+            probe.connect((address, 9))
+        except ConnectionRefusedError:
+            return True
+        except OSError as err:
+            return err.errno not in (None, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
+    return True
 
 
 def is_comm_error(err: BaseException) -> bool:

@@ -1,0 +1,38 @@
+"""A host's link goes down mid-run: the other host's ranks fail within [dist] timeout_s plus a few seconds,
+with one line naming the unreachable host (its address), its ranks, the operation and the step."""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import ExitStack
+
+from tests.chaos.jobs import Job, last_step
+
+PORT = 29400
+TIMEOUT_S = 5
+
+
+def test_link_cut_mid_run_names_the_unreachable_host(make_hosts, tmp_path):
+    hosts = make_hosts(2)
+    with ExitStack() as stack:
+        jobs = [
+            stack.enter_context(Job(
+                "train", "configs/debug_mlp.toml", "--nproc", "1", "--nnodes", "2", "--node-rank", str(i),
+                "--rdzv-endpoint", f"{hosts.addr(0)}:{PORT}", "--local-addr", hosts.addr(i),
+                "--run-dir", str(tmp_path), "--set", "train.epochs=200", "--set", f"dist.timeout_s={TIMEOUT_S}",
+                "--set", "monitor.log_every_steps=1", prefix=hosts.exec_prefix(i)))
+            for i in range(2)
+        ]
+        jobs[0].wait_for(lambda: last_step(tmp_path) >= 10, timeout=120, what="step 10")
+        hosts.cut(1)
+        cut_at = time.monotonic()
+        seen_at, line = jobs[0].wait_for_line("is unreachable", timeout=60)
+        assert jobs[0].finish(timeout=60) == 1
+    # e.g. "step 37: all_reduce (DDP gradient sync) failed: host 198.18.0.2 (rank 1) is unreachable: ..."
+    assert re.search(rf"step \d+: \w+ \(.+\) failed: host {re.escape(hosts.addr(1))} \(rank 1\) is unreachable", line), line
+    took = seen_at - cut_at
+    print(f"link cut -> '{line}' after {took:.1f} s (timeout_s {TIMEOUT_S})")
+    assert took < TIMEOUT_S + 6, took
+    errors = [entry for entry in jobs[0].stderr.splitlines() if "ringtrain: error" in entry]
+    assert errors and all("Traceback" not in entry for entry in errors), jobs[0].stderr
