@@ -268,7 +268,7 @@ def _describe_fields(model, prefix: str = "") -> str:
             lines.append(f"\n[{name}]\n" + _describe_fields(annotation, prefix=f"{name}."))
             continue
         doc = " ".join((field.description or "").split())
-        lines.append(f"{prefix}{name} = {field.default!r}\n    {doc}\n")
+        lines.append(f"{prefix}{field.alias or name} = {field.default!r}\n    {doc}\n")
     return "".join(lines)
 
 

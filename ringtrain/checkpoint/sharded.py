@@ -52,10 +52,11 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from ringtrain.checkpoint.manifest import FORMAT, fsync_dir, make_dirs, write_atomic
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
-__all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "SafeFileSystemReader"]
+__all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "SafeFileSystemReader", "checkpoint_step_of", "committed"]
 
 _NAME = re.compile(r"^step_(\d{8})\.dcp$")
 _DONE = ".done-rank-{rank}.json"
+EXTRA_FILE = "extra.pt"
 MANIFEST_SUFFIX = ".manifest.json"
 
 
@@ -110,26 +111,29 @@ class ShardedCheckpointer:
 
     def checkpoints(self) -> list[Path]:
         """Committed checkpoints (a manifest beside the folder), oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [p for p in self.directory.iterdir() if _NAME.match(p.name) and manifest_of(p).exists()]
-        return sorted(found, key=lambda p: p.name)
+        return committed(self.directory)
 
     def latest(self) -> Path | None:
         found = self.checkpoints()
         return found[-1] if found else None
 
     # --- save ------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], async_save: bool = False, **manifest_fields: Any) -> PendingSave:
+    def save(self, step: int, state: dict[str, Any], async_save: bool = False, extra: dict[str, Any] | None = None,
+             **manifest_fields: Any) -> PendingSave:
         """Save ``state`` (nested dicts of tensors / DTensors) as step ``step``. Every rank calls it. A
         background save returns once the state is staged in memory; the previous one must have finished
-        (waited for here), so at most one is in flight."""
+        (waited for here), so at most one is in flight. ``extra`` (rank 0's: counters, the sampler, the
+        config; tensors, numbers, strings and containers) goes beside the shards as ``extra.pt``, read back
+        weights-only (``load_extra``) and covered by the same manifest."""
         self.wait()
         path = self.path_for(step)
         if self.rank == 0:
             if path.exists():  # an uncommitted leftover of a save that died
+                manifest_of(path).unlink(missing_ok=True)
                 shutil.rmtree(path)
             make_dirs(path)
+            if extra is not None:
+                write_atomic(path / EXTRA_FILE, lambda f: torch.save(extra, f))
         self._barrier()  # the folder exists for everyone
         start = time.perf_counter()
         report = SaveReport(step=step, path=str(path), blocked_s=0.0)
@@ -208,9 +212,38 @@ class ShardedCheckpointer:
         _copy_back(target, state)
         return manifest
 
+    @staticmethod
+    def load_extra(path: str | Path) -> dict[str, Any]:
+        """Rank 0's ``extra`` of a verified checkpoint (weights-only: no object can be unpickled)."""
+        path = Path(path)
+        verify(path)
+        try:
+            return torch.load(path / EXTRA_FILE, weights_only=True)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"checkpoint {path.name} has no {EXTRA_FILE}") from None
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpoint(f"checkpoint {path.name}/{EXTRA_FILE} holds objects ringtrain never stores ({err}); "
+                                   "it was not loaded") from None
+
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+
+def committed(directory: str | Path) -> list[Path]:
+    """The committed sharded checkpoints in ``directory`` (a manifest beside the folder), oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if _NAME.match(p.name) and manifest_of(p).exists()), key=lambda p: p.name)
+
+
+def checkpoint_step_of(path: Path) -> int:
+    """The step of ``step_XXXXXXXX.dcp``."""
+    found = _NAME.match(Path(path).name)
+    if found is None:
+        raise CheckpointError(f"{path} is not a sharded checkpoint folder (step_XXXXXXXX.dcp)")
+    return int(found.group(1))
 
 
 def manifest_of(path: Path) -> Path:
@@ -319,8 +352,8 @@ def _digest(path: Path) -> tuple[str, int]:
 
 
 def _written_by(name: str, rank: int) -> bool:
-    """DCP's files: ``__R_I.distcp`` per rank R; the coordinator (rank 0) writes ``.metadata``."""
-    return name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")
+    """DCP's files: ``__R_I.distcp`` per rank R; the coordinator (rank 0) writes ``.metadata`` (and ``extra.pt``)."""
+    return name.startswith(f"__{rank}_") or (rank == 0 and name in (".metadata", EXTRA_FILE))
 
 
 def _only_tensors(state: Any) -> Any:

@@ -106,9 +106,10 @@ def _did_you_mean(loc: tuple[str, ...]) -> str:
             return ""
         model = annotation
     prefix = ".".join(loc[:-1])
-    matches = _closest(loc[-1], list(model.model_fields))
+    keys = [field.alias or name for name, field in model.model_fields.items()]
+    matches = _closest(loc[-1], keys)
     if not matches:
-        known = ", ".join(model.model_fields)
+        known = ", ".join(keys)
         return f"; known keys{' in [' + prefix + ']' if prefix else ''}: {known}"
     return f"; did you mean '{'.'.join((*loc[:-1], matches[0]))}'?"
 

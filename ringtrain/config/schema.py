@@ -337,8 +337,19 @@ class CommConfig(Section):
 
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(**Section.model_config, populate_by_name=True)
+
     every_steps: int = Field(default=100, gt=0)
     """Save a checkpoint every this many optimizer steps (and always at the end)."""
+
+    sharded: bool = False
+    """Each rank writes its own shard with torch.distributed.checkpoint (step_N.dcp/, committed by a sha256
+    manifest of every file), instead of rank 0 writing the gathered state (step_N.pt); loads reshard to
+    another number of workers. Strategies ddp, manual and fsdp."""
+
+    async_: bool = Field(default=False, alias="async")
+    """Save sharded checkpoints in the background: the state is copied in memory and written while training
+    goes on; committed (manifest) only when every rank's write has finished. Implies sharded."""
 
     keep_last: int = Field(default=3, gt=0)
     """Number of most recent checkpoints kept; older ones are deleted."""
@@ -424,6 +435,17 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _sharded_checkpoints_fit(self) -> Config:
+        ckpt, strategy = self.checkpoint, self.comm.strategy
+        if (ckpt.sharded or ckpt.async_) and strategy not in ("ddp", "manual", "fsdp"):
+            which = "checkpoint.async" if ckpt.async_ else "checkpoint.sharded"
+            raise ValueError(
+                f"{which} = true works with comm.strategy 'ddp', 'manual' or 'fsdp' for now; '{strategy}' saves "
+                f"full-form checkpoints (gathered to rank 0): set {which} = false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _workload_fits(self) -> Config:
         check_workload(self)
         return self
@@ -436,7 +458,7 @@ class Config(Section):
     def to_toml(self) -> str:
         """The resolved config as TOML (unset optional fields, and the built-in name a factory replaces, are
         left out: the file loads back as the same config)."""
-        values = self.model_dump(exclude_none=True)
+        values = self.model_dump(exclude_none=True, by_alias=True)  # [checkpoint] async, a keyword in Python
         # A factory replaces the built-in model's or dataset's fields; only those that still apply stay.
         if self.model.factory is not None:
             values["model"] = {k: v for k, v in values["model"].items() if k in ("factory", "args")}

@@ -15,6 +15,7 @@ operation and the step. Every part of a step is booked in a ``StepClock`` phase 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
@@ -24,8 +25,11 @@ from typing import Any
 import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.checkpoint.sharded import PendingSave, ShardedCheckpointer, checkpoint_step_of
+from ringtrain.checkpoint.sharded import committed as committed_sharded
+from ringtrain.checkpoint.sharded import verify as verify_sharded
 from ringtrain.config import Config
-from ringtrain.errors import CheckpointError
+from ringtrain.errors import CheckpointError, CorruptCheckpoint
 from ringtrain.data.loader import StepBatch
 from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
 from ringtrain.dist.group import DistContext
@@ -38,6 +42,7 @@ from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
 from ringtrain.train.evaluate import evaluate
 from ringtrain.train.comm_state import gather_rank_states
 from ringtrain.train.optim import load_optimizer_state, optimizer_name, position_lr_scheduler
+from ringtrain.train.sharded_state import load_sharded, save_sharded
 from ringtrain.train.guards import (
     PendingVerdict,
     StepGuard,
@@ -84,6 +89,13 @@ class Trainer:
         """Records of the resume (warnings, the restart report), logged once training starts."""
         self.previous = PreviousAttempt(starts=1, last_step=None, last_step_time=None)
         self._saved_step = -1
+        ckpt = config.checkpoint
+        self.sharded: ShardedCheckpointer | None = (
+            ShardedCheckpointer(checkpoints.directory, ctx.rank, ctx.world_size, ckpt.keep_last)
+            if ckpt.sharded or ckpt.async_ else None
+        )
+        """Sharded checkpoints (each rank its shard; train/sharded_state.py), when the config asks for them."""
+        self._pending_save: PendingSave | None = None
         self._gradients_checked = False
         self._state_mb = 0.0
         """The largest model state (MB) measured after a step's update, before its gradients are dropped."""
@@ -103,6 +115,12 @@ class Trainer:
             # Full (unsharded) forms, as one process holds them: sharded strategies gather them here.
             "model": self.parts.strategy.model_state_dict(self.model),
             "optimizer": self.parts.strategy.optimizer_state_dict(self.parts.optimizer),
+            **self._extra_state(),
+        }
+
+    def _extra_state(self) -> dict[str, Any]:
+        """All of a checkpoint but the model's and optimizer's tensors (a sharded checkpoint's extra.pt)."""
+        return {
             "optimizer_class": optimizer_name(self.parts.optimizer),
             "sampler": self.parts.sampler.state_dict(),
             "train_state": self.state.state_dict(),
@@ -122,9 +140,10 @@ class Trainer:
                 "resume with the checkpoint's optimizer, or start a new run (--resume-from loads the same state)"
             )
         strategy = self.parts.strategy
-        strategy.load_model_state_dict(self.model, state["model"])
-        # Only the optimizer's state comes from the checkpoint; its hyperparameters are this config's.
-        load_optimizer_state(self.parts.optimizer, strategy.shard_optimizer_state(self.parts.optimizer, state["optimizer"]))
+        if "model" in state:  # absent from a sharded checkpoint's extra: its tensors are loaded already
+            strategy.load_model_state_dict(self.model, state["model"])
+            # Only the optimizer's state comes from the checkpoint; its hyperparameters are this config's.
+            load_optimizer_state(self.parts.optimizer, strategy.shard_optimizer_state(self.parts.optimizer, state["optimizer"]))
         self.parts.sampler.load_state_dict(state["sampler"])
         self.state.load_state_dict(state["train_state"])
         position_lr_scheduler(self.parts.scheduler, self.state.step)
@@ -147,7 +166,15 @@ class Trainer:
         """Called once before fit() on every start: continue from the checkpoint the plan picks (every rank
         picks the same one), or return None to start fresh."""
         self.previous = self.parts.job_store.begin_attempt()
-        found = pick_checkpoint(self.checkpoints, plan, self._warn)
+        has_sharded = plan.resume and bool(committed_sharded(self.checkpoints.directory))
+        full_plan = dataclasses.replace(plan, required=plan.required and not has_sharded)
+        found = pick_checkpoint(self.checkpoints, full_plan, self._warn)
+        newer = self._newer_sharded(plan, -1 if found is None else found[1]["train_state"]["step"])
+        if newer is None and found is None and plan.required:
+            raise CheckpointError(f"--resume: no valid checkpoint in {self.checkpoints.directory}; run without "
+                                  "--resume to start afresh")
+        if newer is not None:
+            return self._resume_sharded(newer)
         check_same_choice(-1 if found is None else found[1]["train_state"]["step"])
         if found is None:
             if self.previous.last_step is not None:  # a restart before the first checkpoint: start over
@@ -155,6 +182,36 @@ class Trainer:
             return None
         path, state = found
         self._load_checkpoint(path, state)
+        record = resume_record(path, self.state.step, self.ctx.world_size, self.previous)
+        record["lr"] = self.parts.scheduler.get_last_lr()[0]
+        self.notices.append(record)
+        return path
+
+    def _newer_sharded(self, plan: ResumePlan, full_step: int) -> Path | None:
+        """The newest sharded checkpoint that verifies, when it is newer than the newest full one."""
+        if not plan.resume:
+            return None
+        for path in reversed(committed_sharded(self.checkpoints.directory)):
+            step = checkpoint_step_of(path)
+            if step <= full_step:
+                return None
+            try:
+                verify_sharded(path)
+                return path
+            except CorruptCheckpoint as err:
+                self._warn(f"skipping {path.name}: {err}")
+        return None
+
+    def _resume_sharded(self, path: Path) -> Path:
+        check_same_choice(checkpoint_step_of(path))
+        if self.sharded is None:  # saved sharded, resumed by a job that saves full checkpoints: load it anyway
+            self.sharded = ShardedCheckpointer(self.checkpoints.directory, self.ctx.rank, self.ctx.world_size,
+                                               self.config.checkpoint.keep_last)
+        try:
+            extra = load_sharded(self.sharded, path, self.module, self.parts.optimizer)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise CheckpointError(f"checkpoint {path} does not fit this job ({_first_line(err)})") from None
+        self._load_checkpoint(path, extra)
         record = resume_record(path, self.state.step, self.ctx.world_size, self.previous)
         record["lr"] = self.parts.scheduler.get_last_lr()[0]
         self.notices.append(record)
@@ -209,6 +266,7 @@ class Trainer:
         wall_s = time.perf_counter() - start
         self.last_eval = self._evaluate()
         self._save_checkpoint()
+        self._finish_save()
         summary = self._summary(wall_s, self.state.samples_seen - start_samples)
         self.parts.ledger.close()
         self.logger.finish(summary)
@@ -326,19 +384,40 @@ class Trainer:
         self.logger.log(record)
 
     def _maybe_checkpoint(self) -> None:
+        if self._pending_save is not None and self._pending_save.done():
+            self._finish_save()
         if self.state.step % self.config.checkpoint.every_steps == 0 and not self.finished:
             with self.clock.phase("checkpoint"):
                 self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
-        state = self.state_dict()
-        self.checkpoints.save(self.state.step, state, config_sha256=self.config.digest())
+        if self.sharded is not None:
+            self._finish_save()  # at most one background save in flight
+            self._pending_save = save_sharded(
+                self.sharded, self.state.step, self.module, self.parts.optimizer, self._extra_state(),
+                async_save=self.config.checkpoint.async_, config_sha256=self.config.digest())
+            if not self.config.checkpoint.async_:
+                self._finish_save()
+        else:
+            state = self.state_dict()
+            self.checkpoints.save(self.state.step, state, config_sha256=self.config.digest())
         self._saved_step = self.state.step
+
+    def _finish_save(self) -> None:
+        """Wait for the sharded save in flight (if any) and record it: one 'checkpoint' record per save."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        report = pending.result(timeout=self.config.dist.timeout_s + 600)
+        self.logger.log({"type": "checkpoint", "step": report.step, "path": Path(report.path).name, "sharded": True,
+                         "async": self.config.checkpoint.async_, "blocked_s": report.blocked_s,
+                         "background_s": report.background_s, "bytes": report.bytes})
 
     def _stop(self) -> None:
         """A rank got SIGTERM or SIGINT: every rank checkpoints this step and exits; nothing is lost."""
         if self._saved_step != self.state.step:
             self._save_checkpoint()
+        self._finish_save()  # committed before we say so
         # A peer's signal stopped us; our own agent usually sends us one too (it restarts every worker). Wait
         # for it briefly, so the agent sees a worker it stopped, not one that failed on its own.
         own = self.stop_signal.wait(timeout_s=5.0)

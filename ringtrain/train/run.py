@@ -9,6 +9,8 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from ringtrain.checkpoint.sharded import committed as committed_sharded
+from ringtrain.checkpoint.sharded import verify as verify_sharded
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
@@ -27,7 +29,8 @@ def check_run_dir(config: Config, resume: bool) -> None:
     """Refuse to start a fresh run over a run directory that holds checkpoints: that would lose work."""
     if resume:
         return
-    latest = _manager(config).latest()
+    manager = _manager(config)
+    latest = manager.latest() or next(reversed(committed_sharded(manager.directory)), None)
     if latest is not None:
         raise ConfigError(
             f"run directory {config.run_dir} already holds checkpoints (latest {latest.name}); "
@@ -56,6 +59,12 @@ def check_resume(config: Config, resume: bool, resume_from: str | None) -> None:
         return
     manager = _manager(config)
     problems = []
+    for path in reversed(committed_sharded(manager.directory)):
+        try:
+            verify_sharded(path)
+            return  # the workers resume from a sharded checkpoint (or a newer full one)
+        except CorruptCheckpoint as err:
+            problems.append(str(err))
     for path in reversed(manager.checkpoints()):
         try:
             read_verified(path)
