@@ -129,6 +129,9 @@ def test_accumulation_clipping_zero3_and_fsdp_stay_within_the_bound_of_the_manua
             continue
         for step, (ours, theirs) in enumerate(zip(history, reference), 1):
             torch.testing.assert_close(ours, theirs, **BOUND, msg=lambda m: f"{name}, step {step}: {m}")
+            if world_size == 2 and run["micro"] == 1 and not run["clip"]:
+                # Two ranks, one reduction per step: the same sums as the all-reduce, so the same bits.
+                assert torch.equal(ours, theirs), f"{name}, step {step}: not bit-identical"
 
 
 def test_world_size_one_trains_like_one_process():
@@ -288,3 +291,23 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(overrides, messag
     with pytest.raises(ConfigError) as raised:
         load_config(REPO / LM, overrides)
     assert message in str(raised.value) and "\n" not in str(raised.value).strip(), str(raised.value)
+
+
+def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank_under_zero2(tmp_path):
+    """An infinite gradient on rank 1 at step 3 under zero2: each rank holds another gradient shard, so the
+    flag travels in the step agreement (StepGuard.check + agree); both ranks skip step 3 and the parameters
+    stay those of step 2."""
+    from tests.dist.test_fault_tolerance import records, train as train_job
+
+    zero2 = ["comm.strategy=zero2", "comm.bucket_mb=0.001"]
+    skipped = run_distributed(train_job, 2, str(tmp_path / "inf"), ["train.max_steps=3", *zero2], False,
+                              {"rank": 1, "steps": {3}, "where": "gradient"})
+    clean = run_distributed(train_job, 2, str(tmp_path / "clean"), ["train.max_steps=2", *zero2], False,
+                            {"rank": 1, "steps": set()})
+    for summary, params, state in skipped:
+        assert state["skipped_steps"] == 1 and state["step"] == 3
+        assert summary["param_sha256"][0] == summary["param_sha256"][1]
+        for name, tensor in params.items():
+            assert (tensor == clean[0][1][name]).all(), f"{name}: the skipped step changed the parameters"
+    [skip] = records(tmp_path / "inf", "skip")
+    assert skip["step"] == 3 and skip["reason"].startswith("non-finite gradient on ranks 0, 1"), skip
