@@ -47,7 +47,8 @@ from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors, unique_storage_bytes
 from ringtrain.parallel.buckets import broadcast_from_rank0, bucket_parameters, live_group
 from ringtrain.parallel.units import block_units
-from ringtrain.parallel.zero_flat import FlatUnit, full_optimizer_state, shard_optimizer, sharded_optimizer_state
+from ringtrain.parallel.zero_flat import (FlatUnit, full_optimizer_state, local_pieces, shard_optimizer,
+                                         sharded_optimizer_state)
 
 __all__ = ["ZeroStrategy", "ZeroDataParallel"]
 
@@ -369,6 +370,12 @@ class ZeroStrategy(ReplicatedStrategy):
                 with torch.no_grad():
                     for unit in model.units:
                         unit.shard.copy_(unit.flatten()[unit.lo : unit.hi])
+
+    def local_state(self, model: ZeroDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shard of parameters and optimizer state as ``zero_flat.Piece``s by parameter name, with
+        no communication (``zero_flat.local_pieces``): what a sharded checkpoint would write per rank."""
+        names = {id(p): name for name, p in model.module.named_parameters()}
+        return local_pieces(optimizer, model.units, names, model.shard_of)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model = self._require_wrapped()
