@@ -54,7 +54,7 @@ def all_reduce(
         sg = shm.native_ready(tensor, op, group)
         if sg is not None:
             entry = flight.begin("all_reduce", algorithm, tensor)
-            shm.native_all_reduce(sg, tensor, timeout_s, op == "avg")
+            shm.native_all_reduce(sg, tensor, timeout_s or sg.timeout_s, op == "avg", sg.size)
             flight.end(entry)
             return tensor
     _check(tensor, op, algorithm, chunk_kb, "all_reduce")

@@ -78,7 +78,7 @@ def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, a
     """Sum (or average) the contiguous 1-D CPU tensor ``flat`` over ``group`` in place."""
     sg = get_shm_group(group)
     if sg.native is not None and flat.dtype in sg.native_dtypes and not sg.hierarchical:
-        return _native(sg, flat, timeout_s, average, sg.size)  # the hot path: nothing else on the way
+        return native_all_reduce(sg, flat, timeout_s, average, sg.size)  # the hot path: nothing else on the way
     if sg.hierarchical:
         from ringtrain.comm import hierarchical
 
@@ -116,16 +116,9 @@ def native_ready(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None)
     if type(tensor) is not torch.Tensor or (op != "sum" and op != "avg"):
         return None
     sg = set_up_group(dist.group.WORLD if group is None else group)
-    if (sg is None or sg.native is None or sg.hierarchical or tensor.dtype not in sg.native_dtypes
-            or not tensor.is_cpu or tensor.layout != torch.strided or not tensor.is_contiguous()
-            or tensor.numel() == 0 or (op == "avg" and not tensor.is_floating_point())):
+    if sg is None or sg.native is None or sg.hierarchical or not sg.native.takes(tensor, op == "avg"):
         return None
     return sg
-
-
-def native_all_reduce(sg: ShmGroup, tensor: torch.Tensor, timeout_s: float | None, average: bool) -> torch.Tensor:
-    """All-reduce ``tensor`` (any shape, contiguous) through the native path of ``sg`` (see ``native_ready``)."""
-    return _native(sg, tensor, timeout_s or sg.timeout_s, average, sg.size)
 
 
 def local_all_reduce(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
@@ -133,7 +126,7 @@ def local_all_reduce(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average
     if sg.local_size == 1:  # alone on this host (hierarchical groups)
         return flat.div_(divide_by) if average else flat
     if sg.native is not None and flat.dtype in sg.native_dtypes:
-        return _native(sg, flat, timeout_s, average, divide_by)
+        return native_all_reduce(sg, flat, timeout_s, average, divide_by)
     nbytes = flat.numel() * flat.element_size()
     if nbytes <= sg.small_bytes:
         return _direct(sg, flat, timeout_s, average, divide_by)
@@ -164,16 +157,17 @@ def broadcast_from_leader(sg: ShmGroup, flat: torch.Tensor, timeout_s: float) ->
     return flat
 
 
-def _native(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
+def native_all_reduce(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
     """All-reduce through the C++ path (``csrc/shm_native.cpp``): small messages directly, large ones
-    pipelined through the staging buffers, or in place when ``flat`` lives in a ``shared_empty`` arena."""
+    pipelined through the staging buffers, or in place when ``flat`` lives in a ``shared_empty`` arena.
+    ``flat``: contiguous, of any shape (see ``native_ready``)."""
     arena_ptr = stride = offset = 0
     if sg.arenas and flat.numel() * flat.element_size() >= NATIVE_IN_PLACE_BYTES:
         found = sg.find_arena(flat)
         if found is not None:
             arena, offset = found
             arena_ptr, stride = arena.bytes.data_ptr(), arena.stride
-    if sg.native.all_reduce(flat, average, divide_by, timeout_s, sg.codes[flat.dtype, average], arena_ptr, stride, offset):
+    if sg.native.all_reduce(flat, average, divide_by, timeout_s, arena_ptr, stride, offset):
         what = "shm all_reduce (in place)" if arena_ptr else "shm all_reduce"
         desc = encode_call("all_reduce", "avg" if average else "sum", flat.dtype, flat.numel(), offset if arena_ptr else -1)
         raise sg.board.native_failure(sg.native.failure(), desc, what, timeout_s)

@@ -197,8 +197,6 @@ class ShmGroup:
         self.native = None
         """The C++ hot path (``shm_native``'s Workspace) or None."""
         self.native_dtypes: frozenset = frozenset()
-        self.codes: dict = {}
-        """(dtype, average) -> the code of an all_reduce call (shm_board.encode_call), for the native path."""
 
     @property
     def small_turn(self) -> int:
@@ -266,8 +264,7 @@ class ShmGroup:
         workspace.piece_bytes = min(NATIVE_PIECE_BYTES, self.piece_bytes)
         self.native_dtypes = frozenset(getattr(torch, name) for name in native.dtypes())
         for dtype in self.native_dtypes:
-            for average in (False, True):
-                self.codes[dtype, average] = encode_call("all_reduce", "avg" if average else "sum", dtype, 0)[1]
+            workspace.set_code(dtype, *(encode_call("all_reduce", op, dtype, 0)[1] for op in ("sum", "avg")))
         workspace.small_turn, workspace.staging_turn = self.small_turn, self.staging_turn
         self._turns = workspace  # one record of the turns for both paths
         self.native = workspace
