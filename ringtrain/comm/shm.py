@@ -144,8 +144,8 @@ def broadcast_from_leader(sg: ShmGroup, flat: torch.Tensor, timeout_s: float) ->
     board = sg.board
     for step, lo in enumerate(range(0, flat.numel(), piece)):
         part = flat[lo : lo + piece]
-        sg.staging_turn ^= 1
-        leader_buffer = sg.region_views("staging", sg.staging_turn, flat.dtype)[0][: part.numel()]
+        sg.turns.staging_turn ^= 1
+        leader_buffer = sg.region_views("staging", sg.turns.staging_turn, flat.dtype)[0][: part.numel()]
         if sg.local_rank == 0:
             leader_buffer.copy_(part)
         count = board.arrive(desc if step == 0 else None)
@@ -176,14 +176,14 @@ def native_all_reduce(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, averag
 
 def _direct(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:
     numel = flat.numel()
-    sg.small_turn ^= 1
+    sg.turns.small_turn ^= 1
     # Slicing views costs a microsecond each: keep them per (buffer, dtype, size, op).
-    key = ("direct", sg.small_turn, flat.dtype, numel, average)
+    key = ("direct", sg.turns.small_turn, flat.dtype, numel, average)
     cached = sg._views.get(key)
     if cached is None:
         if len(sg._views) > 512:  # many distinct sizes: start over rather than grow without bound
             sg._views.clear()
-        views = [v[:numel] for v in sg.region_views("small", sg.small_turn, flat.dtype)]
+        views = [v[:numel] for v in sg.region_views("small", sg.turns.small_turn, flat.dtype)]
         desc = encode_call("all_reduce", "avg" if average else "sum", flat.dtype, numel)
         cached = sg._views[key] = (views, desc)
     views, desc = cached
@@ -225,8 +225,8 @@ def _staged(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, r
     if average:
         flat[my_lo:my_hi].div_(divide_by)  # this rank's own shard; the others are divided on the way in
     for k in range(pieces):
-        sg.staging_turn ^= 1
-        staging = sg.region_views("staging", sg.staging_turn, flat.dtype)
+        sg.turns.staging_turn ^= 1
+        staging = sg.region_views("staging", sg.turns.staging_turn, flat.dtype)
         parts = [(min(hi, lo + k * q), min(hi, lo + (k + 1) * q)) for lo, hi in bounds]
         if reduce:
             for j, (lo, hi) in enumerate(parts):  # the parts other ranks will sum
@@ -285,8 +285,8 @@ def _pipelined(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool
     pieces = max(1, -(-max(hi - lo for lo, hi in bounds) // q))
     desc = encode_call("all_reduce", "avg" if average else "sum", flat.dtype, flat.numel())
     board = sg.board
-    first_turn = sg.staging_turn ^ 1
-    sg.staging_turn ^= pieces & 1  # the next call starts on the buffer after this call's last piece
+    first_turn = sg.turns.staging_turn ^ 1
+    sg.turns.staging_turn ^= pieces & 1  # the next call starts on the buffer after this call's last piece
     staging = [sg.region_views("staging", 0, flat.dtype), sg.region_views("staging", 1, flat.dtype)]
 
     def parts(k: int) -> list[tuple[int, int]]:

@@ -136,7 +136,7 @@ def _read(path: str) -> str:
 
 
 @dataclass
-class _Turns:
+class Turns:
     small_turn: int = 0
     staging_turn: int = 0
 
@@ -191,28 +191,13 @@ class ShmGroup:
         self.bytes: torch.Tensor | None = None
         self.arenas: dict[int, Arena] = {}
         """The live arenas of ``shared_empty``; one leaves with the last tensor that uses its memory."""
-        self._turns = _Turns()
-        """Which small / staging buffer the last call used: here, or in the native workspace once it runs."""
+        self.turns = Turns()
+        """Which small / staging buffer the last call used (``small_turn``, ``staging_turn``): a Turns, or the
+        native workspace once it runs, which both paths then read and write."""
         self._views: dict = {}
         self.native = None
         """The C++ hot path (``shm_native``'s Workspace) or None."""
         self.native_dtypes: frozenset = frozenset()
-
-    @property
-    def small_turn(self) -> int:
-        return self._turns.small_turn
-
-    @small_turn.setter
-    def small_turn(self, turn: int) -> None:
-        self._turns.small_turn = turn
-
-    @property
-    def staging_turn(self) -> int:
-        return self._turns.staging_turn
-
-    @staging_turn.setter
-    def staging_turn(self, turn: int) -> None:
-        self._turns.staging_turn = turn
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -265,8 +250,8 @@ class ShmGroup:
         self.native_dtypes = frozenset(getattr(torch, name) for name in native.dtypes())
         for dtype in self.native_dtypes:
             workspace.set_code(dtype, *(encode_call("all_reduce", op, dtype, 0)[1] for op in ("sum", "avg")))
-        workspace.small_turn, workspace.staging_turn = self.small_turn, self.staging_turn
-        self._turns = workspace  # one record of the turns for both paths
+        workspace.small_turn, workspace.staging_turn = self.turns.small_turn, self.turns.staging_turn
+        self.turns = workspace  # one record of the turns for both paths
         self.native = workspace
 
     def share_segment(self, nbytes: int, purpose: str) -> Segment:
