@@ -24,6 +24,7 @@ ringtrain measures here (``validate``).
 
     ringtrain plan calibrate --out bench-out/plan/links.json        # alpha, beta of Gloo and shm, 2 ranks
     ringtrain plan validate bench-out/user-resnet18-shm/train_bench.json --params 11.69M --links bench-out/plan/links.json
+    ringtrain plan validate-hosts docs/img/hosts_collectives_1gbit.json --hosts 2 --per-host 2 --inter-mbps 118 --links L
     ringtrain plan table --out bench-out/plan                        # 8 to 1,024 workers, 25 and 400 Gbit/s
 """
 
@@ -40,7 +41,7 @@ from pathlib import Path
 from ringtrain.errors import RingtrainError
 
 __all__ = ["Link", "Workload", "Topology", "ring_time", "all_reduce_time", "predict_step", "fit_link",
-           "add_plan_parser", "TABLE_DEFAULTS"]
+           "add_plan_parser", "TABLE_DEFAULTS", "validate_collectives"]
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 """torch DDP's first bucket (the gradients ready first) is capped at 1 MB, the rest at bucket_cap_mb."""
@@ -229,6 +230,22 @@ def validate(bench_rows: list[dict], grad_bytes: float, links: dict[str, Link], 
     return cases
 
 
+def validate_collectives(rows: list[dict], topo: Topology, intra: Link, inter: Link) -> list[dict]:
+    """Predict each flat ('torch', 'ring', 'ring_chunked') and hierarchical ('shm') all-reduce of a
+    `bench collectives` run across hosts from links calibrated elsewhere; compare with its p50."""
+    kinds = {"torch": "flat", "ring": "flat", "ring_chunked": "flat", "shm": "hierarchical", "hierarchical": "hierarchical"}
+    cases = []
+    for row in rows:
+        algorithm = kinds.get(row.get("algorithm", ""))
+        if algorithm is None or row.get("world_size") != topo.workers:
+            continue
+        predicted = all_reduce_time(float(row["bytes"]), topo, intra, inter, algorithm)
+        measured = float(row["p50_s"])
+        cases.append({"algorithm": row["algorithm"], "model": algorithm, "bytes": int(row["bytes"]),
+                      "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3, "error": predicted / measured - 1})
+    return cases
+
+
 # --- the extrapolated table ----------------------------------------------------------------------------
 TABLE_DEFAULTS = {
     "models": {
@@ -306,6 +323,15 @@ def add_plan_parser(commands) -> None:
     val.add_argument("--links", default="bench-out/plan/links.json")
     val.add_argument("--bucket-mb", type=float, default=25.0)
     val.set_defaults(handler=_validate)
+    hosts = actions.add_parser("validate-hosts", help="predict a `bench collectives` run across hosts from stated links")
+    hosts.add_argument("collectives_json", help="collectives.json of a run across hosts")
+    hosts.add_argument("--hosts", type=int, required=True)
+    hosts.add_argument("--per-host", type=int, required=True)
+    hosts.add_argument("--inter-mbps", type=float, required=True,
+                       help="the link between hosts in MB/s as measured by a plain TCP stream (e.g. 118 through a 1 Gbit/s cap)")
+    hosts.add_argument("--inter-alpha-us", type=float, default=100.0, help="seconds per message step between hosts, in us")
+    hosts.add_argument("--links", default="bench-out/plan/links.json", help="this machine's calibration: its shm link is the intra-host one")
+    hosts.set_defaults(handler=_validate_hosts)
     table = actions.add_parser("table", help="predicted scaling efficiency, 8 to 1,024 workers (stated hardware)")
     table.add_argument("--out", default="bench-out/plan", help="folder for plan_table.md / .json")
     table.set_defaults(handler=_table)
@@ -346,6 +372,26 @@ def _validate(args: argparse.Namespace) -> int:
     for c in cases:
         print(f"| {c['case']} | {c['workers']} | {c['link']} | {c['measured_step_ms']:.1f} ms | {c['predicted_step_ms']:.1f} ms "
               f"| {c['step_error']:+.1%} | {c['measured_exposed_ms']:.1f} ms | {c['predicted_exposed_ms']:.1f} ms |")
+    return 0
+
+
+def _validate_hosts(args: argparse.Namespace) -> int:
+    try:
+        rows = json.loads(Path(args.collectives_json).read_text())
+    except (OSError, ValueError) as err:
+        raise PlanError(f"{args.collectives_json}: not a `ringtrain bench collectives` result ({err})") from None
+    links = read_links(args.links)
+    if "shm" not in links:
+        raise PlanError(f"--links {args.links} has no shm link; calibrate with --algorithms torch,shm")
+    inter = Link(args.inter_alpha_us * 1e-6, args.inter_mbps * 1e6, f"{args.inter_mbps:g} MB/s")
+    cases = validate_collectives(rows, Topology(args.hosts, args.per_host), links["shm"], inter)
+    if not cases:
+        raise PlanError(f"{args.collectives_json}: no all-reduce at {args.hosts * args.per_host} ranks")
+    print("| algorithm | model | size | measured | predicted | error |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for c in cases:
+        print(f"| {c['algorithm']} | {c['model']} | {c['bytes'] / 2**20:g} MB | {c['measured_ms']:.1f} ms "
+              f"| {c['predicted_ms']:.1f} ms | {c['error']:+.1%} |")
     return 0
 
 

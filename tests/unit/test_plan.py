@@ -97,3 +97,17 @@ def test_plan_commands(tmp_path):
     assert done.returncode == 0 and "| ddp | 2 | torch | 400.0 ms |" in done.stdout, done.stdout + done.stderr
     bad = run_cli("plan", "validate", str(bench), "--params", "eleven", "--links", str(links))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ringtrain: error: --params 'eleven'")
+
+
+def test_validate_collectives_maps_algorithms_to_flat_and_hierarchical():
+    from ringtrain.bench.plan import validate_collectives
+
+    topo, shm, link = Topology(2, 2), Link(5e-6, 2.5e9), Link(1e-4, 118e6)
+    rows = [{"algorithm": "torch", "world_size": 4, "bytes": 64 << 20, "p50_s": 0.85},
+            {"algorithm": "hierarchical", "world_size": 4, "bytes": 64 << 20, "p50_s": 0.61},
+            {"algorithm": "torch", "world_size": 2, "bytes": 64 << 20, "p50_s": 0.5}]  # another world size: left out
+    flat, hier = validate_collectives(rows, topo, shm, link)
+    assert flat["model"] == "flat" and hier["model"] == "hierarchical"
+    assert flat["predicted_ms"] == pytest.approx(ring_time(64 << 20, 4, link) * 1e3)
+    assert hier["predicted_ms"] == pytest.approx((ring_time(64 << 20, 2, shm) + ring_time(64 << 20, 2, link)) * 1e3)
+    assert hier["error"] == pytest.approx(hier["predicted_ms"] / 610 - 1)
