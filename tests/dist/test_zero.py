@@ -253,21 +253,23 @@ def test_model_state_meets_the_analytic_bound_of_each_strategy(tmp_path):
     assert measured["zero2"]["bytes"] < measured["zero1"]["bytes"]
 
 
-def test_a_user_model_through_ringtrain_run_trains_under_zero2_and_zero3_like_manual(tmp_path):
-    """The public path (ringtrain.fit in a user's script, `ringtrain run`), bf16 autocast: the losses of every
+def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_path):
+    """The public path (ringtrain.fit in a user's script, `ringtrain run`), bf16 autocast, zero3 over shm (the
+    other strategies share its trainer path; tests above cover them): the losses of every
     logged step follow the manual strategy's, the checkpoint exports, the records carry model_state_mb."""
     from tests.chaos.jobs import records
     from tests.fit.test_fit import run_script
 
     runs = {}
-    for strategy in ("manual", "zero2", "zero3"):
+    for strategy in ("manual", "zero3"):
         run_dir = tmp_path / strategy
         result = run_script("--nproc", "2", "--run-dir", str(run_dir), "--set", f"comm.strategy={strategy}",
-                            "--set", "comm.algorithm=shm", "--set", "train.precision=bf16")
+                            "--set", "comm.algorithm=shm", "--set", "train.precision=bf16", "--set", "train.max_steps=20",
+                            "--set", "monitor.log_every_steps=5")
         assert result.returncode == 0, result.stderr
         runs[strategy] = records(run_dir, "train")
         assert all(r["model_state_mb"] > 0 for r in runs[strategy])
-    for strategy in ("zero2", "zero3"):
+    for strategy in ("zero3",):
         assert [r["step"] for r in runs[strategy]] == [r["step"] for r in runs["manual"]]
         for ours, theirs in zip(runs[strategy], runs["manual"]):
             assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4), f"{strategy} at step {ours['step']}"
@@ -356,13 +358,12 @@ def test_bench_train_reports_model_state_per_strategy(tmp_path):
     import json
 
     settings = [arg for override in [*TINY_LM, "comm.bucket_mb=0.02"] for arg in ("--set", override)]
-    result = run_cli("bench", "train", LM, "--nproc", "2", "--strategies", "ddp,zero2:shm,zero3:ring", "--steps", "6",
+    result = run_cli("bench", "train", LM, "--nproc", "2", "--strategies", "ddp,zero2:shm", "--steps", "6",
                      "--interval", "2", "--no-bare", *settings, "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr + "".join(p.read_text() for p in tmp_path.rglob("bench_stderr.log"))
     rows = {r["label"]: r for r in json.loads((tmp_path / "train_bench.json").read_text())}
-    assert set(rows) == {"ddp", "zero2:shm", "zero3:ring"}
-    # (On this tiny LM the embeddings, zero3's root unit, are a large share: zero3 is not below zero2 here.)
-    assert max(rows["zero3:ring"]["model_state_mb"], rows["zero2:shm"]["model_state_mb"]) < rows["ddp"]["model_state_mb"]
+    assert set(rows) == {"ddp", "zero2:shm"}
+    assert rows["zero2:shm"]["model_state_mb"] < rows["ddp"]["model_state_mb"]
     assert all(r["peak_rss_mb"] > 0 and r["median_step_s"] > 0 for r in rows.values())
     assert "| model state MB | peak RSS MB |" in (tmp_path / "train_bench.md").read_text()
     assert (tmp_path / "train_memory.png").stat().st_size > 0
