@@ -178,8 +178,9 @@ class StepGuard:
     def start(self, loss_sum: torch.Tensor) -> PendingVerdict:
         """The overlapped form of ``check`` + ``agree`` that ringtrain's trainer uses: call it before the
         backward that synchronises the gradients, with the step's loss sum; it starts the all-reduce of the
-        loss and stop flags, which runs beside that backward. ``finish`` after the backward waits for it
-        (usually done by then) and checks the synchronised gradient on this rank alone.
+        loss and stop flags, which runs beside that backward. After the backward, ``gradients_finite`` checks
+        the synchronised gradient on this rank alone and ``finish`` waits for the all-reduce (usually done by
+        then) and makes the verdict.
 
         That local check is the same on every rank because the synchronised gradient is (bit-identical on
         every rank: a gradient all-reduce ends with every rank holding the same sum, which is also what
@@ -192,11 +193,16 @@ class StepGuard:
         work = dist.all_reduce(flags, async_op=True) if dist.is_initialized() and size > 1 else None
         return PendingVerdict(flags, work)
 
-    def finish(self, pending: PendingVerdict, parameters: Iterable[torch.nn.Parameter],
-               gradients: bool = True) -> Verdict:
-        """Wait for ``start``'s all-reduce and check the synchronised gradients (``gradients=False``: as
-        in ``check``); the same verdict on every rank."""
-        grad_bad = gradients and not _grads_finite(parameters)
+    @staticmethod
+    def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
+        """Whether every gradient element is finite (one fused norm); run it on the synchronised gradient
+        and hand the answer to ``finish``."""
+        return _grads_finite(parameters)
+
+    def finish(self, pending: PendingVerdict, gradient_finite: bool = True) -> Verdict:
+        """Wait for ``start``'s all-reduce; with ``gradient_finite``, this rank's check of the synchronised
+        gradient (``gradients_finite``: the same answer on every rank), make the step's verdict."""
+        grad_bad = not gradient_finite
         if pending.work is not None:
             pending.work.wait()
         size = self.world_size

@@ -296,15 +296,14 @@ class Trainer:
         with self.clock.phase("optimizer"):
             # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient.
             self.precision.unscale_(self.parts.optimizer)
-            if not pending:
-                flags = self.guard.check(loss_sum, strategy.gradient_parameters(self.model, self.parts.optimizer),
-                                         gradients=check_gradients)
-        with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
+            parameters = strategy.gradient_parameters(self.model, self.parts.optimizer)
             if pending:  # the gradient check is local: the synchronised gradient is the same on every rank
-                verdict = self.guard.finish(pending[0], strategy.gradient_parameters(self.model, self.parts.optimizer),
-                                            gradients=check_gradients)
+                gradient_finite = not check_gradients or self.guard.gradients_finite(parameters)
             else:
-                verdict = self.guard.agree(flags)
+                flags = self.guard.check(loss_sum, parameters, gradients=check_gradients)
+        # Only the wait for the agreement is communication (the checks above are the optimizer's time).
+        with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
+            verdict = self.guard.finish(pending[0], gradient_finite) if pending else self.guard.agree(flags)
         with self.clock.phase("optimizer"):
             if verdict.skip:
                 self.precision.skip(self.parts.optimizer)
