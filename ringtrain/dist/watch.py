@@ -139,7 +139,8 @@ class CollectiveWatch:
     def describe(self, name: str, step: int, err: Exception) -> str:
         text = str(err)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-        silent = self.silent_ranks()
+        # From a host that lost its link the store's calls may block past their own timeout: bound them.
+        silent = _within(self.silent_ranks, 2.5 * self.interval_s + _STORE_WAIT_S, default=None)
         what = f"step {step}: {name} failed"
         if silent is None:
             store = f"{getattr(self.job_store, 'host', '?')}:{getattr(self.job_store, 'port', '?')}"
@@ -205,6 +206,23 @@ def flight_dumper(run_dir: str | Path, rank: int, world_size: int) -> Callable[[
 
 
 FLIGHT_DIR = "flight"
+
+
+_STORE_WAIT_S = 3.0
+
+
+def _within(call: Callable[[], object], timeout_s: float, default: object) -> object:
+    """``call()``, or ``default`` if it has not returned within ``timeout_s`` (it is left running, in a
+    daemon thread: the process is about to fail anyway)."""
+    result = [default]
+
+    def run() -> None:
+        result[0] = call()
+
+    thread = threading.Thread(target=run, name="ringtrain-watch-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return default if thread.is_alive() else result[0]
 
 
 def host_address() -> str:
