@@ -348,8 +348,7 @@ def _count(text: str) -> float:
 def _calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.from_bench:
-        rows = json.loads(Path(args.from_bench).read_text())
-        links = links_from_bench(rows, args.nproc)
+        links = links_from_bench(_read_rows(args.from_bench, "ringtrain bench collectives"), args.nproc)
         write_links(out, links, {"measured": f"fitted to {args.from_bench} at {args.nproc} ranks"})
     else:
         links = calibrate(out, args.nproc, args.algorithms)
@@ -359,11 +358,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(args: argparse.Namespace) -> int:
+def _read_rows(path: str, made_by: str) -> list[dict]:
     try:
-        rows = json.loads(Path(args.bench_json).read_text())
+        rows = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
-        raise PlanError(f"{args.bench_json}: not a `ringtrain bench train` result ({err})") from None
+        raise PlanError(f"{path}: not a `{made_by}` result ({err})") from None
+    if not isinstance(rows, list):
+        raise PlanError(f"{path}: not a `{made_by}` result (expected a list of rows)")
+    return rows
+
+
+def _validate(args: argparse.Namespace) -> int:
+    rows = _read_rows(args.bench_json, "ringtrain bench train")
     cases = validate(rows, _count(args.params) * 4, read_links(args.links), args.bucket_mb * 1e6)
     if not cases:
         raise PlanError(f"{args.bench_json}: no ringtrain case at 2+ workers with a link in {args.links}")
@@ -376,10 +382,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _validate_hosts(args: argparse.Namespace) -> int:
-    try:
-        rows = json.loads(Path(args.collectives_json).read_text())
-    except (OSError, ValueError) as err:
-        raise PlanError(f"{args.collectives_json}: not a `ringtrain bench collectives` result ({err})") from None
+    rows = _read_rows(args.collectives_json, "ringtrain bench collectives")
     links = read_links(args.links)
     if "shm" not in links:
         raise PlanError(f"--links {args.links} has no shm link; calibrate with --algorithms torch,shm")
