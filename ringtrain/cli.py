@@ -231,6 +231,11 @@ def _launch(options, program, run_dir: str) -> None:
 
         launch_worker_agents(options, program, run_dir, log_dir)
     else:
+        min_nodes, max_nodes = options.node_range()
+        if min_nodes < max_nodes and options.node_rank == 0:
+            from ringtrain.elastic import write_job_file
+
+            write_job_file(options, program, run_dir, log_dir)  # a host that lost the job rejoins with it
         launch(replace(options, log_dir=log_dir), program)
 
 

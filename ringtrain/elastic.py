@@ -14,6 +14,11 @@ one worker. Torch's agents then do the work:
 
 The store lives in this process, so killing any agent or worker leaves it up. The job's description is
 written to ``RUN_DIR/job.json`` for ``ringtrain join``.
+
+Elastic *nodes* (``--nnodes MIN:MAX``, one launcher per host, each one agent for its ``--nproc`` workers) write
+the same file from node 0 (``write_job_file``): a host that lost the job (its link went down, the others went
+on without it) comes back with ``ringtrain join RUN_DIR --local-addr ITS_ADDRESS``, an agent for ``--nproc``
+workers.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from ringtrain.launch import (
     split_endpoint,
 )
 
-__all__ = ["JobSpec", "launch_worker_agents", "join_job", "JOB_FILE"]
+__all__ = ["JobSpec", "launch_worker_agents", "join_job", "write_job_file", "JOB_FILE"]
 
 JOB_FILE = "job.json"
 
@@ -57,6 +62,8 @@ class JobSpec:
     program: Program
     """What each worker runs (``ringtrain.worker`` or the user's script, its arguments, folder, environment)."""
     log_dir: str
+    nproc: int = 1
+    """Workers per agent: 1 for --min-nproc jobs (one agent per worker), --nproc for elastic nodes."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "program": self.program.to_json()})
@@ -90,12 +97,9 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
     host, port = split_endpoint(options.rdzv_endpoint or "127.0.0.1:0")
     store = host_rendezvous_store(host, port) if options.node_rank == 0 else None
     port = store.port if store is not None else port
-    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    spec = JobSpec(endpoint, options.run_id or f"ringtrain-{host}-{port}", min_workers, max_workers,
-                   options.max_restarts, options.rdzv_conf, program, log_dir)
+    spec = _spec(options, program, log_dir, host, port, min_workers, max_workers, nproc=1)
     if options.node_rank == 0:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(run_dir) / JOB_FILE).write_text(spec.to_json() + "\n")
+        _write(spec, run_dir)
     # Node 0's workers bind where its rendezvous listens; other nodes' to --local-addr (or torch's choice).
     local_addr = options.local_addr or (host if options.node_rank == 0 else None)
     try:
@@ -105,12 +109,32 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
         del store  # the rendezvous lives exactly as long as this launcher
 
 
+def write_job_file(options: LaunchOptions, program: Program, run_dir: str, log_dir: str) -> None:
+    """Node 0 of an elastic-nodes job (``--nnodes MIN:MAX``, one agent per host): RUN_DIR/job.json, so that
+    ``ringtrain join RUN_DIR`` on a host can (re)join it with an agent for ``options.nproc`` workers."""
+    min_workers, max_workers = options.world_size_range()
+    host, port = split_endpoint(options.rdzv_endpoint)  # multi-node: a fixed port (validate)
+    _write(_spec(options, program, log_dir, host, port, min_workers, max_workers, nproc=options.nproc), run_dir)
+
+
+def _spec(options: LaunchOptions, program: Program, log_dir: str, host: str, port: int, min_workers: int,
+          max_workers: int, nproc: int) -> JobSpec:
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return JobSpec(endpoint, options.run_id or f"ringtrain-{host}-{port}", min_workers, max_workers,
+                   options.max_restarts, options.rdzv_conf, program, log_dir, nproc)
+
+
+def _write(spec: JobSpec, run_dir: str) -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / JOB_FILE).write_text(spec.to_json() + "\n")
+
+
 def join_job(spec: JobSpec, local_addr: str | None = None) -> None:
-    """Run one single-worker agent that joins the job's rendezvous (``ringtrain join``)."""
+    """Run one agent (for ``spec.nproc`` workers) that joins the job's rendezvous (``ringtrain join``)."""
     _check_running(spec)
     options = LaunchOptions(
-        nproc=1,
-        nnodes=f"{spec.min_workers}:{spec.max_workers}",
+        nproc=spec.nproc,
+        nnodes=f"{spec.min_workers // spec.nproc}:{spec.max_workers // spec.nproc}",
         rdzv_endpoint=spec.rdzv_endpoint,
         local_addr=local_addr,
         max_restarts=spec.max_restarts,
