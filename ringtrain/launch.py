@@ -27,13 +27,13 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
-from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
 from ringtrain.dist.env import BIND_ADDR_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.dist.jobstore import JobStore
+from ringtrain.dist.watch import host_answers
 from ringtrain.errors import LaunchError, RingtrainError
 
 __all__ = ["LaunchOptions", "Program", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS"]
@@ -207,12 +207,25 @@ def launch(options: LaunchOptions, program: Program) -> None:
         raise WorkerFailed(_describe_failure(err)) from None
     except SignalException as err:
         raise JobStopped(err.sigval) from None
+    except RendezvousConnectionError:
+        if hosts_store:
+            raise LaunchError(f"rendezvous at {host}:{port} failed: this launcher's own store stopped answering") from None
+        raise LaunchError(_rendezvous_host_lost(host, port)) from None
     except RendezvousError as err:
         raise LaunchError(f"rendezvous at {host}:{port} failed: {err}") from None
     finally:
         signal.signal(signal.SIGUSR1, previous)
         # The rendezvous store lives exactly as long as this node's agent.
         del store
+
+
+def _rendezvous_host_lost(host: str, port: int) -> str:
+    """The store that node 0's launcher hosts dropped this agent's connection, or stopped answering."""
+    if host_answers(host):
+        return (f"the rendezvous host {host} is gone: its store at {host}:{port} dropped the connection and the host "
+                "answers on the network (node 0's launcher died); start the job again with --resume")
+    return (f"the rendezvous host {host} is unreachable: its store at {host}:{port} does not answer (its link or the "
+            "host is down, or this host lost its link); start the job again with --resume")
 
 
 def _dump_request_handler(host: str, port: int, run_id: str):

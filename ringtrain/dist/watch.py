@@ -13,8 +13,11 @@ collective, and stops when the process is killed or stopped (SIGSTOP). When a co
 
 Across hosts every rank also records its host's address in the job store. When every rank of another host
 went silent and the host does not answer on the network (a connection attempt neither accepted nor refused
-within a second), the line names the host: ``host 198.18.0.2 (rank 1) is unreachable``; a rank whose own
-host lost its link finds the job store unreachable and says that instead.
+within a second), the line names the host: ``host 198.18.0.2 (rank 1) is unreachable``; when every rank of
+another host died but the host answers (all its processes were killed), ``host 198.18.0.2 (rank 1) is gone``.
+A rank whose own host lost its link finds the job store unreachable and says that instead; a rank on another
+host than the job store's whose store connection was dropped names the rendezvous host:
+``the rendezvous host 198.18.0.1 (rank 0) is gone``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.comm.errors import CollectiveError
 from ringtrain.errors import RingtrainError
 
-__all__ = ["CollectiveFailed", "CollectiveWatch", "FLIGHT_DIR", "Heartbeat", "HEARTBEAT_INTERVAL_S", "flight_dumper"]
+__all__ = ["CollectiveFailed", "CollectiveWatch", "FLIGHT_DIR", "Heartbeat", "HEARTBEAT_INTERVAL_S", "flight_dumper",
+           "host_answers"]
 
 HEARTBEAT_INTERVAL_S = 0.5
 
@@ -117,11 +121,16 @@ class CollectiveWatch:
         self.interval_s = interval_s
         self.on_failure = on_failure
         """Called with the failure's line before it is raised (the trainer dumps the flight recorder)."""
+        self._known_hosts: dict[int, str] = {}
+        """Each rank's host address, read from the job store until every rank has said (a few first ops): a
+        failure that takes the store with it (the rendezvous host died) can still name that host's ranks."""
 
     @contextmanager
     def op(self, name: str, step: int) -> Iterator[None]:
         """Run a collective (or code that runs one, such as a DDP backward) under the watch; the flight
         recorder books the collectives inside to ``name`` at ``step``."""
+        if len(self._known_hosts) < self.world_size:
+            self._known_hosts = self._hosts() or self._known_hosts
         try:
             with flight.region(name, step):
                 yield
@@ -143,14 +152,25 @@ class CollectiveWatch:
         silent = _within(self.silent_ranks, 2.5 * self.interval_s + _STORE_WAIT_S, default=None)
         what = f"step {step}: {name} failed"
         if silent is None:
-            store = f"{getattr(self.job_store, 'host', '?')}:{getattr(self.job_store, 'port', '?')}"
+            store_host = getattr(self.job_store, "host", "?")
+            store = f"{store_host}:{getattr(self.job_store, 'port', '?')}"
+            ranks = sorted(r for r, a in self._known_hosts.items() if a == store_host and r != self.rank)
+            of = f" ({_ranks(ranks)})" if ranks else ""
+            if self._store_elsewhere() and host_answers(store_host):
+                return (f"{what}: the rendezvous host {store_host}{of} is gone: the job store at {store} dropped the "
+                        "connection and the host answers on the network (node 0's launcher and its ranks died)")
             return (f"{what}: the job store at {store} does not answer either: this host ({host_address()}) lost its "
-                    "link to the others, or the host that runs the rendezvous is down")
+                    f"link to the others, or the rendezvous host {store_host}{of} is unreachable (down)")
         lost_host = self.unreachable_host(silent)
         if lost_host is not None:
             address, ranks = lost_host
             return (f"{what}: host {address} ({_ranks(ranks)}) is unreachable: its ranks' heartbeats stopped and it "
                     f"does not answer on the network (its link or the host is down; timeout {self.timeout_s:g} s)")
+        dead_host = self.dead_host(silent)
+        if dead_host is not None:
+            address, ranks = dead_host
+            return (f"{what}: host {address} ({_ranks(ranks)}) is gone: every one of its ranks stopped (connection "
+                    "lost, heartbeats stopped) while the host answers on the network (its processes died or were killed)")
         if silent:
             ranks = _ranks(silent)
             if timed_out:
@@ -172,8 +192,11 @@ class CollectiveWatch:
             time.sleep(2.5 * self.interval_s)
             after = self.job_store.beats(self.world_size)
         except RuntimeError as err:
-            # A store that timed out is unreachable; one that is closed is being torn down (nothing to say).
-            return None if "timeout" in str(err).lower() or "timed out" in str(err).lower() else []
+            # A store that timed out is unreachable. One that dropped the connection is being torn down (nothing
+            # to say) when it runs on this host; on another host, that host's launcher is gone.
+            if "timeout" in str(err).lower() or "timed out" in str(err).lower():
+                return None
+            return None if self._store_elsewhere() else []
         return [r for r in range(self.world_size) if r != self.rank and after.get(r) == before.get(r)]
 
     def unreachable_host(self, silent: list[int]) -> tuple[str, list[int]] | None:
@@ -183,9 +206,31 @@ class CollectiveWatch:
         mine = hosts.get(self.rank)
         for address in dict.fromkeys(hosts[r] for r in silent if r in hosts):
             ranks = sorted(r for r, a in hosts.items() if a == address)
-            if address != mine and set(ranks) <= set(silent) and not _answers(address):
+            if address != mine and set(ranks) <= set(silent) and not host_answers(address):
                 return address, ranks
         return None
+
+    def dead_host(self, silent: list[int]) -> tuple[str, list[int]] | None:
+        """(address, ranks) of another host all of whose ranks are silent although it answers on the network
+        (its processes were killed); None on a single host."""
+        hosts = self._hosts() or self._known_hosts
+        mine = hosts.get(self.rank)
+        if len(set(hosts.values())) < 2:
+            return None
+        for address in dict.fromkeys(hosts[r] for r in silent if r in hosts):
+            ranks = sorted(r for r, a in hosts.items() if a == address)
+            if address != mine and set(ranks) <= set(silent):
+                return address, ranks
+        return None
+
+    def _store_elsewhere(self) -> bool:
+        """Whether the job store (node 0's launcher) runs on another host than this rank's."""
+        store_host = getattr(self.job_store, "host", None)
+        try:
+            loopback = ipaddress.ip_address(store_host).is_loopback
+        except ValueError:
+            loopback = False
+        return bool(store_host) and not loopback and store_host != host_address()
 
     def _hosts(self) -> dict[int, str]:
         try:
@@ -230,7 +275,7 @@ def host_address() -> str:
     return DistEnv.from_environ().bind_addr or host_id()
 
 
-def _answers(address: str, timeout_s: float = 1.0) -> bool:
+def host_answers(address: str, timeout_s: float = 1.0) -> bool:
     """Whether a host answers on the network: a TCP connection to its discard port (9) is accepted or
     refused (the host is up), not met with silence or 'no route' (its link or the host is down). Host ids
     that are not addresses (a rank without a bind address) count as answering: nothing to probe."""
