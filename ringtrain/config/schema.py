@@ -345,7 +345,7 @@ class CheckpointConfig(Section):
     sharded: bool = False
     """Each rank writes its own shard with torch.distributed.checkpoint (step_N.dcp/, committed by a sha256
     manifest of every file), instead of rank 0 writing the gathered state (step_N.pt); loads reshard to
-    another number of workers. Strategies ddp, manual and fsdp."""
+    another number of workers or another strategy. Every strategy (zero1/2/3: each rank its own stretch)."""
 
     async_: bool = Field(default=False, alias="async")
     """Save sharded checkpoints in the background: the state is copied in memory and written while training
@@ -431,17 +431,6 @@ class Config(Section):
             raise ValueError(
                 f"train.precision = 'fp16' with comm.strategy = '{strategy}' is not supported yet (the GradScaler "
                 "would see a different gradient shard on every rank); use 'bf16', or strategy 'ddp'"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _sharded_checkpoints_fit(self) -> Config:
-        ckpt, strategy = self.checkpoint, self.comm.strategy
-        if (ckpt.sharded or ckpt.async_) and strategy not in ("ddp", "manual", "fsdp"):
-            which = "checkpoint.async" if ckpt.async_ else "checkpoint.sharded"
-            raise ValueError(
-                f"{which} = true works with comm.strategy 'ddp', 'manual' or 'fsdp' for now; '{strategy}' saves "
-                f"full-form checkpoints (gathered to rank 0): set {which} = false"
             )
         return self
 

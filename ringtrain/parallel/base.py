@@ -8,11 +8,12 @@ manual); the sharded ones (zero1/2/3, fsdp) override them.
     norm = strategy.clip_grad_norm_(model, optimizer, 1.0)   # the global norm, across shards
     full = strategy.optimizer_state_dict(optimizer)      # torch's form, as a single process holds it
     optimizer.load_state_dict(strategy.shard_optimizer_state(optimizer, full))
+    state = strategy.checkpoint_state(model, optimizer)   # this rank's tensors, for a sharded checkpoint
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -76,6 +77,27 @@ class ReplicatedStrategy:
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """A full optimizer state (``optimizer_state_dict``'s form) as ``optimizer.load_state_dict`` takes it."""
         return state
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The model and optimizer state in this rank's layout for a sharded (DCP) checkpoint, in torch's
+        ``get_state_dict`` keys: ``{"model": ..., "optimizer": ...}``. Replicated tensors here (DCP writes each
+        once), DTensor shards under FSDP2, each rank's stretches under zero1/2/3; any of them loads into any
+        other (DCP reshards)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.unwrap(model), optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              load: Callable[[dict[str, Any]], None]) -> None:
+        """Fill the model and optimizer from a sharded checkpoint: ``load(state)`` reads it in place into the
+        tensors of ``checkpoint_state``'s form (resharded), which are then set."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self.checkpoint_state(model, optimizer)  # the layout to fill (and AdamW's moments, created)
+        load(state)
+        set_state_dict(self.unwrap(model), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
         """Every tensor of the model state this rank holds: parameters, gradients, optimizer state, buffers

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -47,8 +47,8 @@ from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors, unique_storage_bytes
 from ringtrain.parallel.buckets import broadcast_from_rank0, bucket_parameters, live_group
 from ringtrain.parallel.units import block_units
-from ringtrain.parallel.zero_flat import (FlatUnit, full_optimizer_state, local_pieces, shard_optimizer,
-                                         sharded_optimizer_state)
+from ringtrain.parallel.zero_flat import FlatUnit, full_optimizer_state, shard_optimizer, sharded_optimizer_state
+from ringtrain.parallel.zero_state import materialize_optimizer_state, settle_empty_runs, zero_checkpoint_state
 
 __all__ = ["ZeroStrategy", "ZeroDataParallel"]
 
@@ -371,11 +371,18 @@ class ZeroStrategy(ReplicatedStrategy):
                     for unit in model.units:
                         unit.shard.copy_(unit.flatten()[unit.lo : unit.hi])
 
-    def local_state(self, model: ZeroDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """This rank's shard of parameters and optimizer state as ``zero_flat.Piece``s by parameter name, with
-        no communication (``zero_flat.local_pieces``): what a sharded checkpoint would write per rank."""
-        names = {id(p): name for name, p in model.module.named_parameters()}
-        return local_pieces(optimizer, model.units, names, model.shard_of)
+    def checkpoint_state(self, model: ZeroDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's stretches of every parameter and elementwise optimizer state, as DCP chunks with global
+        offsets (``zero_state``), with no communication: each rank writes only what it owns."""
+        return zero_checkpoint_state(model.module, optimizer, model.units, model.shard_of, full_model=False)
+
+    def load_checkpoint_state(self, model: ZeroDataParallel, optimizer: torch.optim.Optimizer,
+                              load: Callable[[dict[str, Any]], None]) -> None:
+        """Read a sharded checkpoint (any layout: zero at any world size, ddp, fsdp) into this rank's shards
+        and optimizer state in place. zero1/2 read whole parameters (every rank holds them all)."""
+        materialize_optimizer_state(optimizer)
+        load(zero_checkpoint_state(model.module, optimizer, model.units, model.shard_of, full_model=self.stage < 3))
+        settle_empty_runs(optimizer, model.units)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model = self._require_wrapped()

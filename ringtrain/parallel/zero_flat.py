@@ -23,18 +23,7 @@ from torch import nn
 
 from ringtrain.comm.shards import tensor_shards
 
-__all__ = ["FlatUnit", "Run", "Piece", "shard_optimizer", "full_optimizer_state", "sharded_optimizer_state",
-           "local_pieces"]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """This rank's stretch of one tensor, flattened: elements ``[start, start + values.numel())`` of a tensor
-    of ``shape`` (what a sharded checkpoint writes per rank; the stretches of all ranks cover it once)."""
-
-    shape: torch.Size
-    start: int
-    values: torch.Tensor
+__all__ = ["FlatUnit", "Run", "shard_optimizer", "full_optimizer_state", "sharded_optimizer_state"]
 
 
 @dataclass
@@ -232,30 +221,3 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, units: list[FlatUn
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(index, index + len(group["params"])))})
         index += len(group["params"])
     return {"state": state, "param_groups": groups}
-
-
-def local_pieces(optimizer: torch.optim.Optimizer, units: list[FlatUnit], names: dict[int, str],
-                 shard_of: Callable[[FlatUnit], tuple[torch.Tensor, int]]) -> dict[str, Any]:
-    """This rank's own part of the model and optimizer state, per parameter name, with no communication:
-    ``{"model": {name: Piece}, "optimizer": {name: {key: Piece, or a value every rank holds}}}``; a parameter
-    none of whose elements this rank owns is left out. The hook for sharded checkpoints."""
-    model: dict[str, Piece] = {}
-    state: dict[str, dict[str, Any]] = {}
-    for unit in units:
-        shard, shard_start = shard_of(unit)
-        for p, offset in zip(unit.params, unit.offsets):
-            a, b = max(offset, unit.lo), min(offset + p.numel(), unit.hi)
-            if a >= b:
-                continue
-            name = names[id(p)]
-            model[name] = Piece(p.shape, a - offset, shard[a - shard_start : b - shard_start].detach())
-            run = next(r for r in unit.runs if r.start <= a and b <= r.end)
-            entry = {}
-            for key, value in optimizer.state.get(run.param, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == run.param.shape and key != "step":
-                    entry[key] = Piece(p.shape, a - offset, value[a - run.start : b - run.start])
-                else:
-                    entry[key] = value
-            if entry:
-                state[name] = entry
-    return {"model": model, "optimizer": state}

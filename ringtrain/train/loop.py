@@ -208,7 +208,7 @@ class Trainer:
             self.sharded = ShardedCheckpointer(self.checkpoints.directory, self.ctx.rank, self.ctx.world_size,
                                                self.config.checkpoint.keep_last)
         try:
-            extra = load_sharded(self.sharded, path, self.module, self.parts.optimizer)
+            extra = load_sharded(self.sharded, path, self.parts.strategy, self.model, self.parts.optimizer)
         except (RuntimeError, ValueError, KeyError) as err:
             raise CheckpointError(f"checkpoint {path} does not fit this job ({_first_line(err)})") from None
         self._load_checkpoint(path, extra)
@@ -393,7 +393,7 @@ class Trainer:
         if self.sharded is not None:
             self._finish_save()  # at most one background save in flight
             self._pending_save = save_sharded(
-                self.sharded, self.state.step, self.module, self.parts.optimizer, self._extra_state(),
+                self.sharded, self.state.step, self.parts.strategy, self.model, self.parts.optimizer, self._extra_state(),
                 async_save=self.config.checkpoint.async_, config_sha256=self.config.digest())
             if not self.config.checkpoint.async_:
                 self._finish_save()

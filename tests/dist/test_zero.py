@@ -315,44 +315,6 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank_under_zero2(
     assert skip["step"] == 3 and skip["reason"].startswith("non-finite gradient on ranks 0, 1"), skip
 
 
-def local_and_full(rank: int, world_size: int, strategy_name: str) -> dict:
-    """After 3 AdamW steps: this rank's local pieces and the gathered full state."""
-    strategy = build_strategy(CommConfig(strategy=strategy_name, bucket_mb=0.002), torch.device("cpu"))
-    model = strategy.wrap(_model())
-    optimizer = strategy.shard_optimizer(_optimizer("adamw", strategy.unwrap(model).parameters()))
-    for micro_batches in _batches(rank, world_size, 1)[:3]:
-        for x, y in micro_batches:
-            nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    names = [name for name, _ in strategy.unwrap(model).named_parameters()]
-    return {"local": strategy.local_state(model, optimizer), "names": names,
-            "model": strategy.model_state_dict(model), "optimizer": strategy.optimizer_state_dict(optimizer)}
-
-
-@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
-def test_local_pieces_of_every_rank_cover_the_full_state_once(strategy):
-    """The sharded-checkpoint hook: each rank's pieces (no communication) tile every parameter and every
-    elementwise optimizer state exactly once and equal the gathered full form (3 ranks: uneven shards)."""
-    per_rank = run_distributed(local_and_full, 3, strategy, timeout_s=120)
-    full_model, full_optimizer, names = per_rank[0]["model"], per_rank[0]["optimizer"], per_rank[0]["names"]
-    for index, name in enumerate(names):
-        wanted = {"param": full_model[name], **{k: v for k, v in full_optimizer["state"][index].items() if k != "step"}}
-        for key, full in wanted.items():
-            rebuilt = torch.full((full.numel(),), float("nan"))
-            covered = torch.zeros(full.numel(), dtype=torch.int64)
-            for result in per_rank:
-                pieces = result["local"]["model"] if key == "param" else result["local"]["optimizer"].get(name, {})
-                piece = pieces.get(name) if key == "param" else pieces.get(key)
-                if piece is None:
-                    continue
-                assert tuple(piece.shape) == tuple(full.shape)
-                rebuilt[piece.start : piece.start + piece.values.numel()] = piece.values
-                covered[piece.start : piece.start + piece.values.numel()] += 1
-            assert (covered == 1).all(), f"{name} {key}: covered {covered.tolist()}"
-            assert torch.equal(rebuilt.view(full.shape), full), f"{name} {key}: pieces differ from the full state"
-
-
 def test_bench_train_reports_model_state_per_strategy(tmp_path):
     """The short form of the sharded-training bench (the measured one: README, docs/benchmarks.md)."""
     import json
