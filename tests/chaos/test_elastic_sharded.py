@@ -1,12 +1,19 @@
-"""Chaos 5 with background sharded checkpoints: an elastic job saving `[checkpoint] async = true` loses the
-agent of rank 1 mid-epoch; the lone worker resumes from the newest committed sharded checkpoint, resharded
-from 2 workers to 1, and every sample of the epoch is used exactly once."""
+"""Chaos 5 and 6 with sharded checkpoints: an elastic job saving `[checkpoint] async = true` loses the agent
+of rank 1 mid-epoch; the lone worker resumes from the newest committed sharded checkpoint, resharded from 2
+workers to 1, and every sample of the epoch is used exactly once. And the grow: a zero2 job with
+`[checkpoint] sharded = true` shrinks to 1 worker, then `ringtrain join` brings a second one mid-epoch; the
+lone worker checkpoints its stretches (all of them, alone) and both workers resume from that checkpoint,
+resharded 1 -> 2, losing no step, every sample once, both ranks ending with the same parameters."""
 
 from __future__ import annotations
+
+import contextlib
+import json
 
 from ringtrain.checkpoint.sharded import committed, verify
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, last_step, ledger_steps, records
+from tests.chaos.test_elastic import position_in_epoch, sigterm_pending
 
 ARGS = ["configs/debug_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--max-restarts", "3",
         "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
@@ -33,3 +40,38 @@ def test_a_shrink_resumes_from_a_background_sharded_checkpoint_exactly_once(tmp_
     assert all(s["async"] and s["sharded"] for s in saves)
     for path in committed(run_dir / "checkpoints"):
         verify(path)
+
+
+def test_a_zero2_job_grows_from_one_to_two_through_a_sharded_checkpoint_exactly_once(tmp_path):
+    run_dir = tmp_path / "run"
+    args = list(ARGS)
+    args[args.index("checkpoint.async=true")] = "checkpoint.sharded=true"
+    args += ["--set", "comm.strategy=zero2", "--set", "comm.bucket_mb=0.05"]
+    with Job("train", *args, "--run-dir", str(run_dir)) as job, contextlib.ExitStack() as joined:
+        job.wait_for(lambda: last_step(run_dir) >= 6, what="step 6")
+        job.agent_of(1).kill()  # 2 -> 1 first: the job starts with both of its workers
+        # 1 -> 2 mid-epoch: the lone worker is held while the joining agent starts (see test_elastic.py).
+        job.wait_for(lambda: ledger_steps(run_dir)[-1]["world_size"] == 1 and position_in_epoch(run_dir) <= 18,
+                     what="the lone worker mid-epoch")
+        lone = job.worker(0)
+        lone.suspend()
+        joiner = joined.enter_context(Job("join", str(run_dir)))
+        job.wait_for(lambda: sigterm_pending(lone.pid), what="the agent to ask the lone worker to stop")
+        lone.resume()
+        code = job.finish()
+        join_code = joiner.finish(timeout=60)
+    assert code == 0 and join_code == 0, job.stderr + "\n[join]\n" + joiner.stderr
+    shrink, grow = records(run_dir, "resume")
+    assert shrink["world_size"] == 1 and grow["world_size"] == 2, (shrink, grow)
+    assert grow["checkpoint"].endswith(".dcp") and grow["steps_lost"] == 0, grow
+    sizes = [r["world_size"] for r in ledger_steps(run_dir)]
+    assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [2, 1, 2]
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    assert len(reports) == 1 and all(r.exactly_once and r.complete for r in reports), reports
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and len(set(summary["param_sha256"])) == 1, summary["param_sha256"]
+    assert not list((run_dir / "checkpoints").glob("*.pt")), "a sharded run wrote a full checkpoint"
+    for path in committed(run_dir / "checkpoints"):
+        verify(path)
+    print(f"zero2, sharded: 2 -> 1 from {shrink['checkpoint']}, 1 -> 2 from {grow['checkpoint']} at step "
+          f"{grow['step']} (steps lost {grow['steps_lost']}); every sample of the epoch once")
