@@ -314,6 +314,11 @@ class CommConfig(Section):
     powersgd_start_iter: int = Field(default=10, ge=2)
     """Optimizer steps of plain all-reduce before PowerSGD starts compressing (torch needs at least 2)."""
 
+    prefetch: bool = True
+    """zero3: gather the next block's parameters on a communication thread while the current block computes
+    (forward and backward), and reduce-scatter a block's gradient while the next one's backward runs; at most
+    two blocks gathered at once. False: every collective runs in turn on the training thread."""
+
     @model_validator(mode="after")
     def _strategy_has_algorithm(self) -> CommConfig:
         if self.strategy in ("manual", "zero1", "zero2", "zero3") and self.algorithm in ("fp16", "bf16", "powersgd"):

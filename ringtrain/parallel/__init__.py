@@ -87,7 +87,7 @@ def build_strategy(config: CommConfig, device: torch.device) -> Strategy:
         return ManualStrategy(device, bucket_mb=config.resolved_bucket_mb, algorithm=config.algorithm, chunk_kb=config.chunk_kb)
     if config.strategy in ("zero1", "zero2", "zero3"):
         return ZeroStrategy(device, stage=int(config.strategy[-1]), bucket_mb=config.resolved_bucket_mb,
-                            algorithm=config.algorithm, chunk_kb=config.chunk_kb)
+                            algorithm=config.algorithm, chunk_kb=config.chunk_kb, prefetch=config.prefetch)
     if config.strategy == "fsdp":
         return FSDPStrategy(device)
     raise ValueError(f"unknown strategy {config.strategy!r}")  # unreachable: the config validates the name

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from concurrent.futures import Future
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -46,7 +47,9 @@ from ringtrain.comm.groups import group_rank, resolve_group
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors, unique_storage_bytes
 from ringtrain.parallel.buckets import broadcast_from_rank0, bucket_parameters, live_group
+from ringtrain.parallel.comm_queue import CommQueue
 from ringtrain.parallel.units import block_units
+from ringtrain.parallel.zero_gather import Gatherer
 from ringtrain.parallel.zero_flat import FlatUnit, full_optimizer_state, shard_optimizer, sharded_optimizer_state
 from ringtrain.parallel.zero_state import materialize_optimizer_state, settle_empty_runs, zero_checkpoint_state
 
@@ -58,7 +61,7 @@ class ZeroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, stage: int, bucket_mb: float = 4.0, algorithm: str = "torch",
                  chunk_kb: int | None = None, group: dist.ProcessGroup | None = None,
-                 comm_timer: CommTimer | None = None):
+                 comm_timer: CommTimer | None = None, prefetch: bool = True):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
@@ -81,6 +84,10 @@ class ZeroDataParallel(nn.Module):
         """Seconds of all-gathers after optimizer steps, not yet booked (``ZeroStrategy.take_step_comm_s``)."""
         self.peak_buffer_bytes = 0
         """Most bytes of transient buffers (gradient staging, gathered units) held at once so far."""
+        self._queue = CommQueue(self.comm_timer) if stage == 3 and prefetch and self.world_size > 1 else None
+        """zero3 with prefetch: every collective of the passes runs on this thread, in hand-over order."""
+        self._reducing: tuple[Future, int] | None = None
+        """zero3 with prefetch: the reduce-scatter in flight and its staging bytes (one at a time)."""
         self._broadcast([p.data for p in module.parameters()] + list(module.buffers()))
         self._sync_buffers_next = True
         self._zero_grads_next = False
@@ -143,47 +150,51 @@ class ZeroDataParallel(nn.Module):
             unit.full = unit.flatten()
             unit.shard = unit.full[unit.lo : unit.hi].clone()  # the rank's own parameters, kept
             unit.point_params_at(unit.full)
-            self._free(unit, count=False)
-        units_of = {id(b): u for b, u in zip(blocks, self._blocks)}
-        for block in blocks:
-            unit = units_of[id(block)]
-            if unit.params:
-                block.register_forward_pre_hook(lambda m, args, unit=unit: self._gather(unit))
-                block.register_forward_hook(lambda m, args, out, unit=unit: self._after_forward(unit, out))
+            unit.full.untyped_storage().resize_(0)
+        used = [(b, u) for b, u in zip(blocks, self._blocks) if u.params]
+        self._gatherer = Gatherer(self._start_gather, self._queue, self._hold, [u for _, u in used])
+        for index, (block, unit) in enumerate(used):
+            following = used[index + 1][1] if index + 1 < len(used) else None  # prefetched during this one
+            block.register_forward_pre_hook(
+                lambda m, args, unit=unit, following=following: self._gatherer.before_forward(
+                    unit, following, torch.is_grad_enabled()))
+            block.register_forward_hook(lambda m, args, out, unit=unit: self._after_forward(unit, out))
+        self.module.register_forward_pre_hook(lambda m, args: self._before_module_forward())
+        self.module.register_forward_hook(lambda m, args, out: self._after_module_forward())
+
+    def _before_module_forward(self) -> None:
+        self._gatherer.start_forward()
         if self._root is not None:
-            self.module.register_forward_pre_hook(lambda m, args: self._gather(self._root))
-            self.module.register_forward_hook(
-                lambda m, args, out: None if torch.is_grad_enabled() else self._free(self._root))
+            self._gatherer.gather(self._root)  # kept from here to the end of its backward
+
+    def _after_module_forward(self) -> None:
+        self._gatherer.end_pass()
+        if self._root is not None and not torch.is_grad_enabled():
+            self._gatherer.free(self._root)
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         broadcast_from_rank0(tensors, self.group)
 
-    # --- zero3: parameters gathered around their use -------------------------------------------------
-    def _gather(self, unit: FlatUnit) -> None:
-        storage = unit.full.untyped_storage()
-        if storage.nbytes():
-            return  # already gathered
-        storage.resize_(unit.nbytes)
-        self._hold(unit.nbytes)
-        with torch.no_grad():
-            unit.full[unit.lo : unit.hi].copy_(unit.shard)
-            self._collective(lambda: comm.all_gather(unit.full, self.algorithm, self.group, chunk_kb=self.chunk_kb))
-
-    def _free(self, unit: FlatUnit, count: bool = True) -> None:
-        storage = unit.full.untyped_storage()
-        if storage.nbytes():
-            storage.resize_(0)
-            if count:
-                self._hold(-unit.nbytes)
+    # --- zero3: parameters gathered around their use (zero_gather.py) ------------------------------------
+    def _start_gather(self, unit: FlatUnit) -> Future | None:
+        """All-gather ``unit.full`` (its own shard is in place): on the communication thread when prefetching
+        (its future), else now."""
+        call = lambda: comm.all_gather(unit.full, self.algorithm, self.group, chunk_kb=self.chunk_kb)  # noqa: E731
+        if self._queue is None:
+            self._collective(call)
+            return None
+        self.comm_calls += 1
+        return self._queue.submit(call)
 
     def _after_forward(self, unit: FlatUnit, output: Any) -> None:
-        self._free(unit)
+        self._gatherer.free(unit)
         if not torch.is_grad_enabled():
             return
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if tensors:
             # The first gradient of the block's outputs: its backward is next, and needs the parameters.
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._gather(unit), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._gatherer.before_backward(unit),
+                                                          mode="any")
 
     # --- during backward ------------------------------------------------------------------------------
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -213,26 +224,35 @@ class ZeroDataParallel(nn.Module):
                                                          chunk_kb=self.chunk_kb))
             unit.set_run_grads(unit.grad_full[unit.lo : unit.hi], unit.lo)
             return
+        self._wait_reduce()  # one unit's staging at a time
         staging = torch.empty(unit.numel, dtype=unit.dtype, device=unit.device)
         self._hold(unit.nbytes)
         unit.gather_grads(staging)
-        shard = self._collective(lambda: comm.reduce_scatter(staging, "avg", self.algorithm, self.group,
-                                                             chunk_kb=self.chunk_kb))
-        fresh = unit.grad_shard is None or unit.runs[0].param.grad is None  # the optimizer zeroed it: new step
-        if fresh:
-            unit.grad_shard = shard.clone()
-            unit.set_run_grads(unit.grad_shard, unit.lo)
-        else:
-            unit.grad_shard.add_(shard)
-        del staging, shard
-        self._hold(-unit.nbytes)
         if self.stage == 3:
-            self._free(unit)
+            self._gatherer.free(unit)  # its backward is over (every gradient is in); a waiting prefetch starts
+        reduce = lambda: comm.reduce_scatter(staging, "avg", self.algorithm, self.group, chunk_kb=self.chunk_kb)  # noqa: E731
+        if self._queue is not None:  # on the communication thread, while the next unit's backward computes
+            self.comm_calls += 1
+            self._reducing = (self._queue.submit(lambda: _accumulate(unit, reduce())), unit.nbytes)
+            return
+        _accumulate(unit, self._collective(reduce))
+        del staging
+        self._hold(-unit.nbytes)
+
+    def _wait_reduce(self) -> None:
+        if self._reducing is not None:
+            future, nbytes = self._reducing
+            self._reducing = None
+            self._queue.wait(future)
+            self._hold(-nbytes)
 
     def _finish_backward(self) -> None:
         try:
             for unit in self._order[self._next :]:  # never complete: some parameters unused
                 self._reduce(unit)
+            if self.stage == 3:
+                self._wait_reduce()
+                self._gatherer.end_pass()
             if self.stage == 1:
                 self._zero_grads_next = True
             self.comm_timer.syncs += 1
@@ -280,8 +300,9 @@ class ZeroStrategy(ReplicatedStrategy):
     gradients_replicated = False
 
     def __init__(self, device: torch.device, stage: int, bucket_mb: float = 4.0, algorithm: str = "torch",
-                 chunk_kb: int | None = None):
+                 chunk_kb: int | None = None, prefetch: bool = True):
         self.device = device
+        self.prefetch = prefetch
         self.stage = stage
         self.name = f"zero{stage}"
         self.bucket_mb = bucket_mb
@@ -296,7 +317,7 @@ class ZeroStrategy(ReplicatedStrategy):
     def wrap(self, model: nn.Module) -> ZeroDataParallel:
         model.to(self.device)
         self._wrapped = ZeroDataParallel(model, self.stage, self.bucket_mb, self.algorithm, self.chunk_kb,
-                                         comm_timer=self.comm_timer)
+                                         comm_timer=self.comm_timer, prefetch=self.prefetch)
         return self._wrapped
 
     def no_sync(self, model: ZeroDataParallel) -> AbstractContextManager:
@@ -409,6 +430,15 @@ class ZeroStrategy(ReplicatedStrategy):
         if self._wrapped is None:
             raise RuntimeError("wrap the model before sharding its optimizer")
         return self._wrapped
+
+
+def _accumulate(unit: FlatUnit, shard: torch.Tensor) -> None:
+    """Add a reduce-scattered gradient shard into the unit's (a fresh one after the optimizer zeroed it)."""
+    if unit.grad_shard is None or unit.runs[0].param.grad is None:
+        unit.grad_shard = shard.clone()
+        unit.set_run_grads(unit.grad_shard, unit.lo)
+    else:
+        unit.grad_shard.add_(shard)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
