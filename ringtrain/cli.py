@@ -107,6 +107,9 @@ def _add_launch_arguments(train: argparse.ArgumentParser) -> None:
     launch.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker failure (default 0)")
     launch.add_argument("--min-nproc", type=int,
                         help="elastic: the fewest workers on this node the job may shrink to (default: --nproc)")
+    launch.add_argument("--heal", action="store_true",
+                        help="with --min-nproc: a lost worker costs one redone step, not a restart: the others "
+                             "regroup without it and go on ([dist] heal)")
     launch.add_argument("--rdzv-conf", default="", metavar="KEY=SECONDS,...",
                         help="rendezvous timing, e.g. last_call_timeout=5,keep_alive_interval=1 (as torchrun)")
 
@@ -143,6 +146,7 @@ def _launch_options(args: argparse.Namespace):
         max_restarts=args.max_restarts,
         min_nproc=args.min_nproc,
         rdzv_conf=args.rdzv_conf,
+        heal=args.heal,
     )
     options.validate()
     return options
@@ -161,6 +165,9 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, run_dir=args.run_dir)
     if config.user_parts:
         check_factories(config)  # imports and callability; what the factories return, rank 0 checks
+    if config.dist.heal and not options.heal:  # the config asks for healing: the launcher must know too
+        options = replace(options, heal=True)
+        options.validate()
     min_workers, max_workers = options.world_size_range()
     for world_size in range(min_workers, max_workers + 1):
         validate_for_world_size(config, world_size)
@@ -171,6 +178,8 @@ def _train(args: argparse.Namespace) -> int:
     worker_args = [str(Path(args.config).resolve()), "--run-dir", str(Path(config.run_dir).resolve())]
     for override in args.overrides:
         worker_args += ["--set", override]
+    if options.heal and not config.dist.heal:
+        worker_args += ["--set", "dist.heal=true"]
     if args.resume:
         worker_args.append("--resume")
     if args.resume_from:
@@ -201,7 +210,8 @@ def _run(args: argparse.Namespace) -> int:
     if options.per_worker_agents and not args.run_dir:
         raise ConfigError("ringtrain run with --min-nproc needs --run-dir: `ringtrain join RUN_DIR` finds the job there")
     script_args = args.script_args
-    env = {SET_VAR: json.dumps(args.overrides)} if args.overrides else {}
+    overrides = [*args.overrides, *(["dist.heal=true"] if options.heal else [])]
+    env = {SET_VAR: json.dumps(overrides)} if overrides else {}
     if args.run_dir:
         env[RUN_DIR_VAR] = str(Path(args.run_dir).resolve())
         _check_script_run_dir(env[RUN_DIR_VAR], args.resume, args.resume_from)

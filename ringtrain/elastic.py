@@ -64,6 +64,8 @@ class JobSpec:
     log_dir: str
     nproc: int = 1
     """Workers per agent: 1 for --min-nproc jobs (one agent per worker), --nproc for elastic nodes."""
+    heal: bool = False
+    """--heal: workers heal in place when one is lost; the agents never restart them."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "program": self.program.to_json()})
@@ -121,7 +123,7 @@ def _spec(options: LaunchOptions, program: Program, log_dir: str, host: str, por
           max_workers: int, nproc: int) -> JobSpec:
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return JobSpec(endpoint, options.run_id or f"ringtrain-{host}-{port}", min_workers, max_workers,
-                   options.max_restarts, options.rdzv_conf, program, log_dir, nproc)
+                   options.max_restarts, options.rdzv_conf, program, log_dir, nproc, options.heal)
 
 
 def _write(spec: JobSpec, run_dir: str) -> None:
@@ -142,6 +144,7 @@ def join_job(spec: JobSpec, local_addr: str | None = None) -> None:
         rdzv_conf=spec.rdzv_conf,
         join=True,
         log_dir=spec.log_dir,
+        heal=spec.heal,
     )
     launch(options, spec.program)
 

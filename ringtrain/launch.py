@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
-from ringtrain.dist.env import BIND_ADDR_VAR, JOB_STORE_VAR, LAUNCHER_VAR
+from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.dist.jobstore import JobStore
 from ringtrain.dist.watch import host_answers
 from ringtrain.errors import LaunchError, RingtrainError
@@ -118,6 +118,8 @@ class LaunchOptions:
     """Rendezvous id shared by all nodes of the job (default: derived from the endpoint)."""
     log_dir: str | None = None
     """Where the agent keeps per-attempt error files (default: a temporary folder)."""
+    heal: bool = False
+    """--heal: workers heal in place when one is lost (``[dist] heal``); the agents never restart them."""
 
     def node_range(self) -> tuple[int, int]:
         text = self.nnodes.strip()
@@ -157,6 +159,16 @@ class LaunchOptions:
                 "the fewest workers cannot exceed the most"
             )
         parse_rdzv_conf(self.rdzv_conf)
+        if self.heal and not (self.per_worker_agents or self.join):
+            raise LaunchError(
+                f"--heal needs one agent per worker: add --min-nproc below --nproc ({self.nproc}), the fewest "
+                "workers healing keeps the job at"
+            )
+        if self.heal and self.max_restarts:
+            raise LaunchError(
+                f"--heal keeps the surviving workers running instead of restarting them: drop --max-restarts "
+                f"{self.max_restarts} (below --min-nproc the workers save the step they reached; --resume continues)"
+            )
         if not 0 <= self.node_rank < max_nodes:
             raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {max_nodes}) for --nnodes {self.nnodes}")
         if max_nodes > 1 and not self.rdzv_endpoint:
@@ -184,6 +196,8 @@ def launch(options: LaunchOptions, program: Program) -> None:
     if store is not None:
         port = store.port
     _export_worker_env(bind_addr, f"{_bracket(host)}:{port}")
+    if options.heal:
+        _heal_in_place(options.world_size_range()[0])
     os.environ.update(dict(program.env))
     if program.cwd:
         os.chdir(program.cwd)  # the agent starts its workers where it runs
@@ -276,6 +290,17 @@ def _export_worker_env(bind_addr: str | None, job_store: str) -> None:
     # Workers host their own loopback-bound store (dist/group.py) instead of sharing the agent's,
     # which torch would open on every interface.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+
+def _heal_in_place(min_workers: int) -> None:
+    """--heal, in this (single-worker) agent: its worker heals in place and the agent never restarts it
+    (max_restarts 0, checked by validate). Torch's agent also waits, after its worker succeeded, in an exit
+    barrier for every agent of the rendezvous round, 300 s for one whose worker was healed away; the
+    launcher (elastic.py) already waits for every agent, so this agent skips that barrier."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    os.environ[HEAL_VAR] = str(min_workers)
+    SimpleElasticAgent._exit_barrier = lambda self: None
 
 
 def host_rendezvous_store(host: str, port: int) -> dist.TCPStore:

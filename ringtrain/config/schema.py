@@ -232,6 +232,12 @@ class TrainConfig(Section):
     """The rank that inject_oom_at_step fails."""
 
 
+HEALABLE_STRATEGIES = ("ddp", "manual")
+"""Strategies dist.heal supports: every worker holds the whole model, so any survivor can hand it on."""
+HEALABLE_ALGORITHMS = ("torch", "ring", "ring_chunked", "fp16", "bf16")
+"""Gradient algorithms dist.heal supports: no state beyond the process group that a new group must rebuild."""
+
+
 class DistConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: 'auto' picks NCCL when CUDA is available, else Gloo."""
@@ -251,6 +257,16 @@ class DistConfig(Section):
     """Collectives each rank remembers (the flight recorder; 0: off). On a failed collective, and on request
     (SIGUSR1 to the launcher), each rank writes them to RUN_DIR/flight/rank-R.json; `ringtrain diagnose
     RUN_DIR` lines the ranks up."""
+
+    heal: bool = False
+    """Heal in place (``ringtrain train ... --nproc N --min-nproc M --heal`` sets it; so can a config for
+    ``fit`` / ``ringtrain run ... --heal``): when a worker dies, or stops answering for timeout_s, the others
+    do not exit. They agree in the job store on who is left and on a new generation, build a new process
+    group, bring each other to the same step (from a peer, never from disk) and redo the failed step's window
+    of samples among themselves (re-dealt; accumulation keeps global_batch_size). The job goes on while M
+    workers remain; below that the survivors save the step they reached and exit with one line. Each heal is
+    a 'heal' record in metrics.jsonl. Needs one agent per worker (--min-nproc below --nproc) and a replicated
+    strategy ('ddp' or 'manual') with algorithm 'torch', 'ring', 'ring_chunked', 'fp16' or 'bf16'."""
 
     keep_freed_memory: bool = True
     """On CPU, fix glibc malloc's mmap and trim thresholds so that buffers freed in one step are reused in
@@ -436,6 +452,31 @@ class Config(Section):
             raise ValueError(
                 f"train.precision = 'fp16' with comm.strategy = '{strategy}' is not supported yet (the GradScaler "
                 "would see a different gradient shard on every rank); use 'bf16', or strategy 'ddp'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heal_fits(self) -> Config:
+        if not self.dist.heal:
+            return self
+        strategy, algorithm = self.comm.strategy, self.comm.algorithm
+        if strategy not in HEALABLE_STRATEGIES:
+            raise ValueError(
+                f"dist.heal = true needs every worker to hold the whole model, but comm.strategy = '{strategy}' "
+                "holds the only copy of each shard on one worker; use strategy 'ddp' or 'manual', or set "
+                "dist.heal = false (a lost worker then restarts the group from the last checkpoint)"
+            )
+        if algorithm not in HEALABLE_ALGORITHMS:
+            why = ("keeps per-worker error feedback" if algorithm == "powersgd"
+                   else "keeps a shared-memory workspace per group that healing does not rebuild yet")
+            raise ValueError(
+                f"dist.heal = true does not work with comm.algorithm = '{algorithm}' (it {why}); use "
+                f"{', '.join(repr(a) for a in HEALABLE_ALGORITHMS)}, or set dist.heal = false"
+            )
+        if self.checkpoint.sharded or self.checkpoint.async_:
+            raise ValueError(
+                "dist.heal = true writes full checkpoints (each rank's shard would be bound to a group that healing "
+                "replaces); set checkpoint.sharded = false and checkpoint.async = false, or dist.heal = false"
             )
         return self
 

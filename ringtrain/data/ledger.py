@@ -60,7 +60,10 @@ class Ledger(NullLedger):
 
     def record(self, step: int, epoch: int, ids: list[int], skipped: bool) -> None:
         """One committed step; every rank calls it (a gather to rank 0)."""
-        gathered = _gather_to_writer(ids, self.is_writer)
+        self.write(step, epoch, _gather_to_writer(ids, self.is_writer), skipped)
+
+    def write(self, step: int, epoch: int, gathered: list[list[int]], skipped: bool) -> None:
+        """The writer's line for one step, every rank's ids given (``record`` gathers them)."""
         if self.file is None:
             return
         record = {"step": step, "epoch": epoch, "world_size": len(gathered), "ids": gathered, "skipped": skipped}
@@ -72,6 +75,10 @@ class Ledger(NullLedger):
         if self.file is not None:
             self.file.close()
             self.file = None
+
+    def last_step(self) -> int:
+        """The last step the file records (0: none)."""
+        return max((r["step"] for r in read_ledger(self.path) if "ids" in r), default=0)
 
 
 def build_ledger(enabled: bool, run_dir: str | Path, num_samples: int, rank: int) -> NullLedger:

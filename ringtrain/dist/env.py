@@ -11,7 +11,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR"]
+__all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR",
+           "HEAL_VAR"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -20,6 +21,8 @@ LAUNCHER_VAR = "RINGTRAIN_LAUNCHER"
 """Present when `ringtrain train` started the worker (it then reports worker errors itself)."""
 JOB_STORE_VAR = "RINGTRAIN_JOB_STORE"
 """HOST:PORT of the launcher's rendezvous store, which outlives every worker (progress, heartbeats)."""
+HEAL_VAR = "RINGTRAIN_HEAL_MIN_WORKERS"
+"""`--heal`: the fewest workers healing keeps the job at (--min-nproc over all nodes); workers heal in place."""
 
 # Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user).
 SET_VAR = "RINGTRAIN_SET"
@@ -57,6 +60,8 @@ class DistEnv:
     """`ringtrain run --run-dir`: overrides the script's run directory."""
     resume: str | None = None
     """`ringtrain run`'s resume request (see RESUME_VAR)."""
+    heal_min_workers: int | None = None
+    """`--heal`: the fewest workers a healed job may continue with (None: not launched with --heal)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -65,6 +70,7 @@ class DistEnv:
             "overrides": tuple(json.loads(env[SET_VAR])) if env.get(SET_VAR) else (),
             "run_dir": env.get(RUN_DIR_VAR) or None,
             "resume": env.get(RESUME_VAR) or None,
+            "heal_min_workers": int(env[HEAL_VAR]) if env.get(HEAL_VAR) else None,
         }
         if "RANK" not in env:
             return cls(bind_addr=env.get(BIND_ADDR_VAR), launched_by_ringtrain=LAUNCHER_VAR in env, **run_options)

@@ -26,7 +26,8 @@ from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.dist.env import DistEnv
 from ringtrain.errors import LaunchError
 
-__all__ = ["DistContext", "init_distributed", "resolve_backend", "interface_for_address", "cores_for_worker"]
+__all__ = ["DistContext", "init_distributed", "resolve_backend", "interface_for_address", "cores_for_worker",
+           "host_placement"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
         backend, store=_build_store(env, timeout), rank=env.rank, world_size=env.world_size, timeout=timeout
     )
     try:
-        host_rank, host_world_size = _host_placement(env.bind_addr)
+        host_rank, host_world_size = host_placement(env.bind_addr)
         if device.type == "cpu" and config.pin_cpu and hasattr(os, "sched_setaffinity"):
             allowed = sorted(os.sched_getaffinity(0))
             cores = cores_for_worker(host_rank, host_world_size, config.threads_per_worker, allowed, _warn)
@@ -96,7 +97,8 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
         # DDP keeps the group alive from inside reference cycles. Collect them now: left to the
         # interpreter's shutdown, a Gloo thread would free a tensor after Python is gone and abort.
         gc.collect()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a worker fenced off while healing has already left its group
+            dist.destroy_process_group()
 
 
 def interface_for_address(address: str) -> str:
@@ -156,7 +158,7 @@ def _listen_on(address: str, port: int) -> socket.socket:
         raise LaunchError(f"cannot listen on {address}:{port} ({err.strerror}); choose another port") from None
 
 
-def _host_placement(bind_addr: str | None) -> tuple[int, int]:
+def host_placement(bind_addr: str | None) -> tuple[int, int]:
     """(index among this host's workers, number of workers on this host), from one all_gather; hosts are
     told apart as shared memory tells them (``comm.groups.host_id``: not fooled by network namespaces).
 

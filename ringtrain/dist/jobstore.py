@@ -62,6 +62,10 @@ class NullJobStore:
     def beats(self, world_size: int) -> dict[int, int]:
         return {}
 
+    def beats_of(self, ids: list[int]) -> dict[int, int]:
+        """The heartbeat counters of these ranks (or, under --heal, member ids)."""
+        return {}
+
     def set_host(self, rank: int, address: str) -> None: ...
 
     def hosts(self, world_size: int) -> dict[int, str]:
@@ -112,8 +116,11 @@ class JobStore(NullJobStore):
 
     def beats(self, world_size: int) -> dict[int, int]:
         """Each rank's heartbeat counter (ranks that never beat are left out)."""
-        keys = [f"heartbeat/{rank}" for rank in range(world_size)]
-        return {rank: int(self.store.get(key)) for rank, key in enumerate(keys) if self.store.check([key])}
+        return self.beats_of(list(range(world_size)))
+
+    def beats_of(self, ids: list[int]) -> dict[int, int]:
+        keys = {i: f"heartbeat/{i}" for i in ids}
+        return {i: int(self.store.get(key)) for i, key in keys.items() if self.store.check([key])}
 
     def set_host(self, rank: int, address: str) -> None:
         self.store.set(f"host/{rank}", address)

@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -113,8 +113,11 @@ class CollectiveWatch:
     """Turns a failed collective into one line naming the operation, the step and the silent ranks."""
 
     def __init__(self, job_store: NullJobStore, rank: int, world_size: int, timeout_s: float,
-                 interval_s: float = HEARTBEAT_INTERVAL_S, on_failure: Callable[[str], None] | None = None):
+                 interval_s: float = HEARTBEAT_INTERVAL_S, on_failure: Callable[[str], None] | None = None,
+                 members: Sequence[int] | None = None):
         self.job_store = job_store
+        self.members = list(members) if members is not None else list(range(world_size))
+        """Whose heartbeat each rank beats under (its rank; under --heal its member id, see dist/heal.py)."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -186,18 +189,18 @@ class CollectiveWatch:
         """Ranks (other than this one) whose heartbeat did not move over a few beat intervals; None when the
         job store itself cannot be reached (from a host that lost its link)."""
         try:
-            before = self.job_store.beats(self.world_size)
+            before = self.job_store.beats_of(self.members)
             if not before:
                 return []
             time.sleep(2.5 * self.interval_s)
-            after = self.job_store.beats(self.world_size)
+            after = self.job_store.beats_of(self.members)
         except RuntimeError as err:
             # A store that timed out is unreachable. One that dropped the connection is being torn down (nothing
             # to say) when it runs on this host; on another host, that host's launcher is gone.
             if "timeout" in str(err).lower() or "timed out" in str(err).lower():
                 return None
             return None if self._store_elsewhere() else []
-        return [r for r in range(self.world_size) if r != self.rank and after.get(r) == before.get(r)]
+        return [r for r, m in enumerate(self.members) if r != self.rank and after.get(m) == before.get(m)]
 
     def unreachable_host(self, silent: list[int]) -> tuple[str, list[int]] | None:
         """(address, ranks) of another host all of whose ranks are silent and that does not answer on the

@@ -74,7 +74,7 @@ class ConsoleLogger(Logger):
             self.progress.update(self.task, completed=step, epoch=min(epoch + 1, self.epochs))
 
     def log(self, record: dict[str, Any]) -> None:
-        if record.get("type") in ("warning", "skip", "resume"):
+        if record.get("type") in ("warning", "skip", "resume", "heal"):
             line = notice_line(record)
             if self.progress is not None:
                 self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -184,6 +184,12 @@ def notice_line(record: dict[str, Any]) -> str:
         return f"ringtrain: warning: {record['message']}"
     if kind == "skip":
         return f"ringtrain: step {record['step']} skipped on every rank: {record['reason']}"
+    if kind == "heal":
+        lost = record["lost_ranks"]
+        who = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(map(str, lost))
+        return (f"ringtrain: healed at step {record['step']}: {who} lost, {record['world_size']} workers go on "
+                f"(generation {record['generation']}); training again {record['recovery_s']:.2f} s after the last "
+                f"completed step; {record['steps_lost']} steps lost")
     workers = f"{record['world_size']} worker{'s' * (record['world_size'] != 1)}"
     source = f"{record['checkpoint']} (step {record['step']})" if record["checkpoint"] else "the start (no checkpoint yet)"
     if not record.get("restart"):

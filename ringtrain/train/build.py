@@ -12,11 +12,13 @@ from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
 from ringtrain.dist.group import DistContext
+from ringtrain.dist.heal import HEAL_BEAT_S, Generation, Membership
 from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
+from ringtrain.train.heal import Healing
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
@@ -62,30 +64,36 @@ def build_trainer(
     sampler = ResumableSampler(len(data.train), train_cfg.global_batch_size, seed=train_cfg.seed)
     total_steps = planned_steps(config, sampler.steps_per_epoch)
     pin_memory = ctx.device.type == "cuda"
+
+    def loaders(rank: int, world_size: int):
+        """This rank's train and eval loaders in a group of ``world_size`` (healing builds them again)."""
+        return build_train_loader(
+            data.train,
+            sampler,
+            rank,
+            world_size,
+            num_workers=config.data.num_workers,
+            pin_memory=pin_memory,
+            collate_fn=data.collate_fn,
+        ), None if data.test is None else build_eval_loader(
+            data.test,
+            rank,
+            world_size,
+            batch_size=train_cfg.local_batch_size * 4,
+            num_workers=config.data.num_workers,
+            collate_fn=data.collate_fn,
+            pin_memory=pin_memory,
+        )
+
+    train_loader, eval_loader = loaders(ctx.rank, ctx.world_size)
     parts = TrainParts(
         model=wrapped,
         strategy=strategy,
         optimizer=optimizer,
         scheduler=build_lr_scheduler(train_cfg, optimizer, total_steps),
         sampler=sampler,
-        train_loader=build_train_loader(
-            data.train,
-            sampler,
-            ctx.rank,
-            ctx.world_size,
-            num_workers=config.data.num_workers,
-            pin_memory=pin_memory,
-            collate_fn=data.collate_fn,
-        ),
-        eval_loader=None if data.test is None else build_eval_loader(
-            data.test,
-            ctx.rank,
-            ctx.world_size,
-            batch_size=train_cfg.local_batch_size * 4,
-            num_workers=config.data.num_workers,
-            collate_fn=data.collate_fn,
-            pin_memory=pin_memory,
-        ),
+        train_loader=train_loader,
+        eval_loader=eval_loader,
         task=task,
         metrics=_on_device(user.metrics if user else {}, ctx.device),
         total_steps=total_steps,
@@ -94,11 +102,20 @@ def build_trainer(
         precision=Precision(train_cfg.precision, ctx.device),
         batcher=MicroBatcher(train_cfg, task, ctx.rank, ctx.world_size, ctx.device),
         data_stats=data.stats,
+        loaders=loaders,
     )
     checkpoints = CheckpointManager(
         run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0
     )
-    return Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints)
+    trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints)
+    if config.dist.heal:
+        # Membership by member id: a worker's first rank (dist/heal.py); generation 0 is the launched group.
+        generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
+        attempt = f"{ctx.env.master_port}-{ctx.env.restart_count}"  # one rendezvous round: one port
+        membership = Membership(parts.job_store, generation, config.dist.timeout_s, attempt=attempt)
+        trainer.healing = Healing(trainer, membership, ctx.env.heal_min_workers or 1)
+        trainer.watch.interval_s = HEAL_BEAT_S
+    return trainer
 
 
 def broadcast_from_rank0(model: torch.nn.Module) -> None:

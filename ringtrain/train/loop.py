@@ -53,6 +53,7 @@ from ringtrain.train.guards import (
     check_replicas,
 )
 from ringtrain.train.resume import ResumePlan, check_same_choice, config_changes, pick_checkpoint, resume_record
+from ringtrain.train.heal import NoHealing
 from ringtrain.train.state import TrainState
 from ringtrain.train.parts import TrainParts
 from ringtrain.train.step import GradientStep
@@ -99,6 +100,8 @@ class Trainer:
         self._gradients_checked = False
         self._state_mb = 0.0
         """The largest model state (MB) measured after a step's update, before its gradients are dropped."""
+        self.healing: NoHealing = NoHealing()
+        """Under ``[dist] heal``: regroups the survivors after a lost worker (train/heal.py); else nothing."""
 
     @property
     def finished(self) -> bool:
@@ -253,14 +256,23 @@ class Trainer:
                         batch = next(batches, None)
                     if batch is None:
                         break
-                    verdict = self.train_step(batch)
-                    if sampler.epoch_finished:
-                        self._end_epoch()
-                    with self.clock.phase("monitor"):
-                        self.logger.on_step(self.state.step, self.state.epoch)
-                        self._log_restart_once()
-                    self._maybe_log()
-                    self._maybe_checkpoint()
+                    failure = None
+                    try:
+                        self.healing.begin_step()
+                        verdict = self.train_step(batch)
+                        if sampler.epoch_finished:
+                            self._end_epoch()
+                        with self.clock.phase("monitor"):
+                            self.logger.on_step(self.state.step, self.state.epoch)
+                            self._log_restart_once()
+                        self._maybe_log()
+                        self._maybe_checkpoint()
+                    except self.healing.catches as err:  # under --heal: a lost worker (else nothing is caught)
+                        failure = str(err)
+                    if failure is not None:
+                        # Outside the except block: the failure's frames must not keep the broken group alive.
+                        self.healing.heal(failure)
+                        break  # a fresh iterator: the failed step's window, re-dealt over the survivors
                     if verdict.stop:
                         self._stop()
         wall_s = time.perf_counter() - start
@@ -304,6 +316,11 @@ class Trainer:
         # Only the wait for the agreement is communication (the checks above are the optimizer's time).
         with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
             verdict = self.guard.finish(pending[0], gradient_finite) if pending else self.guard.agree(flags)
+        # Under a replicated strategy the ledger's gather is the step's last collective: from here to the commit
+        # everything is local, so a rank that applied the update has also committed the step (healing relies on it).
+        with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
+            self.healing.check_fence()
+            self.parts.ledger.record(step, self.state.epoch, batch.indices.tolist(), skipped=verdict.skip)
         with self.clock.phase("optimizer"):
             if verdict.skip:
                 self.precision.skip(self.parts.optimizer)
@@ -317,8 +334,6 @@ class Trainer:
             self._state_mb = max(self._state_mb, self._model_state_mb())
             self.parts.optimizer.zero_grad(set_to_none=True)
         self.clock.move("optimizer", "comm_exposed", strategy.take_step_comm_s())  # zero1/2's parameter all-gather
-        with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
-            self.parts.ledger.record(step, self.state.epoch, batch.indices.tolist(), skipped=verdict.skip)
         self._commit(step, window, items, loss_sum)
         if verdict.skip:
             self.logger.log({"type": "skip", "step": step, "reason": verdict.describe()})
@@ -336,6 +351,7 @@ class Trainer:
         self.clock.end_step(window, tokens=tokens)
         self.comm_timer.end_step()
         self._step_loss = (loss_sum, items)
+        self.healing.committed(step)
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1
@@ -390,6 +406,7 @@ class Trainer:
                 self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
+        self.healing.check_fence()  # a worker cut off from the group writes nothing
         if self.sharded is not None:
             self._finish_save()  # at most one background save in flight
             self._pending_save = save_sharded(
@@ -481,6 +498,7 @@ class Trainer:
             "eval": {k: v for k, v in self.last_eval.items() if k != "count"},
             "micro_batch_size": self.batcher.micro_batch_size,
             "restarts": self.previous.starts - 1,
+            "heals": self.healing.count,
             "steps_lost": self.parts.job_store.steps_lost(),
             "skipped_steps": self.state.skipped_steps,
             "param_sha256": digests,

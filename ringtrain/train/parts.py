@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,3 +49,5 @@ class TrainParts:
     """The user's torchmetrics, {name: Metric}, computed over the evaluation set (synchronised by torchmetrics)."""
     data_stats: dict[str, Any] = field(default_factory=dict)
     """Facts about the data for the summary (e.g. a text corpus's unigram entropy)."""
+    loaders: Callable[[int, int], tuple[DataLoader, DataLoader | None]] | None = None
+    """(rank, world_size) -> the train and eval loaders for another group (healing rebuilds them)."""

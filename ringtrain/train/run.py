@@ -16,7 +16,8 @@ from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
 from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import connect_job_store
-from ringtrain.dist.watch import Heartbeat
+from ringtrain.dist.heal import HEAL_BEAT_S
+from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, Heartbeat
 from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
@@ -82,7 +83,9 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
     trainer = build_trainer(config, ctx, job_store, user)
     # The heartbeat lets a failed collective name the rank that stopped responding.
     # It is also the watchdog that writes the flight recorder when asked (SIGUSR1 to the launcher).
-    with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank, on_dump_request=trainer.dump_flight):
+    # Under --heal it beats faster, so that the survivors tell a lost worker from a live one within 0.5 s.
+    beat_s = HEAL_BEAT_S if config.dist.heal else HEARTBEAT_INTERVAL_S
+    with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank, beat_s, on_dump_request=trainer.dump_flight):
         trainer.resume(plan)
         return trainer.fit()
 

@@ -1,0 +1,116 @@
+"""Chaos: heal in place. One of 3 workers is SIGKILLed mid-epoch under --heal: the other two regroup and
+redo the failed step without a restart or a checkpoint read.
+
+Checked: exit 0; one 'heal' record with steps_lost 0 and recovery_s <= 2 s; the ledger shows every sample
+of every epoch exactly once (3 workers, then 2, the global batch of 96 kept by accumulation: 2 x 16 per
+worker at 3, 3 x 16 at 2); and the final parameters are bit-identical to a reference that trained the
+same steps with 3 workers, stopped after the step the survivors went on from, and resumed from that
+checkpoint with 2 (the existing checkpoint/resume path). The lr schedule is constant so that stopping the
+reference early (train.max_steps) does not change it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ringtrain.data.ledger import check_ledger
+from tests.chaos.jobs import Job, ledger_steps, records
+from tests.conftest import run_cli
+
+EPOCHS = 4
+SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=16",
+        "--set", "train.lr_schedule=constant", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
+        "--set", "monitor.progress=false", "--set", "dist.timeout_s=20", "--set", "checkpoint.every_steps=1000"]
+STEPS_PER_EPOCH = 15  # 1,437 training samples, 96 a step
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_survivors_size(tmp_path):
+    run_dir = tmp_path / "healed"
+    started = time.monotonic()
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal",
+             "--run-dir", str(run_dir), *SETS, "--set", f"train.epochs={EPOCHS}") as job:
+        # Mid-epoch 1 (steps 16-30), rank 2 dies at once: no chance to say goodbye.
+        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 20, what="step 20")
+        job.worker(2).kill()
+        code = job.finish()
+    heal_run_s = time.monotonic() - started
+    assert code == 0, job.stderr
+    heals = records(run_dir, "heal")
+    assert len(heals) == 1, job.stderr
+    heal = heals[0]
+    done = summary(run_dir)
+    print(f"healed at step {heal['step']} (went on from step {heal['from_step']}): lost ranks {heal['lost_ranks']}, "
+          f"remaining {heal['remaining_ranks']}; recovery_s {heal['recovery_s']} (regroup {heal['regroup_s']} s), "
+          f"steps_lost {heal['steps_lost']}; run {heal_run_s:.1f} s")
+    assert heal["lost_ranks"] == [2] and heal["remaining_ranks"] == [0, 1] and heal["world_size"] == 2
+    assert heal["steps_lost"] == 0 and heal["recovery_s"] <= 2.0, heal
+    assert heal["step"] % STEPS_PER_EPOCH != 1 or heal["step"] > STEPS_PER_EPOCH  # mid-run, not at the start
+    assert "healed at step" in job.stderr and "steps lost" in job.stderr  # the console line
+    assert done["heals"] == 1 and done["restarts"] == 0 and done["world_size"] == 2
+    assert done["steps"] == EPOCHS * STEPS_PER_EPOCH
+
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    sizes = [r["world_size"] for r in ledger_steps(run_dir)]
+    assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [3, 2]
+    windows = {sum(len(ids) for ids in r["ids"]) for r in ledger_steps(run_dir)}
+    assert windows == {96, 1437 - 14 * 96}, windows
+    assert len(reports) == EPOCHS and all(r.exactly_once and r.complete for r in reports), reports
+    assert run_cli("ledger", str(run_dir)).returncode == 0
+
+    # The reference: 3 workers to the step the survivors went on from, then a resume with 2.
+    ref_dir = tmp_path / "reference"
+    first = run_cli("train", "configs/digits_mlp.toml", "--nproc", "3", "--run-dir", str(ref_dir), *SETS,
+                    "--set", f"train.epochs={EPOCHS}", "--set", f"train.max_steps={heal['from_step']}")
+    assert first.returncode == 0, first.stderr
+    second = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--run-dir", str(ref_dir), "--resume",
+                     *SETS, "--set", f"train.epochs={EPOCHS}")
+    assert second.returncode == 0, second.stderr
+    reference = summary(ref_dir)
+    print(f"param_sha256 healed {done['param_sha256'][0][:16]}, reference (stop at {heal['from_step']}, resume "
+          f"with 2) {reference['param_sha256'][0][:16]}")
+    assert reference["steps"] == done["steps"]
+    assert done["param_sha256"] == reference["param_sha256"]
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    """Every file of the run directory but the agents' logs/, by content."""
+    import hashlib
+
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.relative_to(run_dir).parts[0] != "logs"}
+
+
+def test_a_stopped_rank_0_is_cut_off_the_others_heal_and_when_it_resumes_it_writes_nothing(tmp_path):
+    """Fencing: rank 0 (the writer) is SIGSTOPped past dist.timeout_s; ranks 1 and 2 heal without it (rank 1
+    becomes rank 0 and takes over the run directory) and finish; then rank 0 gets SIGCONT: it must find the
+    newer generation, write nothing into the run directory and exit with one line."""
+    run_dir = tmp_path / "fenced"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal",
+             "--run-dir", str(run_dir), *SETS, "--set", "train.epochs=3", "--set", "dist.timeout_s=3") as job:
+        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 10, what="step 10")
+        stopped = job.worker(0)
+        survivors = [job.worker(1), job.worker(2)]
+        stopped.suspend()
+        job.wait_for(lambda: records(run_dir, "heal"), timeout=60, what="the heal")
+        job.wait_for(lambda: (run_dir / "summary.json").exists() and not any(p.is_running() for p in survivors),
+                     timeout=90, what="the survivors to finish")
+        before = snapshot(run_dir)
+        stopped.resume()
+        code = job.finish(timeout=60)
+        after = snapshot(run_dir)
+    heal = records(run_dir, "heal")[0]
+    print(f"rank 0 stopped at step ~{heal['step']}: healed after dist.timeout_s 3 s, recovery_s {heal['recovery_s']}; "
+          f"files unchanged after SIGCONT: {before == after}")
+    assert heal["lost_ranks"] == [0] and heal["remaining_ranks"] == [1, 2]
+    assert code == 0, job.stderr
+    assert "cut off: the job healed to generation 1 without it" in job.stderr
+    assert before == after, "the fenced worker wrote into the run directory"
+    done = summary(run_dir)
+    assert done["heals"] == 1 and done["world_size"] == 2 and done["steps"] == 3 * STEPS_PER_EPOCH
+    assert all(r.exactly_once and r.complete for r in check_ledger(run_dir / "ledger.jsonl"))
