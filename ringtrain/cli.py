@@ -162,7 +162,9 @@ def _train(args: argparse.Namespace) -> int:
 
     # Everything a user can get wrong is checked here, before any worker starts or any port opens.
     options = _launch_options(args)
-    config = load_config(args.config, args.overrides, run_dir=args.run_dir)
+    # --heal is the config's dist.heal too: checked with it here, and handed to the workers.
+    overrides = [*args.overrides, *(["dist.heal=true"] if options.heal else [])]
+    config = load_config(args.config, overrides, run_dir=args.run_dir)
     if config.user_parts:
         check_factories(config)  # imports and callability; what the factories return, rank 0 checks
     if config.dist.heal and not options.heal:  # the config asks for healing: the launcher must know too
@@ -176,10 +178,8 @@ def _train(args: argparse.Namespace) -> int:
 
     # Absolute paths: an agent that joins later (ringtrain join) may start from another folder.
     worker_args = [str(Path(args.config).resolve()), "--run-dir", str(Path(config.run_dir).resolve())]
-    for override in args.overrides:
+    for override in overrides:
         worker_args += ["--set", override]
-    if options.heal and not config.dist.heal:
-        worker_args += ["--set", "dist.heal=true"]
     if args.resume:
         worker_args.append("--resume")
     if args.resume_from:

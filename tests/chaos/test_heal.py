@@ -114,3 +114,34 @@ def test_a_stopped_rank_0_is_cut_off_the_others_heal_and_when_it_resumes_it_writ
     done = summary(run_dir)
     assert done["heals"] == 1 and done["world_size"] == 2 and done["steps"] == 3 * STEPS_PER_EPOCH
     assert all(r.exactly_once and r.complete for r in check_ledger(run_dir / "ledger.jsonl"))
+
+
+def test_the_manual_strategy_heals_in_place_too(tmp_path):
+    """comm.strategy = 'manual' (ringtrain's own buckets and hooks, rebuilt on the new group); the middle
+    rank dies, so the survivors' ranks change (0, 2 -> 0, 1)."""
+    run_dir = tmp_path / "manual"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), *SETS, "--set", "train.epochs=3", "--set", "comm.strategy=manual") as job:
+        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 10, what="step 10")
+        job.worker(1).kill()
+        code = job.finish()
+    assert code == 0, job.stderr
+    heal = records(run_dir, "heal")[0]
+    print(f"manual: healed at step {heal['step']}, recovery_s {heal['recovery_s']}, steps_lost {heal['steps_lost']}")
+    assert heal["lost_ranks"] == [1] and heal["remaining_ranks"] == [0, 2] and heal["steps_lost"] == 0
+    done = summary(run_dir)
+    assert done["heals"] == 1 and done["steps"] == 3 * STEPS_PER_EPOCH and len(set(done["param_sha256"])) == 1
+    assert all(r.exactly_once and r.complete for r in check_ledger(run_dir / "ledger.jsonl"))
+
+
+def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path):
+    no_agents = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--heal", "--run-dir", str(tmp_path / "a"))
+    assert no_agents.returncode == 2 and "--heal needs one agent per worker: add --min-nproc" in no_agents.stderr
+    sharded = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--heal",
+                      "--set", "comm.strategy=zero2", "--run-dir", str(tmp_path / "b"))
+    assert sharded.returncode == 2 and "dist.heal = true needs every worker to hold the whole model" in sharded.stderr
+    restarts = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--heal",
+                       "--max-restarts", "2", "--run-dir", str(tmp_path / "c"))
+    assert restarts.returncode == 2 and "drop --max-restarts 2" in restarts.stderr
+    for result in (no_agents, sharded, restarts):
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
