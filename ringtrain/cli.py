@@ -333,6 +333,11 @@ def _join(args: argparse.Namespace) -> int:
         # One of the launcher's own agents: it goes when the launcher (and its rendezvous store) goes.
         exit_with_parent()
     spec = JobSpec.from_json(args.spec) if args.spec else JobSpec.read(args.run_dir)
+    if spec.heal and not args.spec:
+        raise ConfigError(
+            f"{args.run_dir} runs with --heal, which does not admit new workers yet (its membership lives in the "
+            "job store, not in the rendezvous a joining agent enters); it goes on with the workers it has"
+        )
     join_job(spec, args.local_addr)
     return 0
 
