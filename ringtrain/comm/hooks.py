@@ -3,7 +3,10 @@
 A DDP hook receives a bucket of gradients and returns a future of the averaged bucket. ringtrain's
 algorithms finish before returning (a completed future): shm and the rings are driven by this thread, and on
 a CPU worker pinned to one core there is no idle core that an asynchronous version could use.
-``fp16``, ``bf16`` and ``powersgd`` are torch's hooks, used as they are::
+``fp16``, ``bf16`` and ``powersgd`` are torch's hooks, used as they are, except that on CPU ``powersgd``
+waits for each bucket before the backward goes on (``sequential_powersgd_hook``): torch's hook issues its
+later all-reduces from the callback of its first, which on Gloo runs on a Gloo thread while the backward
+issues the next bucket's, so ranks could issue them in different orders (a collective mismatch)::
 
     >>> ddp = DistributedDataParallel(model)
     >>> register_comm_hook(ddp, "shm")                  # or "ring", "ring_chunked", "fp16", "powersgd", ...
@@ -21,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ringtrain.comm.api import all_reduce
 
-__all__ = ["HOOK_ALGORITHMS", "TORCH_HOOKS", "AllReduceState", "allreduce_hook", "comm_hook", "register_comm_hook"]
+__all__ = ["HOOK_ALGORITHMS", "TORCH_HOOKS", "AllReduceState", "allreduce_hook", "comm_hook", "register_comm_hook",
+           "sequential_powersgd_hook"]
 
 TORCH_HOOKS = ("fp16", "bf16", "powersgd")
 """torch's own hooks (torch.distributed.algorithms.ddp_comm_hooks), selectable by name."""
@@ -47,6 +51,19 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     future: torch.futures.Future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
     future.set_result(buffer)
     return future
+
+
+def sequential_powersgd_hook(state: powerSGD_hook.PowerSGDState,
+                             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's PowerSGD hook, waited for on CPU: every collective of a bucket is issued before the next
+    bucket's, in the same order on every rank (on CUDA, torch's hook as it is)."""
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    if bucket.buffer().is_cuda:
+        return future
+    result = future.wait()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(result)
+    return done
 
 
 def comm_hook(
@@ -77,7 +94,7 @@ def comm_hook(
             matrix_approximation_rank=powersgd_rank,
             start_powerSGD_iter=powersgd_start_iter,
         )
-        return state, powerSGD_hook.powerSGD_hook
+        return state, sequential_powersgd_hook
     return AllReduceState(algorithm, group, chunk_kb, timeout_s), allreduce_hook
 
 
