@@ -46,17 +46,19 @@ class Workload:
     config: str
     per_worker: int
     """Samples (sequences, images) per worker per step: the global batch is this x workers."""
+    params: float
+    """Parameters (fp32 gradient bytes / 4), for the cost model's prediction."""
     settings: tuple[str, ...] = ()
 
 
 WORKLOADS = {
     # torchvision's ResNet-18 (11.7M parameters, 44.7 MB of fp32 gradients), synthetic 64x64 images.
-    "resnet18": Workload("configs/bench_user_resnet18.toml", 32),
+    "resnet18": Workload("configs/bench_user_resnet18.toml", 32, 11_181_642),
     # The byte-level Transformer LM (3.2M parameters, 12.8 MB of gradients), bf16 autocast, 256-byte sequences;
     # a 1% validation split (the run's one evaluation is at its end, outside the measured steps).
-    "lm": Workload("configs/text_lm.toml", 16, ("train.warmup_steps=0", "data.test_fraction=0.01")),
+    "lm": Workload("configs/text_lm.toml", 16, 3_290_624, ("train.warmup_steps=0", "data.test_fraction=0.01")),
     # The seconds-long MLP of the CI form.
-    "mlp": Workload("configs/debug_mlp.toml", 16),
+    "mlp": Workload("configs/debug_mlp.toml", 16, 3_530),
 }
 
 
@@ -166,6 +168,39 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+LINK_MBPS = {"1gbit": 118.0, "100mbit": 11.8}
+"""A plain TCP stream through each cap, in MB/s (measured here: 118 MB/s through 1 Gbit/s)."""
+
+
+def predict(rows: list[dict], links_path: str, inter_alpha_us: float = 100.0, bucket_mb: float = 25.0) -> list[dict]:
+    """The cost model (``ringtrain plan``) against each case across hosts: compute from the same workers in
+    one namespace with Gloo (step minus exposed communication; forward+backward split 1:2), the inter-host
+    link from the cap's TCP rate, the intra-host link from this machine's calibration (``--links``).
+    torch/ring: a flat ring; shm: hierarchical; bf16: a flat ring of half the bytes; PowerSGD is not modelled."""
+    from ringtrain.bench.plan import Link, Topology
+    from ringtrain.bench.plan import Workload as PlanWorkload
+    from ringtrain.bench.plan import predict_step, read_links
+
+    links = read_links(links_path)
+    local = {(r["workload"], r["workers"]): r for r in rows if r["hosts"] == 1 and r["algorithm"] == "torch"}
+    kinds = {"torch": ("flat", 1.0), "ring": ("flat", 1.0), "shm": ("hierarchical", 1.0), "bf16": ("flat", 0.5)}
+    out = []
+    for r in rows:
+        base = local.get((r["workload"], r["workers"]))
+        if r["hosts"] < 2 or r["algorithm"] not in kinds or base is None or r["rate"] not in LINK_MBPS:
+            continue
+        algorithm, compression = kinds[r["algorithm"]]
+        fb = base["forward_backward_s"]
+        other = max(0.0, base["step_time_s"] - fb - base["comm_exposed_s"])
+        work = PlanWorkload(WORKLOADS[r["workload"]].params * 4, fb / 3, 2 * fb / 3, other)
+        inter = Link(inter_alpha_us * 1e-6, LINK_MBPS[r["rate"]] * 1e6, r["rate"])
+        got = predict_step(work, Topology(r["hosts"], r["per_host"]), links["shm"], inter, algorithm,
+                           bucket_mb * 1e6, compression)
+        out.append({"name": r["name"], "measured_step_ms": r["step_time_s"] * 1e3, "predicted_step_ms": got.step_s * 1e3,
+                    "error": got.step_s / r["step_time_s"] - 1})
+    return out
+
+
 def _rate_order(rate: str | None) -> float:
     if rate is None:
         return 0
@@ -184,6 +219,8 @@ def main() -> int:
     parser.add_argument("--powersgd-rank", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
     parser.add_argument("--out", default="bench-out/hosts-training")
+    parser.add_argument("--predict", metavar="LINKS", help="run nothing: compare OUT/results.json with the cost model "
+                        "(ringtrain plan), this machine's links from LINKS (bench-out/plan/links.json)")
     args = parser.parse_args()
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     unknown = set(split(args.workloads)) - set(WORKLOADS)
@@ -193,6 +230,14 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.json"
     rows = json.loads(results.read_text()) if results.exists() else []
+    if args.predict:
+        predicted = predict(rows, args.predict)
+        lines = ["| case | measured step | predicted | error |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {c['name']} | {c['measured_step_ms']:.0f} ms | {c['predicted_step_ms']:.0f} ms | {c['error']:+.0%} |"
+                  for c in predicted]
+        (out / "predicted.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     for case in cases(split(args.workloads), split(args.layouts), split(args.algorithms), split(args.rates)):
         row = run_case(case, args.steps, args.interval, out, args.powersgd_rank, args.timeout)
         print(f"{case.name}: {row['samples_per_s']:.1f} samples/s, step {row['step_time_s'] * 1e3:.0f} ms, "
