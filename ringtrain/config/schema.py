@@ -448,10 +448,10 @@ class Config(Section):
                 f"'{strategy}' gathers parameters in every forward; set train.auto_micro_batch = false or use "
                 "strategy 'zero1' or 'zero2'"
             )
-        if strategy in ("zero1", "zero2", "zero3", "fsdp") and self.train.precision == "fp16":
+        if strategy == "fsdp" and self.train.precision == "fp16":
             raise ValueError(
-                f"train.precision = 'fp16' with comm.strategy = '{strategy}' is not supported yet (the GradScaler "
-                "would see a different gradient shard on every rank); use 'bf16', or strategy 'ddp'"
+                "train.precision = 'fp16' with comm.strategy = 'fsdp' is not supported yet (FSDP2's DTensor "
+                "gradients through the GradScaler are untested here); use 'bf16', or strategy 'zero3'"
             )
         return self
 

@@ -304,7 +304,8 @@ class Trainer:
         if not self._gradients_checked and strategy.gradients_replicated:
             check_every_parameter_has_a_gradient(self.module, step)
             self._gradients_checked = True
-        check_gradients = not self.precision.skips_overflow  # fp16's scaler skips overflowing steps itself
+        # fp16's scaler skips overflowing steps itself; on shards, the flag must travel to reach every scaler.
+        check_gradients = not self.precision.skips_overflow or not strategy.gradients_replicated
         with self.clock.phase("optimizer"):
             # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient.
             self.precision.unscale_(self.parts.optimizer)
@@ -316,6 +317,8 @@ class Trainer:
         # Only the wait for the agreement is communication (the checks above are the optimizer's time).
         with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
             verdict = self.guard.finish(pending[0], gradient_finite) if pending else self.guard.agree(flags)
+        if self.precision.skips_overflow and not strategy.gradients_replicated:
+            verdict = self.precision.agree_overflow(self.parts.optimizer, verdict)  # every rank's scaler alike
         # Under a replicated strategy the ledger's gather is the step's last collective: from here to the commit
         # everything is local, so a rank that applied the update has also committed the step (healing relies on it).
         with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):

@@ -283,7 +283,8 @@ def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_p
     (["comm.strategy=zero1", "comm.algorithm=bf16"], "use strategy = 'ddp' with it"),
     (["comm.strategy=zero3"], "train.auto_micro_batch needs a step without collectives"),
     (["comm.strategy=fsdp", "train.auto_micro_batch=false", "comm.algorithm=shm"], "strategy 'fsdp' runs PyTorch's FSDP2"),
-    (["comm.strategy=zero2", "train.precision=fp16"], "train.precision = 'fp16' with comm.strategy = 'zero2'"),
+    (["comm.strategy=fsdp", "train.auto_micro_batch=false", "train.precision=fp16"],
+     "train.precision = 'fp16' with comm.strategy = 'fsdp'"),
 ])
 def test_combinations_that_cannot_work_are_refused_in_one_line(overrides, message):
     from ringtrain.config import load_config
@@ -373,3 +374,54 @@ def test_zero3_prefetch_overlaps_gathers_and_keeps_the_bits():
     assert on[0]["prefetched"] > 0 and off[0]["prefetched"] == 0
     for rank in range(2):
         assert torch.equal(on[rank]["params"], off[rank]["params"]), f"rank {rank}: prefetch changed the result"
+
+
+def fp16_train(rank: int, world_size: int, names: list[str], overflow_step: int) -> dict:
+    """fp16 autocast + GradScaler, the trainer's optimizer phase (unscale, the step agreement, the scaler's
+    verdict shared over shards); at ``overflow_step`` a gradient overflows: on every rank under the
+    replicated reference (its all-reduced gradient is the same everywhere), on rank 1's shard alone under
+    zero. Returns the parameters and the scale after every step."""
+    from ringtrain.train.guards import StepGuard, StopSignal
+    from ringtrain.train.precision import Precision
+
+    out = {}
+    for name in names:
+        strategy = build_strategy(CommConfig(strategy=name, bucket_mb=0.002), torch.device("cpu"))
+        model = strategy.wrap(_model())
+        optimizer = strategy.shard_optimizer(_optimizer("adamw", strategy.unwrap(model).parameters()))
+        precision, guard = Precision("fp16", torch.device("cpu")), StepGuard(rank, world_size, torch.device("cpu"), 5, StopSignal())
+        history = []
+        for step, [(x, y)] in enumerate(_batches(rank, world_size, 1)[:6], 1):
+            with precision.autocast():
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            precision.scale(loss).backward()
+            parameters = strategy.gradient_parameters(model, optimizer)
+            if step == overflow_step and (strategy.gradients_replicated or rank == 1):
+                parameters[0].grad.view(-1)[0] = float("inf")
+            precision.unscale_(optimizer)
+            flags = guard.check(loss.detach(), parameters, gradients=not strategy.gradients_replicated)
+            verdict = guard.agree(flags)
+            if not strategy.gradients_replicated:
+                verdict = precision.agree_overflow(optimizer, verdict)
+            assert not verdict.skip, verdict  # an overflow is the scaler's to skip
+            precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            history.append((_flat(strategy.model_state_dict(model)), precision.scaler.get_scale()))
+        out[name] = history
+    return out
+
+
+def test_fp16_with_the_grad_scaler_on_shards_steps_and_skips_like_the_replicated_strategy():
+    """An overflow in one rank's gradient shard makes every rank skip the step and halve its scale; every
+    other step's parameters equal the replicated run's bit for bit (zero1/2/3, 2 workers, AdamW, fp16
+    autocast on CPU: torch 2.14's GradScaler('cpu'))."""
+    per_rank = run_distributed(fp16_train, 2, ["manual", "zero1", "zero2", "zero3"], 3, timeout_s=120)
+    reference = per_rank[0]["manual"]
+    scales = [scale for _, scale in reference]
+    assert scales[2] == scales[1] / 2 and scales[3] == scales[2], scales  # step 3 overflowed: halved, skipped
+    assert torch.equal(reference[2][0], reference[1][0]), "the overflowing step changed the parameters"
+    for name in ("zero1", "zero2", "zero3"):
+        for rank in range(2):
+            for step, ((ours, our_scale), (theirs, their_scale)) in enumerate(zip(per_rank[rank][name], reference), 1):
+                assert our_scale == their_scale, f"{name} rank {rank} step {step}: scale {our_scale} != {their_scale}"
+                assert torch.equal(ours, theirs), f"{name} rank {rank}: parameters differ at step {step}"
