@@ -284,8 +284,22 @@ class _ReusedStager(BlockingAsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict)
+            self.state_dict_cache = _create_cpu_state_dict(_unshared(state_dict))
         return _copy_state_dict(state_dict, self.state_dict_cache)
+
+
+def _unshared(state: Any) -> Any:
+    """``state`` with every ShardedTensor's local shards in tensors of their own. torch makes the staging
+    buffers of a ShardedTensor by deep-copying it, which copies the whole storage its shards are views of
+    (a zero strategy's bucket or shard, once per parameter): only shapes and dtypes matter here."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if isinstance(state, dict):
+        return {k: _unshared(v) for k, v in state.items()}
+    if isinstance(state, ShardedTensor) and state.local_shards():
+        shards = [Shard(torch.empty_like(s.tensor), s.metadata) for s in state.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata())
+    return state
 
 
 # --- metadata without arbitrary unpickling -------------------------------------------------------------
