@@ -334,10 +334,15 @@ def _join(args: argparse.Namespace) -> int:
         exit_with_parent()
     spec = JobSpec.from_json(args.spec) if args.spec else JobSpec.read(args.run_dir)
     if spec.heal and not args.spec:
-        raise ConfigError(
-            f"{args.run_dir} runs with --heal, which does not admit new workers yet (its membership lives in the "
-            "job store, not in the rendezvous a joining agent enters); it goes on with the workers it has"
-        )
+        if spec.program.args[:2] != ("-m", "ringtrain.worker"):
+            raise ConfigError(
+                f"{args.run_dir} runs a script with --heal: admitting a worker into it is not supported yet (only "
+                "`ringtrain train --heal` jobs admit joiners); it goes on with the workers it has"
+            )
+        from ringtrain.elastic import join_healing_job
+
+        join_healing_job(spec, args.local_addr)  # admitted at a step boundary, no rendezvous
+        return 0
     join_job(spec, args.local_addr)
     return 0
 

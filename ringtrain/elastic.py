@@ -24,6 +24,7 @@ workers.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.errors import LaunchError
 from ringtrain.launch import (
     JobStopped,
@@ -44,7 +46,7 @@ from ringtrain.launch import (
     split_endpoint,
 )
 
-__all__ = ["JobSpec", "launch_worker_agents", "join_job", "write_job_file", "JOB_FILE"]
+__all__ = ["JobSpec", "launch_worker_agents", "join_job", "join_healing_job", "write_job_file", "JOB_FILE"]
 
 JOB_FILE = "job.json"
 
@@ -129,6 +131,19 @@ def _spec(options: LaunchOptions, program: Program, log_dir: str, host: str, por
 def _write(spec: JobSpec, run_dir: str) -> None:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     (Path(run_dir) / JOB_FILE).write_text(spec.to_json() + "\n")
+
+
+def join_healing_job(spec: JobSpec, local_addr: str | None = None) -> None:
+    """``ringtrain join RUN_DIR`` of a --heal job: start one worker here, without an agent or a rendezvous;
+    the running workers admit it at a step boundary (train/heal.py). Returns when training ends."""
+    _check_running(spec)
+    host, _ = split_endpoint(spec.rdzv_endpoint)
+    env = {**os.environ, **dict(spec.program.env), JOB_STORE_VAR: spec.rdzv_endpoint, HEAL_JOIN_VAR: "1",
+           HEAL_VAR: f"{spec.min_workers}:{spec.max_workers}", LAUNCHER_VAR: "1", "TORCHELASTIC_RUN_ID": spec.run_id,
+           BIND_ADDR_VAR: local_addr or host}
+    code = subprocess.call([sys.executable, "-u", *spec.program.args], env=env, cwd=spec.program.cwd)
+    if code:
+        raise WorkerFailed(f"the joining worker exited with code {code}")
 
 
 def join_job(spec: JobSpec, local_addr: str | None = None) -> None:

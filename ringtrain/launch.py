@@ -197,7 +197,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
         port = store.port
     _export_worker_env(bind_addr, f"{_bracket(host)}:{port}")
     if options.heal:
-        _heal_in_place(options.world_size_range()[0])
+        _heal_in_place(*options.world_size_range())
     os.environ.update(dict(program.env))
     if program.cwd:
         os.chdir(program.cwd)  # the agent starts its workers where it runs
@@ -292,14 +292,14 @@ def _export_worker_env(bind_addr: str | None, job_store: str) -> None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
 
-def _heal_in_place(min_workers: int) -> None:
+def _heal_in_place(min_workers: int, max_workers: int) -> None:
     """--heal, in this (single-worker) agent: its worker heals in place and the agent never restarts it
     (max_restarts 0, checked by validate). Torch's agent also waits, after its worker succeeded, in an exit
     barrier for every agent of the rendezvous round, 300 s for one whose worker was healed away; the
     launcher (elastic.py) already waits for every agent, so this agent skips that barrier."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-    os.environ[HEAL_VAR] = str(min_workers)
+    os.environ[HEAL_VAR] = f"{min_workers}:{max_workers}"
     SimpleElasticAgent._exit_barrier = lambda self: None
 
 

@@ -20,7 +20,7 @@ from ringtrain.dist.lifetime import exit_with_parent
 from ringtrain.errors import RingtrainError
 from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan
-from ringtrain.train.run import check_run_dir, run_training
+from ringtrain.train.run import check_run_dir, run_joined_training, run_training
 
 __all__ = ["main", "build_worker_parser", "resume_plan", "report_error"]
 
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     exit_with_parent()
     try:
         config = load_config(args.config, args.overrides, run_dir=args.run_dir)
+        if env.heal_join:  # `ringtrain join` of a --heal job: the running workers admit this one
+            run_joined_training(config, env)
+            return
         validate_for_world_size(config, env.world_size)
         plan = resume_plan(args, env)
         if not plan.resume:

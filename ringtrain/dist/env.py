@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR",
-           "HEAL_VAR"]
+           "HEAL_VAR", "HEAL_JOIN_VAR"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -22,7 +22,9 @@ LAUNCHER_VAR = "RINGTRAIN_LAUNCHER"
 JOB_STORE_VAR = "RINGTRAIN_JOB_STORE"
 """HOST:PORT of the launcher's rendezvous store, which outlives every worker (progress, heartbeats)."""
 HEAL_VAR = "RINGTRAIN_HEAL_MIN_WORKERS"
-"""`--heal`: the fewest workers healing keeps the job at (--min-nproc over all nodes); workers heal in place."""
+"""`--heal`: 'MIN:MAX', the fewest workers healing keeps the job at and the most it admits (joiners)."""
+HEAL_JOIN_VAR = "RINGTRAIN_HEAL_JOIN"
+"""Set by `ringtrain join RUN_DIR` for a --heal job: this worker asks to be admitted at a step boundary."""
 
 # Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user).
 SET_VAR = "RINGTRAIN_SET"
@@ -62,6 +64,10 @@ class DistEnv:
     """`ringtrain run`'s resume request (see RESUME_VAR)."""
     heal_min_workers: int | None = None
     """`--heal`: the fewest workers a healed job may continue with (None: not launched with --heal)."""
+    heal_max_workers: int | None = None
+    """`--heal`: the most workers the job admits (``ringtrain join`` brings it back up to this)."""
+    heal_join: bool = False
+    """`ringtrain join` of a --heal job: admitted by the running workers, no rendezvous (dist/heal.py)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -70,10 +76,14 @@ class DistEnv:
             "overrides": tuple(json.loads(env[SET_VAR])) if env.get(SET_VAR) else (),
             "run_dir": env.get(RUN_DIR_VAR) or None,
             "resume": env.get(RESUME_VAR) or None,
-            "heal_min_workers": int(env[HEAL_VAR]) if env.get(HEAL_VAR) else None,
+            "heal_min_workers": int(env[HEAL_VAR].split(":")[0]) if env.get(HEAL_VAR) else None,
+            "heal_max_workers": int(env[HEAL_VAR].split(":")[-1]) if env.get(HEAL_VAR) else None,
+            "heal_join": HEAL_JOIN_VAR in env,
         }
         if "RANK" not in env:
-            return cls(bind_addr=env.get(BIND_ADDR_VAR), launched_by_ringtrain=LAUNCHER_VAR in env, **run_options)
+            # A worker joining a --heal job gets its rank when admitted; it reaches the job store now.
+            return cls(bind_addr=env.get(BIND_ADDR_VAR), launched_by_ringtrain=LAUNCHER_VAR in env,
+                       job_store=env.get(JOB_STORE_VAR) or None, run_id=env.get("TORCHELASTIC_RUN_ID"), **run_options)
         return cls(
             rank=int(env["RANK"]),
             local_rank=int(env.get("LOCAL_RANK", "0")),

@@ -61,11 +61,13 @@ def resolve_backend(requested: str) -> str:
 
 
 @contextmanager
-def init_distributed(env: DistEnv | None = None, config: DistConfig | None = None) -> Iterator[DistContext]:
+def init_distributed(env: DistEnv | None = None, config: DistConfig | None = None,
+                     store: dist.Store | None = None) -> Iterator[DistContext]:
     """Create the default process group for this worker and destroy it on the way out.
 
     ``env`` defaults to what torchrun (or ``ringtrain run``) set in the environment, ``config`` to
-    ``DistConfig()`` (Gloo on CPU, NCCL on GPUs; pinned compute threads)::
+    ``DistConfig()`` (Gloo on CPU, NCCL on GPUs; pinned compute threads); ``store``, where the ranks meet,
+    to the one ``env`` names (a worker admitted by a --heal job meets in the job store)::
 
         with ringtrain.init_distributed() as ctx:
             print(ctx.rank, ctx.world_size, ctx.device)
@@ -84,7 +86,8 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
     flight.torch_recorder_env(config.flight_recorder)
     flight.enable(config.flight_recorder)
     dist.init_process_group(
-        backend, store=_build_store(env, timeout), rank=env.rank, world_size=env.world_size, timeout=timeout
+        backend, store=_build_store(env, timeout) if store is None else store, rank=env.rank,
+        world_size=env.world_size, timeout=timeout
     )
     try:
         host_rank, host_world_size = host_placement(env.bind_addr)

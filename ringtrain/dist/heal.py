@@ -12,6 +12,8 @@ so no agent restarts anybody:
     heal/<g>/decision        the members of generation g + 1, written once (compare_set: first writer wins)
     heal/generation          the newest generation (the fence: a member of an older one must not write)
     heal/<g+1>/pg/...        the new Gloo group's own keys
+    join/requests, joined/<id>, heal/<g>/admit   a worker that joins (``request_join``): rank 0 schedules
+                             its admission after the next step, every member regroups with it there
 
 Agreement: a survivor proposes the members that arrived once every member of g has either arrived or
 gone silent (its heartbeat, a counter the member's heartbeat thread bumps every 0.1 s, stood still for
@@ -40,8 +42,8 @@ from ringtrain.dist.jobstore import JobStore, NullJobStore
 from ringtrain.errors import RingtrainError
 
 __all__ = [
-    "Generation", "Membership", "Fenced", "HealFailed", "abandon_group", "init_generation_group",
-    "HEAL_BEAT_S", "SILENT_AFTER_S",
+    "Generation", "Membership", "Fenced", "HealFailed", "abandon_group", "init_generation_group", "request_join",
+    "HEAL_BEAT_S", "SILENT_AFTER_S", "JOINER_BASE",
 ]
 
 HEAL_BEAT_S = 0.1
@@ -49,6 +51,9 @@ HEAL_BEAT_S = 0.1
 SILENT_AFTER_S = 0.5
 """A member whose heartbeat stood still this long is dead or stopped (5 beats)."""
 _POLL_S = 0.01
+JOINER_BASE = 1000
+"""Member ids of joining workers start above this (the launched ones are their first ranks), so a joiner
+ranks after every worker that was there before it."""
 
 
 class HealFailed(RingtrainError):
@@ -154,11 +159,72 @@ class Membership:
         self.generation = Generation(number + 1, members, me)
         return self.generation
 
+    # --- admitting a worker (``ringtrain join``) at a step boundary ---------------------------------------
+    def publish_attempt(self, attempt: str) -> None:
+        """Rank 0 of generation 0: tell a joining worker which namespace the running group uses."""
+        self.job_store.store.set("heal/current", attempt)
+
+    def pending_joiners(self) -> list[int]:
+        """Ids of workers that asked to join and were not admitted yet."""
+        requested, admitted = self.store.add("join/requests", 0), self.store.add("join/admitted", 0)
+        return [JOINER_BASE + n for n in range(admitted + 1, requested + 1)]
+
+    def schedule_admission(self, after_step: int, joiners: list[int]) -> None:
+        """Rank 0: admit ``joiners`` once step ``after_step`` is complete. Written before rank 0 starts the
+        step before it, so every rank reads it by then: none can finish that step without rank 0."""
+        plan = json.dumps({"after_step": after_step, "joiners": joiners})
+        self.store.compare_set(f"{self.generation.number}/admit", "", plan)
+
+    def admission(self) -> tuple[int, list[int]] | None:
+        """(after_step, joiners) scheduled for this generation, if any."""
+        key = f"{self.generation.number}/admit"
+        if not self.store.check([key]):
+            return None
+        plan = json.loads(self.store.get(key))
+        return plan["after_step"], plan["joiners"]
+
+    def admit(self, joiners: list[int]) -> Generation:
+        """Every member: the next generation is this one plus ``joiners`` (who learn it from joined/<id>)."""
+        number, me = self.generation.number, self.generation.member
+        members = tuple(sorted({*self.generation.members, *joiners}))
+        self.store.compare_set(f"{number}/decision", "", json.dumps({"generation": number + 1, "members": members}))
+        members = tuple(json.loads(self.store.get(f"{number}/decision"))["members"])
+        if self.generation.rank == 0:
+            self.store.add("join/admitted", len(joiners))
+            for joiner in joiners:
+                self.store.set(f"joined/{joiner}", str(number + 1))
+        self.store.set("generation", str(number + 1))
+        self.generation = Generation(number + 1, members, me)
+        return self.generation
+
     def arrived_steps(self, generation: int) -> dict[int, int]:
         """The step each survivor of ``generation`` had applied when it arrived."""
         prefix = f"{generation}/arrived"
         members = self.generation.members if generation + 1 == self.generation.number else ()
         return {m: int(self.store.get(f"{prefix}/{m}")) for m in members if self.store.check([f"{prefix}/{m}"])}
+
+
+def request_join(job_store: NullJobStore, timeout_s: float, wait_s: float = 600.0) -> tuple[Membership, Generation]:
+    """A worker that joins a running --heal job: ask, and wait until the members admit it at a step boundary.
+    Returns its membership and the generation it joins (its rank and the group's size)."""
+    if not isinstance(job_store, JobStore):
+        raise HealFailed("ringtrain join: the job store of the running job cannot be reached")
+    deadline = time.monotonic() + wait_s
+    while not job_store.store.check(["heal/current"]):
+        if time.monotonic() > deadline:
+            raise HealFailed("ringtrain join: the running job never published its membership (is it a --heal job?)")
+        time.sleep(0.05)
+    attempt = job_store.store.get("heal/current").decode()
+    membership = Membership(job_store, Generation(-1, (), member=-1), timeout_s, attempt=attempt)
+    member = JOINER_BASE + membership.store.add("join/requests", 1)
+    while not membership.store.check([f"joined/{member}"]):
+        if time.monotonic() > deadline:
+            raise HealFailed(f"ringtrain join: not admitted within {wait_s:g} s (the job may be finishing)")
+        time.sleep(0.02)
+    number = int(membership.store.get(f"joined/{member}"))
+    members = tuple(json.loads(membership.store.get(f"{number - 1}/decision"))["members"])
+    membership.generation = Generation(number, members, member)
+    return membership, membership.generation
 
 
 def abandon_group() -> None:

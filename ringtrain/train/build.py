@@ -30,10 +30,11 @@ __all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0"]
 
 
 def build_trainer(
-    config: Config, ctx: DistContext, job_store: NullJobStore | None = None, user: UserParts | None = None
+    config: Config, ctx: DistContext, job_store: NullJobStore | None = None, user: UserParts | None = None,
+    membership: Membership | None = None,
 ) -> Trainer:
     """The trainer of ``config``: its built-in model and data, or the user's (``user``, from ``fit`` or the
-    config's factories)."""
+    config's factories). ``membership``: a worker admitted into a --heal job (else generation 0's)."""
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     validate_for_backend(config, ctx.backend)
@@ -109,11 +110,14 @@ def build_trainer(
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints)
     if config.dist.heal:
-        # Membership by member id: a worker's first rank (dist/heal.py); generation 0 is the launched group.
-        generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
-        attempt = f"{ctx.env.master_port}-{ctx.env.restart_count}"  # one rendezvous round: one port
-        membership = Membership(parts.job_store, generation, config.dist.timeout_s, attempt=attempt)
-        trainer.healing = Healing(trainer, membership, ctx.env.heal_min_workers or 1)
+        if membership is None:
+            # Membership by member id: a worker's first rank (dist/heal.py); generation 0 is the launched group.
+            generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
+            attempt = f"{ctx.env.master_port}-{ctx.env.restart_count}"  # one rendezvous round: one port
+            membership = Membership(parts.job_store, generation, config.dist.timeout_s, attempt=attempt)
+            if ctx.rank == 0:
+                membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
+        trainer.healing = Healing(trainer, membership, ctx.env.heal_min_workers or 1, ctx.env.heal_max_workers)
         trainer.watch.interval_s = HEAL_BEAT_S
     return trainer
 

@@ -58,7 +58,7 @@ from ringtrain.train.step import GradientStep
 if TYPE_CHECKING:
     from ringtrain.train.loop import Trainer
 
-__all__ = ["NoHealing", "Healing", "FencedLogger", "state_digest"]
+__all__ = ["NoHealing", "Healing", "FencedLogger", "state_digest", "receive_state"]
 
 
 class NoHealing:
@@ -77,21 +77,30 @@ class NoHealing:
     def heal(self, failure: str) -> None:
         raise AssertionError("healing is off")
 
+    def admission_due(self) -> bool:
+        return False
+
+    def admit(self) -> None: ...
+
 
 class Healing(NoHealing):
     """Heals ``trainer`` in place after a lost worker (see the module's docstring)."""
 
     catches = (CollectiveFailed,)
 
-    def __init__(self, trainer: Trainer, membership: Membership, min_workers: int):
+    def __init__(self, trainer: Trainer, membership: Membership, min_workers: int, max_workers: int | None = None):
         self.trainer = trainer
         self.membership = membership
         self.min_workers = min_workers
+        self.max_workers = max_workers
+        """Joiners are admitted while the group is smaller than this (None: no limit)."""
         self.count = 0
         self.last_commit_s = time.time()
         self.pending: dict[str, Any] | None = None
         """The heal whose record waits for the next completed step (recovery_s ends there)."""
         self.buffers: BufferSnapshot | None = None
+        self._requests_seen = 0
+        """Join requests rank 0 has scheduled (so it asks the store once a step)."""
         trainer.logger = FencedLogger(trainer.logger, self)
         trainer.dump_flight = self._fenced_dump(trainer.dump_flight)
         trainer.watch.on_failure = trainer.dump_flight
@@ -111,6 +120,41 @@ class Healing(NoHealing):
             record["recovery_s"] = round(now - self.last_commit_s, 3)
             self.trainer.logger.log(record)
         self.last_commit_s = now
+
+    def admission_due(self) -> bool:
+        """At a step boundary: is a joining worker (``ringtrain join``) to be admitted now? Rank 0 schedules a
+        pending request for after the next step; every rank reads the plan (one store read a step)."""
+        trainer, membership = self.trainer, self.membership
+        step = trainer.state.step
+        room = (self.max_workers or sys.maxsize) - membership.generation.world_size
+        if membership.generation.rank == 0 and room > 0 and step + 1 < trainer.total_steps:
+            requested = membership.store.add("join/requests", 0)
+            if requested > self._requests_seen and membership.admission() is None:
+                joiners = membership.pending_joiners()[:room]
+                if joiners:
+                    membership.schedule_admission(step + 1, joiners)
+                self._requests_seen = requested if not joiners else self._requests_seen + len(joiners)
+        plan = membership.admission()
+        return plan is not None and plan[0] == step
+
+    def admit(self) -> None:
+        """Regroup with the joining workers at this step boundary: a new generation, its group, the strategy
+        and loaders rebuilt, then the joiners receive the state (sha256 checked) and everyone goes on."""
+        trainer = self.trainer
+        started = time.perf_counter()
+        _, joiners = self.membership.admission()
+        _drop_group_parts(trainer)
+        abandon_group()
+        generation = self.membership.admit(joiners)
+        init_generation_group(self.membership, generation, trainer.config.dist.timeout_s, trainer.ctx.backend)
+        # Nobody is ahead here: the strategy first (DDP broadcasts rank 0's parameters), then the state.
+        _rebuild(trainer, generation)
+        _agree_on_state(trainer)
+        trainer.logger.log({
+            "type": "join", "step": trainer.state.step, "generation": generation.number,
+            "joined_ranks": [generation.members.index(j) for j in joiners], "world_size": generation.world_size,
+            "admit_s": round(time.perf_counter() - started, 3),
+        })
 
     def _fenced_dump(self, dump):
         if dump is None:
@@ -223,6 +267,12 @@ def state_digest(module: torch.nn.Module) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def receive_state(trainer: Trainer) -> None:
+    """A worker admitted by a --heal job, after building its trainer on the new group: the running workers'
+    state (model, optimizer, sampler, step), checked against the sender's sha256."""
+    _agree_on_state(trainer)
 
 
 def _drop_group_parts(trainer: Trainer) -> None:

@@ -252,6 +252,9 @@ class Trainer:
             while not self.finished:
                 batches = iter(self.parts.train_loader)  # the rest of this epoch, from the sampler's cursor
                 while not self.finished:
+                    if self.healing.admission_due():  # under --heal: a worker joins at this step boundary
+                        self.healing.admit()
+                        break  # a fresh iterator: the rest of the epoch dealt over the larger group
                     with self.clock.phase("data"):
                         batch = next(batches, None)
                     if batch is None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
+import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from ringtrain.checkpoint.sharded import committed as committed_sharded
 from ringtrain.checkpoint.sharded import verify as verify_sharded
@@ -16,14 +20,17 @@ from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
 from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import connect_job_store
-from ringtrain.dist.heal import HEAL_BEAT_S
+from ringtrain.dist.env import DistEnv
+from ringtrain.dist.group import init_distributed
+from ringtrain.dist.heal import HEAL_BEAT_S, request_join
+from ringtrain.train.heal import receive_state
 from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, Heartbeat
 from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.user_parts import UserParts
 
-__all__ = ["check_run_dir", "check_resume", "run_training", "RunDirLock"]
+__all__ = ["check_run_dir", "check_resume", "run_training", "run_joined_training", "RunDirLock"]
 
 
 def check_run_dir(config: Config, resume: bool) -> None:
@@ -88,6 +95,22 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
     with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank, beat_s, on_dump_request=trainer.dump_flight):
         trainer.resume(plan)
         return trainer.fit()
+
+
+def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = None) -> dict[str, Any]:
+    """``ringtrain join`` of a --heal job: ask to be admitted, meet the running workers in a new group at
+    their next step boundary, receive their state (no checkpoint read), train with them."""
+    job_store = connect_job_store(env, is_writer=False)
+    membership, generation = request_join(job_store, config.dist.timeout_s)
+    env = dataclasses.replace(env, rank=generation.rank, world_size=generation.world_size)
+    store = dist.PrefixStore(f"{generation.number}/pg/", membership.store)
+    with init_distributed(env, config.dist, store=store) as ctx:
+        trainer = build_trainer(config, ctx, job_store, user, membership=membership)
+        print(f"ringtrain: joined as rank {ctx.rank} of {ctx.world_size} (generation {generation.number})",
+              file=sys.stderr, flush=True)
+        with Heartbeat(job_store, generation.member, HEAL_BEAT_S, on_dump_request=trainer.dump_flight):
+            receive_state(trainer)
+            return trainer.fit()
 
 
 class RunDirLock:

@@ -116,25 +116,6 @@ def test_a_stopped_rank_0_is_cut_off_the_others_heal_and_when_it_resumes_it_writ
     assert all(r.exactly_once and r.complete for r in check_ledger(run_dir / "ledger.jsonl"))
 
 
-def test_the_manual_strategy_heals_in_place_too(tmp_path):
-    """comm.strategy = "manual" with ringtrain's ring all-reduce (its buckets and hooks, rebuilt on the new
-    group); the middle rank dies, so the survivors' ranks change (0, 2 -> 0, 1)."""
-    run_dir = tmp_path / "manual"
-    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
-             str(run_dir), *SETS, "--set", "train.epochs=3", "--set", "comm.strategy=manual",
-             "--set", "comm.algorithm=ring") as job:
-        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 10, what="step 10")
-        job.worker(1).kill()
-        code = job.finish()
-    assert code == 0, job.stderr
-    heal = records(run_dir, "heal")[0]
-    print(f"manual: healed at step {heal['step']}, recovery_s {heal['recovery_s']}, steps_lost {heal['steps_lost']}")
-    assert heal["lost_ranks"] == [1] and heal["remaining_ranks"] == [0, 2] and heal["steps_lost"] == 0
-    done = summary(run_dir)
-    assert done["heals"] == 1 and done["steps"] == 3 * STEPS_PER_EPOCH and len(set(done["param_sha256"])) == 1
-    assert all(r.exactly_once and r.complete for r in check_ledger(run_dir / "ledger.jsonl"))
-
-
 def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path):
     no_agents = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--heal", "--run-dir", str(tmp_path / "a"))
     assert no_agents.returncode == 2 and "--heal needs one agent per worker: add --min-nproc" in no_agents.stderr
@@ -146,12 +127,51 @@ def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path):
     assert restarts.returncode == 2 and "drop --max-restarts 2" in restarts.stderr
     for result in (no_agents, sharded, restarts):
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    # ringtrain join does not admit workers into a --heal job yet: one line, not a hang.
-    import json as _json
-
+    # A `ringtrain run SCRIPT --heal` job does not admit joiners yet: one line, not a hang.
     (tmp_path / "d").mkdir()
     spec = {"rdzv_endpoint": "127.0.0.1:1", "run_id": "x", "min_workers": 1, "max_workers": 2, "max_restarts": 0,
-            "rdzv_conf": "", "program": {"args": ["-m", "ringtrain.worker"]}, "log_dir": "logs", "nproc": 1, "heal": True}
-    (tmp_path / "d" / "job.json").write_text(_json.dumps(spec))
+            "rdzv_conf": "", "program": {"args": ["train.py"]}, "log_dir": "logs", "nproc": 1, "heal": True}
+    (tmp_path / "d" / "job.json").write_text(json.dumps(spec))
     join = run_cli("join", str(tmp_path / "d"))
-    assert join.returncode == 2 and "runs with --heal, which does not admit new workers yet" in join.stderr
+    assert join.returncode == 2 and "admitting a worker into it is not supported yet" in join.stderr
+
+
+def test_kills_and_a_join_heal_in_place_every_sample_once(tmp_path):
+    """Repeated failures while `ringtrain join` brings a worker back, with comm.strategy = "manual" and
+    ringtrain's ring all-reduce (buckets and hooks rebuilt on every new group). 3 workers and a joiner that
+    waits (the job is full); rank 1 is killed: heal to 2 (ranks 0, 2 -> 0, 1), and the joiner is admitted at
+    the next step boundary (the state sent over the new group, sha256 checked: 3 again, the joiner rank 2);
+    then the first rank 2 is killed: heal to 2 again, the joiner now rank 1. Exit 0, every sample once, 0
+    steps lost, equal parameters."""
+    run_dir = tmp_path / "rejoin"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), *SETS, "--set", "train.epochs=12", "--set", "comm.strategy=manual",
+             "--set", "comm.algorithm=ring") as job:
+        job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
+        with Job("join", str(run_dir)) as joiner:
+            job.wait_for(lambda: len(ledger_steps(run_dir)) >= 10, what="step 10")
+            first_rank_2 = job.worker(2)
+            job.worker(1).kill()
+            try:
+                job.wait_for(lambda: records(run_dir, "join"), timeout=60, what="the join")
+            except AssertionError:
+                raise AssertionError(f"{job.stderr}\n[join]\n{joiner.stderr}") from None
+            steps_at_join = len(ledger_steps(run_dir))
+            job.wait_for(lambda: len(ledger_steps(run_dir)) >= steps_at_join + 5, what="5 steps with 3 workers")
+            first_rank_2.kill()
+            code = job.finish()
+            join_code = joiner.finish(timeout=60)
+    heals, joins = records(run_dir, "heal"), records(run_dir, "join")
+    print(f"heals at steps {[h['step'] for h in heals]} (recovery_s {[h['recovery_s'] for h in heals]}), "
+          f"join after step {joins[0]['step']} as rank {joins[0]['joined_ranks']} in {joins[0]['admit_s']} s")
+    assert code == 0 and join_code == 0, job.stderr + "\n[join]\n" + joiner.stderr
+    assert len(heals) == 2 and len(joins) == 1 and all(h["steps_lost"] == 0 for h in heals)
+    assert heals[0]["lost_ranks"] == [1] and heals[0]["remaining_ranks"] == [0, 2]
+    assert joins[0]["joined_ranks"] == [2] and joins[0]["world_size"] == 3
+    assert heals[1]["lost_ranks"] == [1] and heals[1]["remaining_ranks"] == [0, 2]  # the joiner was rank 2
+    assert "joined as rank 2 of 3" in joiner.stderr
+    sizes = [r["world_size"] for r in ledger_steps(run_dir)]
+    assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [3, 2, 3, 2]
+    assert all(r.exactly_once and r.complete for r in check_ledger(run_dir / "ledger.jsonl"))
+    done = summary(run_dir)
+    assert done["heals"] == 2 and done["steps"] == 12 * STEPS_PER_EPOCH and len(set(done["param_sha256"])) == 1
