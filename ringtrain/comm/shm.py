@@ -18,7 +18,8 @@ microseconds for a TCP round trip.
 
 **Native path.** Where the C++ module of ``shm_native.py`` loads on every rank of the host, all-reduces of
 the dtypes it covers (float32/64, bfloat16, float16, int32/64) run the same protocol in C++ (``_native``):
-one Python call, the GIL released, the sums vectorised, pieces of ``NATIVE_PIECE_BYTES``. Other dtypes,
+one Python call, the GIL released, the sums vectorised, pieces of ``NATIVE_PIECE_BYTES``, and waits that
+sleep on a futex until the peer's arrival wakes them (ranks sharing cores hand the core over). Other dtypes,
 ``RINGTRAIN_SHM_NATIVE=0`` and machines without a compiler take the Python code below.
 
 Why double buffering is enough: a rank writes buffer b again two calls (or pieces) after it last did; in
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm.errors import CollectiveError
 from ringtrain.comm.groups import resolve_group
 from ringtrain.comm.shards import tensor_shards
 from ringtrain.comm.shm_board import encode_call
@@ -46,7 +48,7 @@ from ringtrain.comm.shm_group import (
 )
 
 __all__ = [
-    "init_shm", "shared_empty", "all_reduce", "reduce_scatter", "all_gather", "broadcast_from_leader", "native_ready",
+    "init_shm", "shared_empty", "all_reduce", "reduce_scatter", "all_gather", "broadcast_from_leader", "native_error",
     "native_all_reduce",
 ]
 
@@ -108,17 +110,12 @@ def all_gather(flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float) -
     return flat
 
 
-def native_ready(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> ShmGroup | None:
-    """``comm.all_reduce``'s shortcut: the ShmGroup of ``group`` when ``tensor`` can go straight to the native
-    path (a dense contiguous CPU tensor of a dtype it reduces, ``op`` valid for it, shm already set up on one
-    host with the native path running); None: take the general path, which checks everything and says
-    what is wrong. Each check here is one of the general path's, so both accept the same calls."""
-    if type(tensor) is not torch.Tensor or (op != "sum" and op != "avg"):
-        return None
-    sg = set_up_group(dist.group.WORLD if group is None else group)
-    if sg is None or sg.native is None or sg.hierarchical or not sg.native.takes(tensor, op == "avg"):
-        return None
-    return sg
+def native_error(group: dist.ProcessGroup | None, tensor: torch.Tensor, average: bool,
+                 timeout_s: float | None) -> CollectiveError:
+    """The error of a failed ``Workspace.run`` (``comm.all_reduce``'s hot path) of ``tensor`` over ``group``."""
+    sg = get_shm_group(resolve_group(group))
+    desc = encode_call("all_reduce", "avg" if average else "sum", tensor.dtype, tensor.numel())
+    return sg.board.native_failure(sg.native.failure(), desc, "shm all_reduce", timeout_s or sg.timeout_s)
 
 
 def local_all_reduce(sg: ShmGroup, flat: torch.Tensor, timeout_s: float, average: bool, divide_by: int) -> torch.Tensor:

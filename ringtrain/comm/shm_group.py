@@ -37,7 +37,7 @@ from ringtrain.comm.shm_board import FlagBoard, encode_call, header_bytes, requi
 from ringtrain.comm.shm_segment import Segment, segment_name, sweep_stale, unlink
 
 __all__ = [
-    "ShmGroup", "Arena", "get_shm_group", "set_up", "set_up_group", "cgroup_cpu_limit", "SMALL_BYTES", "PIECE_BYTES", "MIN_PIECE_BYTES",
+    "ShmGroup", "Arena", "get_shm_group", "set_up", "set_up_group", "fast_path", "cgroup_cpu_limit", "SMALL_BYTES", "PIECE_BYTES", "MIN_PIECE_BYTES",
 ]
 
 SMALL_BYTES = 256 << 10
@@ -70,6 +70,29 @@ def get_shm_group(group: dist.ProcessGroup) -> ShmGroup:
     if shm_group is None:
         shm_group = _groups[group] = ShmGroup.build(group)
     return shm_group
+
+
+def fast_path(group: dist.ProcessGroup | None):
+    """``comm.all_reduce``'s shortcut: the native workspace of ``group``'s ShmGroup (None: the default group's)
+    if shm is set up for it already (nothing collective), on one host, with the native path running; its
+    ``run(tensor, average, timeout_s)`` reduces a tensor it takes or says it did not. None: the general path."""
+    if group is None:
+        group = dist.group.WORLD
+        if group is None:
+            return None
+    shm_group = _groups.get(group)
+    return None if shm_group is None else shm_group.fast
+
+
+def _count_arenas(arenas: dict, native) -> None:
+    """Tell the native path whether large tensors may live in an arena (``Workspace.run`` leaves them to Python)."""
+    if native is not None:
+        native.arenas = len(arenas)
+
+
+def _forget_arena(arenas: dict, key: int, native) -> None:
+    arenas.pop(key, None)
+    _count_arenas(arenas, native)
 
 
 def set_up_group(group: dist.ProcessGroup | None) -> ShmGroup | None:
@@ -197,6 +220,8 @@ class ShmGroup:
         self._views: dict = {}
         self.native = None
         """The C++ hot path (``shm_native``'s Workspace) or None."""
+        self.fast = None
+        """``native`` where ``comm.all_reduce`` may hand it tensors directly (``fast_path``): not across hosts."""
         self.native_dtypes: frozenset = frozenset()
 
     @property
@@ -252,7 +277,10 @@ class ShmGroup:
             workspace.set_code(dtype, *(encode_call("all_reduce", op, dtype, 0)[1] for op in ("sum", "avg")))
         workspace.small_turn, workspace.staging_turn = self.turns.small_turn, self.turns.staging_turn
         self.turns = workspace  # one record of the turns for both paths
+        workspace.timeout_s_default = self.timeout_s
+        workspace.in_place_bytes = NATIVE_IN_PLACE_BYTES
         self.native = workspace
+        self.fast = None if self.hierarchical else workspace
 
     def share_segment(self, nbytes: int, purpose: str) -> Segment:
         """Collective: the first rank of each host creates a segment, the others map it, then the name goes.
@@ -326,7 +354,8 @@ class ShmGroup:
         # Forget the arena once this tensor and every view of it are gone (a re-wrapped model's old buckets):
         # nothing else holds its mapping, so the memory is unmapped then instead of at exit.
         self.arenas[id(arena)] = arena
-        weakref.finalize(tensor, self.arenas.pop, id(arena), None)
+        _count_arenas(self.arenas, self.native)
+        weakref.finalize(tensor, _forget_arena, self.arenas, id(arena), self.native)
         return tensor
 
     def find_arena(self, tensor: torch.Tensor) -> tuple[Arena, int] | None:

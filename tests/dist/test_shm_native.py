@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import comm
-from ringtrain.comm import shm, shm_native
+from ringtrain.comm import flight, shm, shm_native
 from ringtrain.comm.shm_group import NATIVE_DIRECT_BYTES, NATIVE_IN_PLACE_BYTES, NATIVE_PIECE_BYTES, get_shm_group
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
@@ -104,15 +104,19 @@ def test_native_sums_match_torch_and_are_bit_identical_on_every_rank(world_size)
 
 
 def in_place_and_mixed(rank: int, world_size: int) -> dict:
-    """A tensor in a shared arena (in place), then native and Python-path calls interleaved in one group."""
+    """A tensor in a shared arena (in place), then native and Python-path calls interleaved in one group;
+    every call recorded once by the flight recorder, also those the native path handed on."""
+    flight.enable(100)
     sg = get_shm_group(dist.group.WORLD) if dist.get_world_size() > 1 else None
     numel = NATIVE_IN_PLACE_BYTES // 4 + 17
     shared = shm.shared_empty(numel)
-    digests, equal = [], []
+    digests, equal, in_place_barriers = [], [], []
     for round_index in range(3):
         x = _values(torch.float32, numel, seed=10 * round_index + rank)
         shared.copy_(x)
+        before = sg.native.profile_stats()["barriers"]
         comm.all_reduce(shared, op="avg", algorithm="shm")
+        in_place_barriers.append(sg.native.profile_stats()["barriers"] - before)  # 3 in place, 5 staged
         reference = x / world_size
         dist.all_reduce(reference)
         equal.append(torch.equal(shared, reference))
@@ -122,7 +126,13 @@ def in_place_and_mixed(rank: int, world_size: int) -> dict:
             y = torch.full((n,), rank + 1, dtype=dtype)
             comm.all_reduce(y, algorithm="shm")
             equal.append(bool((y == world_size * (world_size + 1) // 2).all()))
-    return {"equal": equal, "digests": digests, "native": sg.native is not None, "arena": sg.find_arena(shared) is not None}
+    # Handed on by the native path's entry (not contiguous): reduced through a copy, recorded once.
+    strided = torch.arange(40, dtype=torch.float32).view(8, 5).t()
+    comm.all_reduce(strided, algorithm="shm")
+    equal.append(torch.equal(strided, world_size * torch.arange(40, dtype=torch.float32).view(8, 5).t()))
+    recorded = [(c["bytes"], c["dtype"]) for c in flight.recorder().snapshot()["collectives"]]
+    return {"equal": equal, "digests": digests, "native": sg.native is not None, "arena": sg.find_arena(shared) is not None,
+            "in_place_barriers": in_place_barriers, "recorded": recorded}
 
 
 def test_in_place_and_python_path_calls_interleave_with_native_ones():
@@ -130,6 +140,38 @@ def test_in_place_and_python_path_calls_interleave_with_native_ones():
     assert all(r["native"] and r["arena"] for r in results)
     assert all(all(r["equal"]) for r in results)
     assert results[0]["digests"] == results[1]["digests"]
+    assert all(r["in_place_barriers"] == [3, 3, 3] for r in results), results[0]["in_place_barriers"]
+    calls = [(NATIVE_IN_PLACE_BYTES + 68, "float32")] + [(70_001 * 2, "int16"), (513, "uint8"), (20_000, "float32"),
+                                                          (14, "int16")]
+    expected = calls * 3 + [(160, "float32")]
+    assert all(r["recorded"] == expected for r in results), results[0]["recorded"]
+
+
+def one_core(rank: int, world_size: int) -> dict:
+    """Every rank pinned to one core: waits sleep in the kernel (futex) and the arriving rank wakes them."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    digests, equal = [], []
+    for numel in (1000, NATIVE_DIRECT_BYTES // 4 + 3, 3 * NATIVE_PIECE_BYTES // 4 + 11):
+        for round_index in range(5):
+            x = _values(torch.float32, numel, seed=100 * round_index + rank)
+            ours = x.clone()
+            comm.all_reduce(ours, algorithm="shm")
+            reference = x.clone()
+            dist.all_reduce(reference)
+            sum_abs = x.abs()
+            dist.all_reduce(sum_abs)
+            equal.append(bool(((ours - reference).abs() <= 8 * torch.finfo(torch.float32).eps * sum_abs).all()))
+            digests.append(_digest(ours))
+    stats = get_shm_group(dist.group.WORLD).native.profile_stats()
+    return {"equal": equal, "digests": digests, "sleeps": stats["sleeps"], "wakes": stats["wakes"]}
+
+
+def test_ranks_sharing_one_core_sleep_until_woken_and_agree():
+    results = run_distributed(one_core, 4, timeout_s=120)
+    assert all(all(r["equal"]) for r in results)
+    assert len({tuple(r["digests"]) for r in results}) == 1, "ranks differ"
+    # On one core a waiting rank must give the core up, or its peers never arrive: it slept, and was woken.
+    assert sum(r["sleeps"] for r in results) > 0 and sum(r["wakes"] for r in results) > 0
 
 
 def switched_off(rank: int, world_size: int) -> dict:

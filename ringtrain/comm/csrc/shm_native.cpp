@@ -4,10 +4,11 @@
 // (shm_group.py's layout, shm_board.py's flag lines), so the two interoperate call by call: the barrier
 // count lives in this rank's flag line, the buffer turns here (ShmGroup reads and writes them through
 // ``small_turn`` / ``staging_turn``). What moves here is what
-// cost time in Python: the dispatch of several torch ops per call, the barrier (a plain store and a
-// spin on a peer's cache line), and the reductions, which sum all ranks in one pass per block with
-// vectorised loops. The GIL is released for large messages and for any wait that outlasts the spin
-// (releasing and taking it back costs a few hundred nanoseconds: a third of a 4 KB all-reduce).
+// cost time in Python: the dispatch of several torch ops per call, the barrier (a store and a poll of a
+// peer's cache line, then a futex sleep that the peer's arrival wakes), and the reductions, which sum all
+// ranks in one pass per block with vectorised loops. The GIL is released for large messages and for any
+// wait that outlasts the poll (releasing and taking it back costs a few hundred nanoseconds: a third of a
+// 4 KB all-reduce).
 //
 // Guarantees kept: every element is summed in rank order (x_0 + x_1 + ... + x_{n-1}) either by every
 // rank from the same inputs (small messages) or once, by the shard's owner (large ones), so all ranks
@@ -19,11 +20,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <climits>
 #include <fstream>
-#include <sched.h>
+#include <map>
+#include <linux/futex.h>
 #include <string>
-#include <thread>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -33,9 +37,10 @@ namespace {
 
 constexpr int LINE = 8;  // int64 words per 64-byte flag line (shm_board.LINE)
 constexpr int PID = 1, DESC = 2;
+constexpr int SLEEPERS = 1;  // word of the abort line: how many ranks sleep in a futex wait right now
 constexpr int64_t DIED = 1, TIMEOUT = 2, MISMATCH = 3, ABORTED = 4;  // ABORTED: another rank posted the abort line
 constexpr int64_t STEP_MAX = (int64_t(1) << 24) - 1;
-constexpr double SPIN_S = 0.002, YIELD_S = 0.002, NAP_S = 250e-6, LIVENESS_EVERY_S = 0.02;
+constexpr double LIVENESS_EVERY_S = 0.02;
 constexpr int64_t BLOCK = 512;  // elements summed per block: the partial sums stay in L1
 
 double now_s() {
@@ -49,6 +54,18 @@ inline void cpu_relax() {
     _mm_pause();
 #endif
 }
+
+// A futex on the low 32 bits of a rank's barrier count (x86 is little-endian): a waiter sleeps until the
+// count changes, an arriving rank wakes whoever sleeps on its count. Not FUTEX_PRIVATE: the words live in
+// a MAP_SHARED segment and the kernel keys them by page, so waits and wakes meet across processes.
+inline uint32_t* futex_word(volatile int64_t* count) { return reinterpret_cast<uint32_t*>(const_cast<int64_t*>(count)); }
+
+void futex_wait(volatile int64_t* count, int64_t seen, double timeout_s) {
+    timespec limit{time_t(timeout_s), long((timeout_s - double(time_t(timeout_s))) * 1e9)};
+    syscall(SYS_futex, futex_word(count), FUTEX_WAIT, uint32_t(seen), &limit, nullptr, 0);
+}
+
+void futex_wake(volatile int64_t* count) { syscall(SYS_futex, futex_word(count), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
 
 // --- element types: load as the accumulator type, store back rounded -----------------------------
 struct BF16 {
@@ -145,12 +162,12 @@ class Workspace {
           piece_bytes_(piece_bytes),
           me_(local_rank),
           n_(local_size),
-          spin_(spin),
           check_liveness_(check_liveness),
           direct_bytes_(small_bytes),
           pipe_piece_bytes_(piece_bytes),
           small_turn_(0),
-          staging_turn_(0) {
+          staging_turn_(0),
+          spin_s_(spin ? OWN_CORE_SPIN_S : SHARED_CORE_SPIN_S) {
         for (auto& code : codes_) code[0] = code[1] = -1;
         for (int r = 0; r < n_; ++r) pids_.push_back(int64_t(flags_[r * LINE + PID]));
     }
@@ -160,6 +177,22 @@ class Workspace {
     int64_t direct_bytes_, pipe_piece_bytes_;
     // Which of the two small / staging buffers the last call used (shared with the Python path).
     int64_t small_turn_, staging_turn_;
+    // How long a wait polls the peer's count before it sleeps in the kernel (``wait_slow``).
+    double spin_s_;
+    // Time per phase of the calls (seconds, summed), taken while ``profile_`` is on; the counts always.
+    struct Profile {
+        double copy_in = 0, reduce = 0, gather = 0, wait = 0;
+        int64_t calls = 0, barriers = 0, sleeps = 0, wakes = 0;
+    };
+    bool profile_ = false;
+    Profile prof_;
+
+    std::map<std::string, double> profile_stats() const {
+        return {{"calls", double(prof_.calls)},     {"barriers", double(prof_.barriers)}, {"sleeps", double(prof_.sleeps)},
+                {"wakes", double(prof_.wakes)},     {"copy_in_s", prof_.copy_in},         {"reduce_s", prof_.reduce},
+                {"gather_s", prof_.gather},         {"wait_s", prof_.wait}};
+    }
+    void reset_profile() { prof_ = Profile{}; }
 
     // The code of an all_reduce of ``dtype`` (shm_board.encode_call): sum, avg.
     void set_code(torch::ScalarType dtype, int64_t sum_code, int64_t avg_code) {
@@ -174,6 +207,21 @@ class Workspace {
         if (codes_[int(t.scalar_type())][0] < 0) return false;
         return !average || t.is_floating_point();
     }
+
+    // comm.all_reduce's hot path, one call from Python: ``t`` summed (averaged) in place over the host's ranks
+    // if this path takes it as it is; ``timeout_s`` <= 0: the group's (``timeout_s_default``). Returns DONE,
+    // FAILED (``failure()`` says what happened) or NOT_TAKEN: nothing was done, and the general path must
+    // handle ``t`` (a dtype or layout this path does not take, or a tensor large enough to be reduced in
+    // place if it lives in a shared arena, which Python looks up).
+    int run(const torch::Tensor& t, bool average, double timeout_s) {
+        if (!takes(t, average) || (arenas_ > 0 && int64_t(t.nbytes()) >= in_place_bytes_)) return NOT_TAKEN;
+        return all_reduce(t, average, n_, timeout_s > 0 ? timeout_s : timeout_s_default_, 0, 0, 0) ? FAILED : DONE;
+    }
+    static constexpr int DONE = 0, FAILED = 1, NOT_TAKEN = 2;
+    double timeout_s_default_ = 60.0;
+    // Live shared arenas of the group (``shared_empty``), and the size from which a tensor in one is reduced
+    // in place: ``run`` leaves such tensors to Python's lookup.
+    int64_t arenas_ = 0, in_place_bytes_ = INT64_MAX;
 
     // All-reduce ``flat`` (which ``takes``) in place. ``arena`` > 0: the tensor lives in a shared arena (every
     // local rank's copy at arena + rank * stride + offset) and is reduced there without staging. Returns
@@ -190,6 +238,8 @@ class Workspace {
         void* data = flat.data_ptr();
         const int div = average ? int(divide_by) : 1;
         const int64_t desc[3] = {numel, code, arena > 0 ? offset : -1};
+        ++prof_.calls;
+        if (profile_) mark_ = now_s();
         bool ok = true;
         {
             GilGuard guard(this);
@@ -215,6 +265,10 @@ class Workspace {
 
    private:
     static constexpr int64_t RELEASE_GIL_BYTES = 64 << 10;
+    // Polling before a sleep: 2 ms when every rank has a core of its own (a peer in step arrives within
+    // microseconds, and a futex wake costs several); a few microseconds when ranks share cores, where the
+    // peer may be waiting for this very core.
+    static constexpr double OWN_CORE_SPIN_S = 0.002, SHARED_CORE_SPIN_S = 5e-6;
     int64_t codes_[64][2];  // by ScalarType: the call codes, -1 where the dtype is not reduced here
     PyThreadState* released_ = nullptr;  // set while this call runs without the GIL
 
@@ -236,7 +290,16 @@ class Workspace {
     volatile int64_t* flags_;
     int64_t header_bytes_, region_bytes_, small_bytes_, piece_bytes_;
     int me_, n_;
-    bool spin_, check_liveness_;
+    bool check_liveness_;
+    double mark_ = 0;  // when the current phase began (profiling)
+
+    void lap(double& phase) {  // the time since the last mark goes to ``phase``
+        if (profile_) {
+            const double t = now_s();
+            phase += t - mark_;
+            mark_ = t;
+        }
+    }
     std::vector<int64_t> pids_;
     int64_t count_ = 0;
     double timeout_s_ = 60.0;
@@ -266,8 +329,15 @@ class Workspace {
             const int base = me_ * LINE + DESC + 3 * int(count & 1);
             for (int i = 0; i < 3; ++i) flags_[base + i] = desc[i];
         }
-        // Last, with release order: a peer that sees the count sees the data written before it.
-        __atomic_store_n(const_cast<int64_t*>(&flags_[me_ * LINE]), count, __ATOMIC_RELEASE);
+        // Last: a peer that sees the count sees the data written before it. Sequentially consistent (an
+        // xchg, a full barrier), so that of this store and a sleeping peer's mark (``wait_slow``) at least
+        // one sees the other: either the peer sees the count and does not sleep, or it is woken here.
+        __atomic_store_n(const_cast<int64_t*>(&flags_[me_ * LINE]), count, __ATOMIC_SEQ_CST);
+        ++prof_.barriers;
+        if (__atomic_load_n(const_cast<int64_t*>(&flags_[n_ * LINE + SLEEPERS]), __ATOMIC_SEQ_CST) > 0) {
+            futex_wake(&flags_[me_ * LINE]);
+            ++prof_.wakes;
+        }
         return true;
     }
 
@@ -298,23 +368,27 @@ class Workspace {
 
     bool wait_slow(int peer, int64_t step, int64_t steps) {
         const int64_t count = count_;
-        if (spin_) {  // a core of our own: spin, reading the clock every 256 looks
-            const double spin_until = now_s() + SPIN_S;
-            while (true) {
-                for (int i = 0; i < 256; ++i) {
-                    if (peer_count(peer) >= count) return true;
-                    cpu_relax();
-                }
-                if (now_s() > spin_until) break;
+        // Poll first (the clock read every 64 looks): a peer on another core, in step, arrives within
+        // microseconds.
+        const double spin_until = now_s() + spin_s_;
+        do {
+            for (int i = 0; i < 64; ++i) {
+                if (peer_count(peer) >= count) return true;
+                cpu_relax();
             }
-        }
-        release_gil();  // a long wait: let this process's other threads run meanwhile
+        } while (now_s() < spin_until);
+        // Then sleep in the kernel until the peer's count changes (its ``arrive`` wakes us), which hands this
+        // core to a peer that shares it at once. Yielding did not: under EEVDF sched_yield keeps the core
+        // for a waiter whose peer has had its share, and the waiter polled for the rest of its slice
+        // (0.75 ms per barrier with 4 ranks on 2 cores). The futex sleeps at most until the next liveness
+        // check (every 20 ms), so a peer that dies or stops is still found.
+        release_gil();
+        volatile int64_t* theirs = &flags_[peer * LINE];
+        volatile int64_t* sleepers = &flags_[n_ * LINE + SLEEPERS];
         const double start = now_s();
         const double deadline = start + timeout_s_;
-        const double yield_until = start + (spin_ ? 0.0 : YIELD_S);
         double next_check = start + LIVENESS_EVERY_S;
-        double pause_s = 20e-6;
-        while (peer_count(peer) < count) {
+        while (true) {
             if (flags_[n_ * LINE] != 0) return fail(ABORTED, 0, step, steps);
             const double now = now_s();
             if (now >= next_check) {
@@ -330,15 +404,15 @@ class Workspace {
                     return fail(TIMEOUT, peer, step, steps);
                 }
             }
-            if (now < yield_until) {
-                sched_yield();
-            } else {
-                timespec nap{0, long(pause_s * 1e9)};
-                nanosleep(&nap, nullptr);
-                pause_s = std::min(pause_s * 2, now - start < 0.1 ? NAP_S : 5e-3);
+            __atomic_fetch_add(const_cast<int64_t*>(sleepers), 1, __ATOMIC_SEQ_CST);  // a full barrier too
+            const int64_t seen = peer_count(peer);
+            if (seen < count) {
+                futex_wait(theirs, seen, std::max(1e-5, std::min(next_check, deadline) - now));
+                ++prof_.sleeps;
             }
+            __atomic_fetch_sub(const_cast<int64_t*>(sleepers), 1, __ATOMIC_SEQ_CST);
+            if (seen >= count || peer_count(peer) >= count) return true;
         }
-        return true;
     }
 
     // 'D' dead (gone or a zombie), 'R' anything else or unknown (shm_board.FlagBoard._state).
@@ -357,6 +431,7 @@ class Workspace {
         volatile int64_t* line = &flags_[n_ * LINE];
         if (*line != 0) return;
         *line = reason << 56 | int64_t(culprit) << 40 | int64_t(me_) << 24 | std::min(step, STEP_MAX);
+        for (int r = 0; r < n_; ++r) futex_wake(&flags_[r * LINE]);  // sleepers wake and see the report
     }
 
     bool fail(int64_t reason, int peer, int64_t step, int64_t steps) {
@@ -371,9 +446,12 @@ class Workspace {
         T* src[64];
         for (int j = 0; j < n_; ++j) src[j] = reinterpret_cast<T*>(small_buffer(j, small_turn_));
         copy_in<T>(src[me_], flat, numel, div);
+        lap(prof_.copy_in);
         if (!arrive(desc) || !wait_all(1, 1) || !check_same_call(desc)) return false;
+        lap(prof_.wait);
         // Every rank adds the same buffers in the same order: bit-identical results.
         sum_ranks<T>(flat, nullptr, src, n_, numel, nullptr, me_, 1);
+        lap(prof_.reduce);
         return true;
     }
 
@@ -430,14 +508,21 @@ class Workspace {
             }
         };
         copy_piece_in(0);
+        lap(prof_.copy_in);
         if (!arrive(desc) || !wait_all(1, pieces + 1) || !check_same_call(desc)) return false;
+        lap(prof_.wait);
         for (int64_t k = 1; k <= pieces; ++k) {
             if (k >= 2) gather(k - 2);
+            lap(prof_.gather);
             reduce_and_publish(k - 1);
+            lap(prof_.reduce);
             if (k < pieces) copy_piece_in(k);
+            lap(prof_.copy_in);
             if (!arrive(nullptr) || !wait_all(k + 1, pieces + 1)) return false;
+            lap(prof_.wait);
         }
         gather(pieces - 1);
+        lap(prof_.gather);
         return true;
     }
 
@@ -450,20 +535,27 @@ class Workspace {
         int64_t per_shard = (numel + n - 1) / n;
         per_shard = (per_shard + align - 1) / align * align;
         if (div > 1) copy_in<T>(flat, flat, numel, div);
+        lap(prof_.copy_in);
         if (!arrive(desc) || !wait_all(1, 3) || !check_same_call(desc)) return false;
+        lap(prof_.wait);
         const int64_t lo = std::min(numel, me * per_shard), hi = std::min(numel, (me + 1) * per_shard);
         if (hi > lo) {
             T* src[64];
             for (int j = 0; j < n; ++j) src[j] = peers[j] + lo;
             sum_ranks<T>(flat + lo, nullptr, src, n, hi - lo, nullptr, me, 1);
         }
+        lap(prof_.reduce);
         if (!arrive(nullptr) || !wait_all(2, 3)) return false;
+        lap(prof_.wait);
         for (int j = 0; j < n; ++j) {
             const int64_t jlo = std::min(numel, j * per_shard), jhi = std::min(numel, (j + 1) * per_shard);
             if (j != me && jhi > jlo) std::memcpy(flat + jlo, peers[j] + jlo, (jhi - jlo) * sizeof(T));
         }
+        lap(prof_.gather);
         // Peers may still be copying this rank's shard: nobody returns (and overwrites) before all are done.
-        return arrive(nullptr) && wait_all(3, 3);
+        const bool ok = arrive(nullptr) && wait_all(3, 3);
+        lap(prof_.wait);
+        return ok;
     }
 };
 
@@ -484,10 +576,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool, bool>())
         .def("all_reduce", &Workspace::all_reduce)
         .def("takes", &Workspace::takes)
+        .def("run", &Workspace::run)
+        .def_readwrite("timeout_s_default", &Workspace::timeout_s_default_)
+        .def_readwrite("arenas", &Workspace::arenas_)
+        .def_readwrite("in_place_bytes", &Workspace::in_place_bytes_)
         .def("set_code", &Workspace::set_code)
         .def("failure", &Workspace::failure)
         .def_readwrite("direct_bytes", &Workspace::direct_bytes_)
         .def_readwrite("piece_bytes", &Workspace::pipe_piece_bytes_)
         .def_readwrite("small_turn", &Workspace::small_turn_)
-        .def_readwrite("staging_turn", &Workspace::staging_turn_);
+        .def_readwrite("staging_turn", &Workspace::staging_turn_)
+        .def_readwrite("spin_s", &Workspace::spin_s_)
+        .def_readwrite("profile", &Workspace::profile_)
+        .def("profile_stats", &Workspace::profile_stats)
+        .def("reset_profile", &Workspace::reset_profile);
 }
