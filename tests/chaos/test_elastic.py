@@ -56,6 +56,20 @@ def position_in_epoch(run_dir: Path) -> int:
     return sum(1 for r in steps if r["epoch"] == steps[-1]["epoch"]) if steps else 0
 
 
+def join_mid_epoch(job: Job, run_dir: Path, joined: contextlib.ExitStack, latest: int = 16) -> Job:
+    """1 -> 2: once the lone worker is between the 2nd and the ``latest``-th step of an epoch, hold it
+    (SIGSTOP) while a `ringtrain join` agent starts, and let it go once its agent has asked it to stop for
+    the newcomer (a SIGTERM pending on it); return the joining job."""
+    job.wait_for(lambda: ledger_steps(run_dir)[-1]["world_size"] == 1 and 2 <= position_in_epoch(run_dir) <= latest,
+                 what="the lone worker mid-epoch")
+    lone = job.worker(0)
+    lone.suspend()
+    joiner = joined.enter_context(Job("join", str(run_dir)))
+    job.wait_for(lambda: sigterm_pending(lone.pid), what="the agent to ask the lone worker to stop")
+    lone.resume()
+    return joiner
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     run_dir = tmp_path_factory.mktemp("elastic") / "run"
@@ -68,13 +82,7 @@ def scenario(tmp_path_factory) -> Scenario:
         job.wait_for(lambda: any(r["world_size"] == 1 for r in ledger_steps(run_dir)), what="a step with 1 worker")
         shrink_s = time.monotonic() - killed
         # 1 -> 2: a worker joins while the lone worker is in the middle of an epoch.
-        job.wait_for(lambda: ledger_steps(run_dir)[-1]["world_size"] == 1 and 2 <= position_in_epoch(run_dir) <= 16,
-                     what="the lone worker mid-epoch")
-        lone = job.worker(0)
-        lone.suspend()
-        joiner = joined.enter_context(Job("join", str(run_dir)))
-        job.wait_for(lambda: sigterm_pending(lone.pid), what="the agent to ask the lone worker to stop")
-        lone.resume()
+        joiner = join_mid_epoch(job, run_dir, joined)
         code = job.finish()
         join_code = joiner.finish(timeout=60)
     return Scenario(run_dir, code, join_code, kill_step, shrink_s, job.stderr + "\n[join]\n" + joiner.stderr,

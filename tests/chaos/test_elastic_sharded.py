@@ -13,7 +13,7 @@ import json
 from ringtrain.checkpoint.sharded import committed, verify
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, last_step, ledger_steps, records
-from tests.chaos.test_elastic import position_in_epoch, sigterm_pending
+from tests.chaos.test_elastic import join_mid_epoch
 
 ARGS = ["configs/debug_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--max-restarts", "3",
         "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
@@ -24,7 +24,9 @@ ARGS = ["configs/debug_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--max-res
 def test_a_shrink_resumes_from_a_background_sharded_checkpoint_exactly_once(tmp_path):
     run_dir = tmp_path / "run"
     with Job("train", *ARGS, "--run-dir", str(run_dir)) as job:
-        job.wait_for(lambda: last_step(run_dir) >= 8, what="step 8")
+        # A background save commits later than its step: wait for one (under load step 8 may come first).
+        job.wait_for(lambda: last_step(run_dir) >= 8 and committed(run_dir / "checkpoints"),
+                     what="step 8 and a committed checkpoint")
         job.agent_of(1).kill()
         job.wait_for(lambda: any(r["world_size"] == 1 for r in ledger_steps(run_dir)), what="a step with 1 worker")
         code = job.finish()
@@ -50,14 +52,7 @@ def test_a_zero2_job_grows_from_one_to_two_through_a_sharded_checkpoint_exactly_
     with Job("train", *args, "--run-dir", str(run_dir)) as job, contextlib.ExitStack() as joined:
         job.wait_for(lambda: last_step(run_dir) >= 6, what="step 6")
         job.agent_of(1).kill()  # 2 -> 1 first: the job starts with both of its workers
-        # 1 -> 2 mid-epoch: the lone worker is held while the joining agent starts (see test_elastic.py).
-        job.wait_for(lambda: ledger_steps(run_dir)[-1]["world_size"] == 1 and position_in_epoch(run_dir) <= 18,
-                     what="the lone worker mid-epoch")
-        lone = job.worker(0)
-        lone.suspend()
-        joiner = joined.enter_context(Job("join", str(run_dir)))
-        job.wait_for(lambda: sigterm_pending(lone.pid), what="the agent to ask the lone worker to stop")
-        lone.resume()
+        joiner = join_mid_epoch(job, run_dir, joined, latest=18)  # 1 -> 2 mid-epoch
         code = job.finish()
         join_code = joiner.finish(timeout=60)
     assert code == 0 and join_code == 0, job.stderr + "\n[join]\n" + joiner.stderr
