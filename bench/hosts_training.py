@@ -15,7 +15,9 @@ hosts), ``ring``, ``shm`` (shared memory inside a host, hierarchical across host
 factors; from step 2). Single-host layouts need no rate and run once per algorithm. A rate only matters
 across hosts.
 
-Throughput is the median of the logged intervals after the first (warm-up, PowerSGD's first steps).
+Each host pins its workers to cores from the first one on (``[dist] pin_cpu``), which on one machine would
+stack the workers of ``2x1`` on core 0: layouts with fewer workers per host than this machine has cores run
+unpinned. Throughput is the median of the logged intervals after the first (warm-up, PowerSGD's first steps).
 Every case appends to ``OUT/results.json`` (a case measured again replaces its row) and ``OUT/table.md``
 is rewritten from all rows, so the grid can be run a piece at a time. Needs root.
 """
@@ -92,6 +94,10 @@ def run_case(case: Case, steps: int, interval: int, out: Path, powersgd_rank: in
                 "checkpoint.every_steps=100000", f"train.local_batch_size={work.per_worker}",
                 f"train.global_batch_size={work.per_worker * case.workers}", f"comm.algorithm={case.algorithm}",
                 "comm.powersgd_start_iter=2", f"comm.powersgd_rank={powersgd_rank}", *work.settings]
+    if case.hosts > 1 and case.per_host < (os.cpu_count() or 1):
+        # The test hosts share this machine's cores, and each host pins its workers from the first core on:
+        # 2x1 would put both workers on core 0 and leave core 1 idle. Unpinned, they spread as in one host.
+        settings.append("dist.pin_cpu=false")
     base = [sys.executable, "-m", "ringtrain", "train", str(REPO / work.config), "--nproc", str(case.per_host),
             "--run-dir", str(run_dir)]
     for setting in settings:
