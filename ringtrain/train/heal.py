@@ -101,6 +101,8 @@ class Healing(NoHealing):
         self.buffers: BufferSnapshot | None = None
         self._requests_seen = 0
         """Join requests rank 0 has scheduled (so it asks the store once a step)."""
+        self._plan: tuple[int, int] | None = None
+        """Rank 0's own admission plan: (generation, after_step)."""
         trainer.logger = FencedLogger(trainer.logger, self)
         trainer.dump_flight = self._fenced_dump(trainer.dump_flight)
         trainer.watch.on_failure = trainer.dump_flight
@@ -111,7 +113,9 @@ class Healing(NoHealing):
         self.buffers = BufferSnapshot(self.trainer.module)
 
     def check_fence(self) -> None:
-        self.membership.check_fence()
+        # Only rank 0 writes the run directory (loggers, ledger, checkpoints): one store read a step, there.
+        if self.trainer.ctx.rank == 0:
+            self.membership.check_fence()
 
     def committed(self, step: int) -> None:
         now = time.time()
@@ -126,16 +130,22 @@ class Healing(NoHealing):
         pending request for after the next step; every rank reads the plan (one store read a step)."""
         trainer, membership = self.trainer, self.membership
         step = trainer.state.step
+        if membership.generation.rank != 0:
+            plan = membership.admission()
+            return plan is not None and plan[0] == step
+        # Rank 0 wrote the plan itself: it reads only the request counter.
+        if self._plan is not None and self._plan[0] == membership.generation.number:
+            return self._plan[1] == step
         room = (self.max_workers or sys.maxsize) - membership.generation.world_size
-        if membership.generation.rank == 0 and room > 0 and step + 1 < trainer.total_steps:
+        if room > 0 and step + 1 < trainer.total_steps:
             requested = membership.store.add("join/requests", 0)
-            if requested > self._requests_seen and membership.admission() is None:
+            if requested > self._requests_seen:
                 joiners = membership.pending_joiners()[:room]
                 if joiners:
                     membership.schedule_admission(step + 1, joiners)
+                    self._plan = (membership.generation.number, step + 1)
                 self._requests_seen = requested if not joiners else self._requests_seen + len(joiners)
-        plan = membership.admission()
-        return plan is not None and plan[0] == step
+        return False
 
     def admit(self) -> None:
         """Regroup with the joining workers at this step boundary: a new generation, its group, the strategy

@@ -19,7 +19,7 @@ from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.conftest import run_cli
 
-EPOCHS = 4
+EPOCHS = 3
 SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=16",
         "--set", "train.lr_schedule=constant", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
         "--set", "monitor.progress=false", "--set", "dist.timeout_s=20", "--set", "checkpoint.every_steps=1000"]
