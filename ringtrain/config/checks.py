@@ -93,9 +93,12 @@ def check_workload(config: Config) -> None:
 
 
 def validate_for_backend(config: Config, backend: str) -> None:
-    """Check what depends on the device the workers will use."""
-    if config.train.precision == "fp16" and backend != "nccl":
+    """Check what depends on the device the workers will use (``backend``: ``dist.backend`` resolved).
+
+    fp16 runs on either: torch's GradScaler scales CPU gradients as it does CUDA ones."""
+    if config.comm.algorithm == "shm" and backend == "nccl":
         raise ConfigError(
-            f"train.precision = 'fp16' needs CUDA GPUs (GradScaler) but the backend is {backend}; "
-            "use 'bf16' on CPU, or dist.backend = 'nccl' on GPUs"
+            "comm.algorithm = 'shm' reduces CPU tensors through shared memory but the workers train on GPUs "
+            "(dist.backend = 'auto' found CUDA: nccl); use comm.algorithm = 'ring' or 'torch', or "
+            "dist.backend = 'gloo' to train on the CPUs"
         )

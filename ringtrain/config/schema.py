@@ -206,8 +206,8 @@ class TrainConfig(Section):
     such steps in a row the job stops with an error."""
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision: 'fp32'; 'bf16' (autocast, CPU or GPU); 'fp16' (autocast with a GradScaler, GPU
-    only). Weights, gradients and optimizer state stay fp32."""
+    """Compute precision: 'fp32'; 'bf16' (autocast, CPU or GPU); 'fp16' (autocast with torch's GradScaler,
+    CPU or GPU; not with comm.strategy = 'fsdp' yet). Weights, gradients and optimizer state stay fp32."""
 
     max_tokens: int | None = Field(default=None, gt=0)
     """Text: token budget of one micro-batch on one worker (sequences x longest sequence, padding

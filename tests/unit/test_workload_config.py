@@ -27,7 +27,6 @@ BAD = [
     ("debug_lm.toml", ["data.path='{stdlib}/json/*.py'"], ["0 validation files", "data.test_fraction"]),
     ("debug_lm.toml", ["model.n_heads=3"], ["d_model (64) must be divisible by n_heads (3)"]),
     ("debug_lm.toml", ["train.precision=fp8"], ["train.precision", "'bf16'"]),
-    ("debug_lm.toml", ["train.precision=fp16"], ["'fp16' needs CUDA", "bf16"]),
     ("debug_lm.toml", ["train.auto_micro_batch=false", "train.memory_budget_mb=900"],
      ["train.memory_budget_mb needs train.auto_micro_batch = true"]),
     ("debug_lm.toml", ["train.inject_oom_at_step=1", "train.inject_oom_rank=2"],
@@ -68,3 +67,14 @@ def test_image_folder_in_imagenet_layout(tmp_path):
     image, label = data.test[3]
     assert image.shape == (3, 24, 24) and label == 1
     assert image[2].mean() > image[0].mean(), "a blue dog, normalised"
+
+
+def test_shm_is_refused_when_auto_finds_gpus_and_fp16_is_not_refused_on_cpu():
+    from ringtrain.config import validate_for_backend
+    from ringtrain.errors import ConfigError
+
+    shm = load_config(REPO / "configs" / "debug_mlp.toml", ["comm.algorithm=shm"])
+    validate_for_backend(shm, "gloo")
+    with pytest.raises(ConfigError, match="comm.algorithm = 'shm' reduces CPU tensors.*'ring' or 'torch'"):
+        validate_for_backend(shm, "nccl")  # dist.backend = 'auto' on a machine with CUDA
+    validate_for_backend(load_config(REPO / "configs" / "debug_mlp.toml", ["train.precision=fp16"]), "gloo")
