@@ -207,7 +207,7 @@ class TrainConfig(Section):
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision: 'fp32'; 'bf16' (autocast, CPU or GPU); 'fp16' (autocast with torch's GradScaler,
-    CPU or GPU; not with comm.strategy = 'fsdp' yet). Weights, gradients and optimizer state stay fp32."""
+    CPU or GPU, every strategy). Weights, gradients and optimizer state stay fp32."""
 
     max_tokens: int | None = Field(default=None, gt=0)
     """Text: token budget of one micro-batch on one worker (sequences x longest sequence, padding
@@ -447,11 +447,6 @@ class Config(Section):
                 f"train.auto_micro_batch needs a step without collectives until its end, but comm.strategy = "
                 f"'{strategy}' gathers parameters in every forward; set train.auto_micro_batch = false or use "
                 "strategy 'zero1' or 'zero2'"
-            )
-        if strategy == "fsdp" and self.train.precision == "fp16":
-            raise ValueError(
-                "train.precision = 'fp16' with comm.strategy = 'fsdp' is not supported yet (FSDP2's DTensor "
-                "gradients through the GradScaler are untested here); use 'bf16', or strategy 'zero3'"
             )
         return self
 

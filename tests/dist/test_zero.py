@@ -283,8 +283,6 @@ def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_p
     (["comm.strategy=zero1", "comm.algorithm=bf16"], "use strategy = 'ddp' with it"),
     (["comm.strategy=zero3"], "train.auto_micro_batch needs a step without collectives"),
     (["comm.strategy=fsdp", "train.auto_micro_batch=false", "comm.algorithm=shm"], "strategy 'fsdp' runs PyTorch's FSDP2"),
-    (["comm.strategy=fsdp", "train.auto_micro_batch=false", "train.precision=fp16"],
-     "train.precision = 'fp16' with comm.strategy = 'fsdp'"),
 ])
 def test_combinations_that_cannot_work_are_refused_in_one_line(overrides, message):
     from ringtrain.config import load_config
@@ -397,7 +395,9 @@ def fp16_train(rank: int, world_size: int, names: list[str], overflow_step: int)
             precision.scale(loss).backward()
             parameters = strategy.gradient_parameters(model, optimizer)
             if step == overflow_step and (strategy.gradients_replicated or rank == 1):
-                parameters[0].grad.view(-1)[0] = float("inf")
+                grad = parameters[0].grad
+                grad = grad.to_local() if hasattr(grad, "to_local") else grad  # fsdp: this rank's DTensor shard
+                grad.view(-1)[0] = float("inf")
             precision.unscale_(optimizer)
             flags = guard.check(loss.detach(), parameters, gradients=not strategy.gradients_replicated)
             verdict = guard.agree(flags)
@@ -413,14 +413,15 @@ def fp16_train(rank: int, world_size: int, names: list[str], overflow_step: int)
 
 def test_fp16_with_the_grad_scaler_on_shards_steps_and_skips_like_the_replicated_strategy():
     """An overflow in one rank's gradient shard makes every rank skip the step and halve its scale; every
-    other step's parameters equal the replicated run's bit for bit (zero1/2/3, 2 workers, AdamW, fp16
-    autocast on CPU: torch 2.14's GradScaler('cpu'))."""
-    per_rank = run_distributed(fp16_train, 2, ["manual", "zero1", "zero2", "zero3"], 3, timeout_s=120)
+    other step's parameters equal the replicated run's bit for bit (zero1/2/3 and FSDP2, whose DTensor
+    gradients the GradScaler unscales shard by shard; 2 workers, AdamW, fp16 autocast on CPU: torch 2.14's
+    GradScaler('cpu'))."""
+    per_rank = run_distributed(fp16_train, 2, ["manual", "zero1", "zero2", "zero3", "fsdp"], 3, timeout_s=120)
     reference = per_rank[0]["manual"]
     scales = [scale for _, scale in reference]
     assert scales[2] == scales[1] / 2 and scales[3] == scales[2], scales  # step 3 overflowed: halved, skipped
     assert torch.equal(reference[2][0], reference[1][0]), "the overflowing step changed the parameters"
-    for name in ("zero1", "zero2", "zero3"):
+    for name in ("zero1", "zero2", "zero3", "fsdp"):
         for rank in range(2):
             for step, ((ours, our_scale), (theirs, their_scale)) in enumerate(zip(per_rank[rank][name], reference), 1):
                 assert our_scale == their_scale, f"{name} rank {rank} step {step}: scale {our_scale} != {their_scale}"

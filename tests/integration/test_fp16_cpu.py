@@ -1,8 +1,8 @@
 """fp16 with torch's GradScaler on CPU workers, through `ringtrain train` as a user runs it.
 
 torch's GradScaler scales CPU gradients as it does CUDA ones, so fp16 is no longer refused over Gloo: the
-replicated strategy (DDP) and a sharded one (zero2: each rank unscales its own gradient shard, the overflow
-verdict rides on the step agreement) train to the same parameters, bit for bit, without accumulation.
+replicated strategy (DDP) and the sharded ones (zero2, FSDP2: each rank unscales its own gradient shard, the
+overflow verdict rides on the step agreement) train to the same parameters, bit for bit, without accumulation.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ def _train(tmp_path, strategy: str) -> dict:
     return {"losses": losses, **summary}
 
 
-def test_fp16_trains_on_cpu_with_ddp_and_zero2_to_the_same_parameters(tmp_path):
-    ddp, zero2 = _train(tmp_path, "ddp"), _train(tmp_path, "zero2")
+def test_fp16_trains_on_cpu_with_ddp_zero2_and_fsdp_to_the_same_parameters(tmp_path):
+    ddp, zero2, fsdp = _train(tmp_path, "ddp"), _train(tmp_path, "zero2"), _train(tmp_path, "fsdp")
     print(f"fp16 on CPU: ddp loss {ddp['losses'][0]:.3f} -> {ddp['final_loss']:.3f}, "
-          f"zero2 -> {zero2['final_loss']:.3f}; param_sha256 {ddp['param_sha256'][0][:12]} / {zero2['param_sha256'][0][:12]}")
+          f"zero2 -> {zero2['final_loss']:.3f}, fsdp -> {fsdp['final_loss']:.3f}; param_sha256 {ddp['param_sha256'][0][:12]} / {zero2['param_sha256'][0][:12]}")
     assert math.isfinite(ddp["final_loss"]) and ddp["final_loss"] < ddp["losses"][0]
-    assert ddp["param_sha256"] == zero2["param_sha256"]
-    assert ddp["steps"] == zero2["steps"] > 0
+    assert ddp["param_sha256"] == zero2["param_sha256"] == fsdp["param_sha256"]
+    assert ddp["steps"] == zero2["steps"] == fsdp["steps"] > 0
