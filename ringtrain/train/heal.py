@@ -308,16 +308,25 @@ def _agree_on_state(trainer: Trainer) -> int | None:
     source = next(rank for rank, (step, _) in enumerate(everyone) if step == newest)
     if all(entry == everyone[source] for entry in everyone):
         return None
-    payload = [None, None]
-    if dist.get_rank() == source:
-        buffer = io.BytesIO()
-        torch.save(_heal_state(trainer), buffer)
-        data = buffer.getvalue()
-        payload = [data, hashlib.sha256(data).hexdigest()]
-    dist.broadcast_object_list(payload, src=source)
-    data, sent_sha = payload
-    if hashlib.sha256(data).hexdigest() != sent_sha:
-        raise HealFailed(f"the state received from rank {source} does not match its sha256; resume with --resume")
+    for attempt in range(1, SEND_ATTEMPTS + 1):
+        payload = [None, None]
+        if dist.get_rank() == source:
+            buffer = io.BytesIO()
+            torch.save(_heal_state(trainer), buffer)
+            data = buffer.getvalue()
+            payload = [transit_hook(data, attempt), hashlib.sha256(data).hexdigest()]
+        dist.broadcast_object_list(payload, src=source)
+        data, sent_sha = payload
+        intact = torch.tensor([float(hashlib.sha256(data).hexdigest() == sent_sha)])
+        dist.all_reduce(intact, op=dist.ReduceOp.MIN)  # everyone learns whether every copy arrived whole
+        if intact.item():
+            break
+        if dist.get_rank() != source and hashlib.sha256(data).hexdigest() != sent_sha:
+            print(f"ringtrain: warning: the state received from rank {source} does not match its sha256 "
+                  f"(attempt {attempt} of {SEND_ATTEMPTS}); refused, sent again", file=sys.stderr, flush=True)
+    else:
+        raise HealFailed(f"the state received from rank {source} did not match its sha256 in {SEND_ATTEMPTS} attempts; "
+                         "resume with --resume")
     if dist.get_rank() != source:
         _load_heal_state(trainer, torch.load(io.BytesIO(data), weights_only=True))
     digests: list[Any] = [None] * dist.get_world_size()
@@ -325,6 +334,15 @@ def _agree_on_state(trainer: Trainer) -> int | None:
     if len(set(digests)) > 1:
         raise HealFailed(f"after healing the survivors still hold different states {digests}; resume with --resume")
     return source
+
+
+SEND_ATTEMPTS = 3
+"""Sends of the state to survivors or joiners whose copy did not match the sender's sha256."""
+
+
+def transit_hook(data: bytes, attempt: int) -> bytes:
+    """What the sender puts on the wire for ``attempt`` (the data itself; tests replace this to corrupt it)."""
+    return data
 
 
 def _heal_state(trainer: Trainer) -> dict[str, Any]:

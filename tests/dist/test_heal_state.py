@@ -63,3 +63,25 @@ def test_survivors_behind_receive_the_newest_state_from_the_rank_that_applied_it
 def test_nothing_is_copied_when_every_survivor_is_at_the_same_step(tmp_path):
     results = run_distributed(roll_forward, 2, str(tmp_path), None)
     assert all(r[1] is None for r in results) and len({r[2:] for r in results}) == 1
+
+
+def roll_forward_through_a_corrupting_wire(rank: int, world_size: int, run_dir: str):
+    """As roll_forward, with one byte of the state flipped in transit on the first send (a test hook)."""
+    import ringtrain.train.heal as heal
+
+    sends: list[int] = []
+
+    def flip_first(data: bytes, attempt: int) -> bytes:
+        sends.append(attempt)
+        return data if attempt > 1 else data[:100] + bytes([data[100] ^ 0xFF]) + data[101:]
+
+    heal.transit_hook = flip_first
+    result = roll_forward(rank, world_size, run_dir, ahead_rank=1)
+    return sends, result
+
+
+def test_a_state_corrupted_in_transit_is_refused_and_sent_again(tmp_path):
+    results = run_distributed(roll_forward_through_a_corrupting_wire, 3, str(tmp_path))
+    assert results[1][0] == [1, 2] and results[0][0] == results[2][0] == []  # rank 1 sent twice
+    assert len({r[1][2:] for r in results}) == 1  # and every rank ended at its state
+    assert results[0][1][2] == 3
