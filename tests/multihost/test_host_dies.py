@@ -10,23 +10,16 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.chaos.jobs import Job, last_step
+from tests.chaos.jobs import last_step
+from tests.multihost.jobs import start_node_jobs
 
-PORT = 29400
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-host", "rendezvous-host"])
 def test_a_dead_host_is_named(make_hosts, tmp_path, victim):
     hosts = make_hosts(2)
     with ExitStack() as stack:
-        jobs = [
-            stack.enter_context(Job(
-                "train", "configs/debug_mlp.toml", "--nproc", "1", "--nnodes", "2", "--node-rank", str(i),
-                "--rdzv-endpoint", f"{hosts.addr(0)}:{PORT}", "--local-addr", hosts.addr(i),
-                "--run-dir", str(tmp_path), "--set", "train.epochs=200", "--set", "dist.timeout_s=5",
-                "--set", "monitor.log_every_steps=1", prefix=hosts.exec_prefix(i)))
-            for i in range(2)
-        ]
+        jobs = start_node_jobs(stack, hosts, tmp_path, timeout_s=5)
         jobs[0].wait_for(lambda: last_step(tmp_path) >= 5, timeout=120, what="step 5")
         for proc in reversed(jobs[victim].tree()):  # the host dies: all of its processes at once
             proc.kill()

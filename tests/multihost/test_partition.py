@@ -8,23 +8,16 @@ import re
 import time
 from contextlib import ExitStack
 
-from tests.chaos.jobs import Job, last_step
+from tests.chaos.jobs import last_step
+from tests.multihost.jobs import start_node_jobs
 
-PORT = 29400
 TIMEOUT_S = 5
 
 
 def test_link_cut_mid_run_names_the_unreachable_host(make_hosts, tmp_path):
     hosts = make_hosts(2)
     with ExitStack() as stack:
-        jobs = [
-            stack.enter_context(Job(
-                "train", "configs/debug_mlp.toml", "--nproc", "1", "--nnodes", "2", "--node-rank", str(i),
-                "--rdzv-endpoint", f"{hosts.addr(0)}:{PORT}", "--local-addr", hosts.addr(i),
-                "--run-dir", str(tmp_path), "--set", "train.epochs=200", "--set", f"dist.timeout_s={TIMEOUT_S}",
-                "--set", "monitor.log_every_steps=1", prefix=hosts.exec_prefix(i)))
-            for i in range(2)
-        ]
+        jobs = start_node_jobs(stack, hosts, tmp_path, timeout_s=TIMEOUT_S)
         jobs[0].wait_for(lambda: last_step(tmp_path) >= 10, timeout=120, what="step 10")
         hosts.cut(1)
         cut_at = time.monotonic()
