@@ -19,7 +19,8 @@ from safetensors.torch import save
 
 from ringtrain.checkpoint.manager import CheckpointManager, load_checkpoint_file
 from ringtrain.checkpoint.manifest import write_atomic
-from ringtrain.checkpoint.sharded import SafeFileSystemReader, ShardedCheckpointer, checkpoint_step_of, committed, verify
+from ringtrain.checkpoint.dcp_io import SafeFileSystemReader
+from ringtrain.checkpoint.sharded import ShardedCheckpointer, checkpoint_step_of, committed, verify
 from ringtrain.errors import CheckpointError, CorruptCheckpoint
 
 __all__ = ["export_model"]

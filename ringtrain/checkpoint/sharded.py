@@ -29,7 +29,6 @@ saved by N ranks loads into M ranks' layout (DTensors of another mesh, or plain 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -44,10 +43,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from ringtrain.checkpoint.manifest import FORMAT, fsync_dir, make_dirs, write_atomic
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
@@ -103,7 +98,7 @@ class ShardedCheckpointer:
         # DCP's planning collectives run beside training's (a background save): a Gloo group of their own.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
         self._pending: PendingSave | None = None
-        self._stager = _ReusedStager()
+        self._stager = None  # a dcp_io.ReusedStager, made at the first background save
 
     # --- names -----------------------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
@@ -138,9 +133,12 @@ class ShardedCheckpointer:
         start = time.perf_counter()
         report = SaveReport(step=step, path=str(path), blocked_s=0.0)
         pending = PendingSave(report)
-        writer = FileSystemWriter(path, sync_files=True)
+        dcp, dcp_io = _dcp()
+        writer = dcp.FileSystemWriter(path, sync_files=True)
         tensors = _only_tensors(state)
         if async_save:
+            if self._stager is None:
+                self._stager = dcp_io.ReusedStager()
             response = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
                                       async_stager=self._stager)
             staged = time.perf_counter()
@@ -205,7 +203,8 @@ class ShardedCheckpointer:
         returns the manifest. Every rank calls it."""
         path = Path(path)
         manifest = verify(path)
-        reader = SafeFileSystemReader(path)
+        dcp, dcp_io = _dcp()
+        reader = dcp_io.SafeFileSystemReader(path)
         reader.read_metadata()  # UnsafeCheckpoint here, in one line, rather than wrapped inside DCP's errors
         target = _only_tensors(state)
         dcp.load(target, storage_reader=reader, process_group=self.group)
@@ -274,84 +273,22 @@ def verify(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-class _ReusedStager(BlockingAsyncStager):
-    """Stages a background save by copying into buffers kept from the last save: no allocation and no page
-    faults on the training thread after the first save (torch's own cache pins its buffers, which needs
-    CUDA). Safe because ``save`` waits for the previous background write before staging the next."""
+def _dcp():
+    """``torch.distributed.checkpoint`` and ringtrain's DCP pieces, imported at the first sharded save or load:
+    DCP's import costs about half a second in every worker process, and most runs never use it."""
+    import torch.distributed.checkpoint as dcp
 
-    def __init__(self):
-        super().__init__(cache_staged_state_dict=True)
+    from ringtrain.checkpoint import dcp_io
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(_unshared(state_dict))
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+    return dcp, dcp_io
 
 
-def _unshared(state: Any) -> Any:
-    """``state`` with every ShardedTensor's local shards in tensors of their own. torch makes the staging
-    buffers of a ShardedTensor by deep-copying it, which copies the whole storage its shards are views of
-    (a zero strategy's bucket or shard, once per parameter): only shapes and dtypes matter here."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+def __getattr__(name: str) -> Any:
+    if name == "SafeFileSystemReader":
+        from ringtrain.checkpoint.dcp_io import SafeFileSystemReader
 
-    if isinstance(state, dict):
-        return {k: _unshared(v) for k, v in state.items()}
-    if isinstance(state, ShardedTensor) and state.local_shards():
-        shards = [Shard(torch.empty_like(s.tensor), s.metadata) for s in state.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata())
-    return state
-
-
-# --- metadata without arbitrary unpickling -------------------------------------------------------------
-def _allowed() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    names = ["Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
-             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"]
-    allowed = {("torch.distributed.checkpoint.metadata", n): getattr(metadata, n) for n in names if hasattr(metadata, n)}
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("pathlib", "PosixPath")] = Path("x").__class__
-    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    allowed: dict[tuple[str, str], Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.allowed:
-            return self.allowed[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
-            return getattr(torch, name)
-        raise UnsafeCheckpoint(f"checkpoint metadata refers to {module}.{name}, which a DCP metadata file never holds; "
-                               "it was not loaded (refusing to run code from a checkpoint)")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader, with ``.metadata`` read by a restricted unpickler (DCP's own uses ``pickle.load``)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            raw = stream.read()
-        if not _MetadataUnpickler.allowed:
-            _MetadataUnpickler.allowed = _allowed()
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-        except UnsafeCheckpoint:
-            raise
-        except Exception as err:  # noqa: BLE001 - any unpickling failure is a corrupt file
-            raise CorruptCheckpoint(f"checkpoint metadata {path} is unreadable ({err})") from None
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpoint(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return SafeFileSystemReader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- helpers -------------------------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""Every worker process imports the trainer: what it imports at start-up is paid once per worker, per launch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from ringtrain.data import digits
+
+
+def test_a_worker_imports_neither_scikit_learn_nor_torch_distributed_checkpoint_until_used():
+    probe = ("import sys, ringtrain.worker, ringtrain.train.loop; "
+             "print(sorted(m for m in ('sklearn', 'torch.distributed.checkpoint', 'transformers', 'timm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"heavy modules imported at worker start-up: {out.strip()}"
+
+
+def test_the_kept_digits_split_equals_the_computed_one_and_a_damaged_file_is_recomputed(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGTRAIN_CACHE_DIR", str(tmp_path))
+    first = digits.load_digits_split(0.25, 3)
+    (kept,) = tmp_path.glob("digits-*.pt")
+    again = digits.load_digits_split(0.25, 3)
+    computed = digits._split(0.25, 3)
+    for split in (first, again):
+        got = (*split.train.tensors, *split.test.tensors)
+        assert all(torch.equal(a, b) for a, b in zip(got, computed, strict=True))
+    assert len(first.train) + len(first.test) == 1797 and first.input_shape == (64,)
+    kept.write_bytes(b"not a torch file")
+    damaged = digits.load_digits_split(0.25, 3)
+    assert torch.equal(damaged.train.tensors[0], computed[0])
+    assert digits._read(kept) is not None, "the damaged file is replaced by a good one"
