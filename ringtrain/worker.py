@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from ringtrain.config import load_config, validate_for_world_size
 from ringtrain.dist.env import DistEnv
 from ringtrain.dist.group import init_distributed
-from ringtrain.dist.lifetime import exit_with_parent
+from ringtrain.dist.lifetime import exit_quickly, exit_with_parent
 from ringtrain.errors import RingtrainError
 from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan
@@ -82,3 +82,4 @@ def report_error(err: RingtrainError, env: DistEnv) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_quickly(0)  # errors leave through sys.exit above, with the interpreter's usual teardown

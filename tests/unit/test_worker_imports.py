@@ -1,4 +1,5 @@
-"""Every worker process imports the trainer: what it imports at start-up is paid once per worker, per launch."""
+"""Every worker process imports the trainer and ends: what it imports at start-up and does at exit is paid
+once per worker, per launch."""
 
 from __future__ import annotations
 
@@ -31,3 +32,24 @@ def test_the_kept_digits_split_equals_the_computed_one_and_a_damaged_file_is_rec
     damaged = digits.load_digits_split(0.25, 3)
     assert torch.equal(damaged.train.tensors[0], computed[0])
     assert digits._read(kept) is not None, "the damaged file is replaced by a good one"
+
+
+def test_exit_quickly_still_joins_threads_runs_atexit_and_flushes_output(tmp_path):
+    marks = tmp_path / "marks"
+    script = f"""
+import atexit, sys, threading, time
+from ringtrain.dist.lifetime import exit_quickly
+marks = open({str(marks)!r}, "a")
+atexit.register(lambda: (marks.write("atexit\\n"), marks.flush()))
+def late():
+    time.sleep(0.3)
+    marks.write("thread\\n"); marks.flush()
+threading.Thread(target=late).start()
+sys.stdout.write("buffered, no newline")
+exit_quickly(3)
+marks.write("never\\n")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 3
+    assert done.stdout == "buffered, no newline"
+    assert marks.read_text().splitlines() == ["thread", "atexit"]
