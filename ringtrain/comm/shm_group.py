@@ -34,10 +34,11 @@ import torch.distributed as dist
 
 from ringtrain.comm.groups import global_rank, group_rank, group_size, group_timeout_s, host_id
 from ringtrain.comm.shm_board import FlagBoard, encode_call, header_bytes, require_tso
-from ringtrain.comm.shm_segment import Segment, segment_name, sweep_stale, unlink
+from ringtrain.comm.shm_segment import Segment, segment_name, sweep_dead, sweep_stale, unlink
 
 __all__ = [
     "ShmGroup", "Arena", "get_shm_group", "set_up", "set_up_group", "fast_path", "cgroup_cpu_limit", "SMALL_BYTES", "PIECE_BYTES", "MIN_PIECE_BYTES",
+    "destroy", "set_name_scope",
 ]
 
 SMALL_BYTES = 256 << 10
@@ -69,6 +70,32 @@ def get_shm_group(group: dist.ProcessGroup) -> ShmGroup:
     shm_group = _groups.get(group)
     if shm_group is None:
         shm_group = _groups[group] = ShmGroup.build(group)
+    return shm_group
+
+
+_name_scope = ""
+"""Put into the names of the segments set up from now on (``set_name_scope``)."""
+
+
+def set_name_scope(scope: str) -> None:
+    """Name the segments of groups set up from now on with ``scope`` (healing: the generation, ``g1``), so
+    that a worker cut off from an older generation can never take a newer one's segment for its own."""
+    global _name_scope
+    _name_scope = f"{scope}-" if scope else ""
+
+
+def destroy(group: dist.ProcessGroup | None) -> ShmGroup | None:
+    """Forget ``group``'s shared memory, set up or not (nothing collective): its workspace is unmapped as soon
+    as no tensor points into it, and segments that dead peers of this host left named in ``/dev/shm`` (a
+    set-up they died in) are unlinked. For a group that failed and is abandoned (healing): nothing of it
+    may be used again; the next group sets up its own."""
+    shm_group = set_up_group(group)
+    if shm_group is None:
+        return None
+    del _groups[group]
+    pids = shm_group.board.pids if shm_group.board is not None else []
+    shm_group.close()
+    sweep_dead(pids)
     return shm_group
 
 
@@ -282,6 +309,19 @@ class ShmGroup:
         self.native = workspace
         self.fast = None if self.hierarchical else workspace
 
+    def close(self) -> None:
+        """Let go of the workspace (``destroy``): the native path first, which points into it, then every
+        view; the mapping goes now, or with the last tensor that still points into it."""
+        self.fast = self.native = None
+        self.native_dtypes = frozenset()
+        self.turns = Turns()
+        self._views.clear()
+        self.board = None
+        self.bytes = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
     def share_segment(self, nbytes: int, purpose: str) -> Segment:
         """Collective: the first rank of each host creates a segment, the others map it, then the name goes.
 
@@ -291,7 +331,7 @@ class ShmGroup:
         infos: list = [None] * self.size
         dist.all_gather_object(infos, (os.getpid(), os.urandom(6).hex()), group=self.group)
         leader_pid, token = infos[self.local[0]]
-        name = segment_name(leader_pid, f"{token}-{purpose}")
+        name = segment_name(leader_pid, f"{token}-{_name_scope}{purpose}")
         segment = None
         try:
             status = "ok"

@@ -234,8 +234,8 @@ class TrainConfig(Section):
 
 HEALABLE_STRATEGIES = ("ddp", "manual")
 """Strategies dist.heal supports: every worker holds the whole model, so any survivor can hand it on."""
-HEALABLE_ALGORITHMS = ("torch", "ring", "ring_chunked", "fp16", "bf16")
-"""Gradient algorithms dist.heal supports: no state beyond the process group that a new group must rebuild."""
+HEALABLE_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "fp16", "bf16")
+"""Gradient algorithms dist.heal supports: no state beyond what a new group rebuilds (shm: a fresh workspace)."""
 
 
 class DistConfig(Section):
@@ -266,7 +266,10 @@ class DistConfig(Section):
     of samples among themselves (re-dealt; accumulation keeps global_batch_size). The job goes on while M
     workers remain; below that the survivors save the step they reached and exit with one line. Each heal is
     a 'heal' record in metrics.jsonl. Needs one agent per worker (--min-nproc below --nproc) and a replicated
-    strategy ('ddp' or 'manual') with algorithm 'torch', 'ring', 'ring_chunked', 'fp16' or 'bf16'."""
+    strategy ('ddp' or 'manual') with algorithm 'torch', 'ring', 'ring_chunked', 'shm' (each generation sets
+    up a fresh workspace, named for it; the broken group's is unmapped, and what a dead peer left in /dev/shm
+    unlinked), 'fp16' or 'bf16'. A worker killed inside a ring or shm all-reduce or inside a checkpoint save
+    is healed like any other: no partial gradient is applied, no half-written checkpoint is committed."""
 
     keep_freed_memory: bool = True
     """On CPU, fix glibc malloc's mmap and trim thresholds so that buffers freed in one step are reused in
@@ -461,12 +464,11 @@ class Config(Section):
                 "holds the only copy of each shard on one worker; use strategy 'ddp' or 'manual', or set "
                 "dist.heal = false (a lost worker then restarts the group from the last checkpoint)"
             )
-        if algorithm not in HEALABLE_ALGORITHMS:
-            why = ("keeps per-worker error feedback" if algorithm == "powersgd"
-                   else "keeps a shared-memory workspace per group that healing does not rebuild yet")
+        if algorithm not in HEALABLE_ALGORITHMS:  # powersgd
             raise ValueError(
-                f"dist.heal = true does not work with comm.algorithm = '{algorithm}' (it {why}); use "
-                f"{', '.join(repr(a) for a in HEALABLE_ALGORITHMS)}, or set dist.heal = false"
+                f"dist.heal = true does not work with comm.algorithm = '{algorithm}' (it keeps per-worker error "
+                f"feedback that a new group cannot rebuild); use {', '.join(repr(a) for a in HEALABLE_ALGORITHMS)}, "
+                "or set dist.heal = false"
             )
         if self.checkpoint.sharded or self.checkpoint.async_:
             raise ValueError(

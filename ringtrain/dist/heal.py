@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from ringtrain.comm import shm_group
 from ringtrain.dist.jobstore import JobStore, NullJobStore
 from ringtrain.errors import RingtrainError
 
@@ -217,6 +219,8 @@ def request_join(job_store: NullJobStore, timeout_s: float, wait_s: float = 600.
     attempt = job_store.store.get("heal/current").decode()
     membership = Membership(job_store, Generation(-1, (), member=-1), timeout_s, attempt=attempt)
     member = JOINER_BASE + membership.store.add("join/requests", 1)
+    print(f"ringtrain: asked to join as member {member}; waiting for the running workers to admit it at a step "
+          "boundary (while the job has --nproc workers, until one is lost)", file=sys.stderr, flush=True)
     while not membership.store.check([f"joined/{member}"]):
         if time.monotonic() > deadline:
             raise HealFailed(f"ringtrain join: not admitted within {wait_s:g} s (the job may be finishing)")
@@ -233,9 +237,11 @@ def abandon_group() -> None:
     its collectives (on a live rank) that the group is gone, at once instead of after timeout_s.
 
     Objects that hung off the group (a DDP wrapper's reducer, whose autograd hooks would otherwise fire on
-    the next backward) must be dropped by the caller first; the collection here frees them."""
+    the next backward) must be dropped by the caller first; the collection here frees them. Its shared-memory
+    workspace (``comm.algorithm = "shm"``) goes too, with any segment a dead peer left named in /dev/shm."""
     gc.collect()
     if dist.is_initialized():
+        shm_group.destroy(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except (RuntimeError, ValueError):
@@ -246,5 +252,6 @@ def init_generation_group(membership: Membership, generation: Generation, timeou
     """The new default process group of ``generation``: its members, ranked by id, meeting in the job store
     under heal/<g>/pg/ (a fresh prefix per generation, so keys of a failed attempt never mix in)."""
     store = dist.PrefixStore(f"{generation.number}/pg/", membership.store)
+    shm_group.set_name_scope(f"g{generation.number}")  # its shm segments, if any, are named for it
     dist.init_process_group(backend, store=store, rank=generation.rank, world_size=generation.world_size,
                             timeout=timedelta(seconds=timeout_s))

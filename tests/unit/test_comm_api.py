@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from ringtrain import comm
 from ringtrain.comm.shards import chunk_bounds
 from ringtrain.comm.shm_group import cgroup_cpu_limit
-from ringtrain.comm.shm_segment import PREFIX, SHM_DIR, STALE_AFTER_S, Segment, segment_name, sweep_stale, unlink
+from ringtrain.comm.shm_segment import (
+    PREFIX, SHM_DIR, STALE_AFTER_S, Segment, segment_name, sweep_dead, sweep_stale, unlink,
+)
 from ringtrain.config import load_config
 from ringtrain.errors import ConfigError
 
@@ -102,6 +104,22 @@ def test_orphaned_segments_are_swept_and_live_ones_kept_whatever_pid_their_name_
             unlink(name)
     assert not any(n in os.listdir(SHM_DIR) for n in (orphan, young_orphan, live_elsewhere.name, live_here.name))
     assert orphan.startswith(PREFIX)
+
+
+def test_segments_dead_peers_left_named_are_swept_at_once_and_locked_ones_kept():
+    """Healing (shm_group.destroy): what a peer that died in a set-up left in /dev/shm goes at once, by its pid."""
+    dead = _dead_pid()
+    left = segment_name(dead)
+    _create_and_die(left)
+    held = Segment.create(segment_name(dead, "held"), 4096)  # that pid reused by a live creator: its lock keeps it
+    try:
+        assert sweep_dead([dead, os.getpid()]) == [left]
+        names = os.listdir(SHM_DIR)
+        assert left not in names and held.name in names
+    finally:
+        held.unlink()
+        held.close()
+        unlink(left)
 
 
 def _tree(root: Path, files: dict[str, str]) -> None:
