@@ -19,6 +19,7 @@ from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.heal import Healing
+from ringtrain.train.kill_hooks import arm_kill_hooks
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
@@ -119,6 +120,8 @@ def build_trainer(
                 membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
         trainer.healing = Healing(trainer, membership, ctx.env.heal_min_workers or 1, ctx.env.heal_max_workers)
         trainer.watch.interval_s = HEAL_BEAT_S
+    if ctx.env.kill_in_collective or ctx.env.kill_in_save:  # test hooks (chaos tests): nothing when unset
+        arm_kill_hooks(trainer, ctx.env)
     return trainer
 
 
