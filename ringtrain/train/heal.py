@@ -64,7 +64,10 @@ __all__ = ["NoHealing", "Healing", "FencedLogger", "state_digest", "receive_stat
 class NoHealing:
     """Healing off: a failed collective ends the worker (and the restart path takes over)."""
 
-    count = 0
+    @property
+    def count(self) -> int:
+        return 0
+
     catches: tuple[type[BaseException], ...] = ()
     """The failures the loop hands to ``heal`` (none: they propagate)."""
 
@@ -94,7 +97,6 @@ class Healing(NoHealing):
         self.min_workers = min_workers
         self.max_workers = max_workers
         """Joiners are admitted while the group is smaller than this (None: no limit)."""
-        self.count = 0
         self.last_commit_s = time.time()
         self.pending: dict[str, Any] | None = None
         """The heal whose record waits for the next completed step (recovery_s ends there)."""
@@ -106,6 +108,12 @@ class Healing(NoHealing):
         trainer.logger = FencedLogger(trainer.logger, self)
         trainer.dump_flight = self._fenced_dump(trainer.dump_flight)
         trainer.watch.on_failure = trainer.dump_flight
+
+    @property
+    def count(self) -> int:
+        """Heals of the whole job so far (kept in the job store: summary.json counts those before a joiner or a
+        new rank 0 came too)."""
+        return self.membership.store.add("heals", 0)
 
     # --- around every step ---------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -204,7 +212,8 @@ class Healing(NoHealing):
         source = _agree_on_state(trainer)
         _rebuild(trainer, generation)
         self._fix_ledger(old, before)
-        self.count += 1
+        if generation.rank == 0:
+            self.membership.store.add("heals", 1)  # the job's count: a joiner or a new writer reports all of them
         record = {
             "type": "heal",
             "step": failed_step,
