@@ -187,7 +187,8 @@ def notice_line(record: dict[str, Any]) -> str:
     if kind == "heal":
         lost = record["lost_ranks"]
         who = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(map(str, lost))
-        return (f"ringtrain: healed at step {record['step']}: {who} lost, {record['world_size']} workers go on "
+        going_on = "1 worker goes on" if record["world_size"] == 1 else f"{record['world_size']} workers go on"
+        return (f"ringtrain: healed at step {record['step']}: {who} lost, {going_on} "
                 f"(generation {record['generation']}); training again {record['recovery_s']:.2f} s after the last "
                 f"completed step; {record['steps_lost']} steps lost")
     workers = f"{record['world_size']} worker{'s' * (record['world_size'] != 1)}"

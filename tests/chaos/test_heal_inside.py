@@ -94,6 +94,7 @@ def check_healed(run_dir: Path, job: Job, code: int, lost: list[list[int]]) -> N
           f"{[h['recovery_s'] for h in heals]}, steps_lost {[h['steps_lost'] for h in heals]}")
     assert [h["step"] for h in heals] == [1, 21] and [h["lost_ranks"] for h in heals] == lost, heals
     assert all(h["steps_lost"] == 0 for h in heals) and [h["world_size"] for h in heals] == [2, 1], heals
+    assert "2 workers go on (generation 1)" in job.stderr and "1 worker goes on (generation 2)" in job.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["heals"] == 2 and summary["world_size"] == 1
     sizes = [r["world_size"] for r in ledger_steps(run_dir)]
