@@ -413,5 +413,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``ringtrain`` command: ``main``, then a quick exit once torch is loaded (the interpreter's teardown
+    of torch costs a launcher a third of a second after its workers are done; see dist/lifetime.py)."""
+    code = main()
+    if "torch" in sys.modules:
+        from ringtrain.dist.lifetime import exit_quickly
+
+        exit_quickly(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
