@@ -234,6 +234,9 @@ class TrainConfig(Section):
 
 HEALABLE_STRATEGIES = ("ddp", "manual")
 """Strategies dist.heal supports: every worker holds the whole model, so any survivor can hand it on."""
+RELOADED_STRATEGIES = ("zero1", "zero2", "zero3")
+"""Sharded strategies dist.heal heals by reloading every shard from the newest sharded checkpoint (the lost
+worker held the only copy of its shards; train/heal_reload.py): needs checkpoint.sharded = true."""
 HEALABLE_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "fp16", "bf16")
 """Gradient algorithms dist.heal supports: no state beyond what a new group rebuilds (shm: a fresh workspace)."""
 
@@ -458,7 +461,14 @@ class Config(Section):
         if not self.dist.heal:
             return self
         strategy, algorithm = self.comm.strategy, self.comm.algorithm
-        if strategy not in HEALABLE_STRATEGIES:
+        if strategy in RELOADED_STRATEGIES:
+            if not self.checkpoint.sharded or self.checkpoint.async_:
+                raise ValueError(
+                    f"dist.heal = true with comm.strategy = '{strategy}' reloads the lost worker's shards from the "
+                    "newest sharded checkpoint: set checkpoint.sharded = true (and checkpoint.async = false), or "
+                    "use strategy 'ddp' or 'manual' (healed without a reload)"
+                )
+        elif strategy not in HEALABLE_STRATEGIES:
             raise ValueError(
                 f"dist.heal = true needs every worker to hold the whole model, but comm.strategy = '{strategy}' "
                 "holds the only copy of each shard on one worker; use strategy 'ddp' or 'manual', or set "
@@ -470,7 +480,7 @@ class Config(Section):
                 f"feedback that a new group cannot rebuild); use {', '.join(repr(a) for a in HEALABLE_ALGORITHMS)}, "
                 "or set dist.heal = false"
             )
-        if self.checkpoint.sharded or self.checkpoint.async_:
+        if strategy not in RELOADED_STRATEGIES and (self.checkpoint.sharded or self.checkpoint.async_):
             raise ValueError(
                 "dist.heal = true writes full checkpoints (each rank's shard would be bound to a group that healing "
                 "replaces); set checkpoint.sharded = false and checkpoint.async = false, or dist.heal = false"

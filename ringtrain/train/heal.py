@@ -52,6 +52,7 @@ from ringtrain.monitor.loggers import Logger, build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import BufferSnapshot, MicroBatcher
 from ringtrain.train.guards import StepGuard
+from ringtrain.train.heal_reload import shards_lost
 from ringtrain.train.optim import load_optimizer_state, position_lr_scheduler
 from ringtrain.train.step import GradientStep
 
@@ -207,13 +208,6 @@ class Healing(NoHealing):
             raise HealFailed(f"step {failed_step}: healing failed while regrouping ({_first_line(err)}); resume "
                              "from the last checkpoint with --resume") from None
         lost = [m for m in old.members if m not in generation.members]
-        if trainer.state.step < failed_step and self.buffers is not None:
-            self.buffers.restore()  # this rank had not applied the failed step: its forwards are undone
-        source = _agree_on_state(trainer)
-        _rebuild(trainer, generation)
-        self._fix_ledger(old, before)
-        if generation.rank == 0:
-            self.membership.store.add("heals", 1)  # the job's count: a joiner or a new writer reports all of them
         record = {
             "type": "heal",
             "step": failed_step,
@@ -221,6 +215,19 @@ class Healing(NoHealing):
             "lost_ranks": [old.members.index(m) for m in lost],
             "remaining_ranks": [old.members.index(m) for m in generation.members],
             "world_size": generation.world_size,
+        }
+        if generation.rank == 0:
+            self.membership.store.add("heals", 1)  # the job's count: a joiner or a new writer reports all of them
+        if not trainer.parts.strategy.gradients_replicated:  # zero/fsdp: the lost shards are reloaded (heal_reload.py)
+            shards_lost(trainer, {**record, "regroup_s": round(time.perf_counter() - started, 3), "cause": failure},
+                        self.min_workers, self.last_commit_s)
+        if trainer.state.step < failed_step and self.buffers is not None:
+            self.buffers.restore()  # this rank had not applied the failed step: its forwards are undone
+        source = _agree_on_state(trainer)
+        _rebuild(trainer, generation)
+        self._fix_ledger(old, before)
+        record = {
+            **record,
             "from_step": trainer.state.step,
             "steps_lost": 0,
             "rolled_forward": source is not None,

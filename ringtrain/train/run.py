@@ -18,12 +18,14 @@ from ringtrain.checkpoint.sharded import verify as verify_sharded
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
+from ringtrain.config.schema import RELOADED_STRATEGIES
 from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import connect_job_store
 from ringtrain.dist.env import DistEnv
 from ringtrain.dist.group import init_distributed
 from ringtrain.dist.heal import HEAL_BEAT_S, request_join
 from ringtrain.train.heal import receive_state
+from ringtrain.train.heal_reload import fit_with_reloads
 from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, Heartbeat
 from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from ringtrain.train.build import build_trainer
@@ -94,12 +96,21 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
     beat_s = HEAL_BEAT_S if config.dist.heal else HEARTBEAT_INTERVAL_S
     with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank, beat_s, on_dump_request=trainer.dump_flight):
         trainer.resume(plan)
-        return trainer.fit()
+        # Under --heal with a sharded strategy a lost worker's shards are reloaded from the newest sharded
+        # checkpoint on a trainer built again over the survivors (train/heal_reload.py); else this is fit().
+        return fit_with_reloads(trainer, lambda ctx, membership: build_trainer(config, ctx, job_store, user,
+                                                                              membership=membership))
 
 
 def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = None) -> dict[str, Any]:
     """``ringtrain join`` of a --heal job: ask to be admitted, meet the running workers in a new group at
     their next step boundary, receive their state (no checkpoint read), train with them."""
+    if config.comm.strategy in RELOADED_STRATEGIES:
+        raise ConfigError(
+            f"ringtrain join: this --heal job runs comm.strategy = '{config.comm.strategy}', healed by reloading "
+            "shards from its checkpoints; admitting a worker into it is not supported: it goes on with the workers "
+            "it has (grow it with a restart: ringtrain train ... --resume)"
+        )
     job_store = connect_job_store(env, is_writer=False)
     membership, generation = request_join(job_store, config.dist.timeout_s)
     env = dataclasses.replace(env, rank=generation.rank, world_size=generation.world_size)

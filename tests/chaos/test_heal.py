@@ -130,7 +130,10 @@ def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path, capsys):
         "train", "configs/digits_mlp.toml", "--nproc", "2", "--heal", "--run-dir", str(tmp_path / "a"))
     assert "dist.heal = true needs every worker to hold the whole model" in refused(
         "train", "configs/digits_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--heal",
-        "--set", "comm.strategy=zero2", "--run-dir", str(tmp_path / "b"))
+        "--set", "comm.strategy=fsdp", "--run-dir", str(tmp_path / "b"))
+    assert "reloads the lost worker's shards from the newest sharded checkpoint: set checkpoint.sharded = true" in \
+        refused("train", "configs/digits_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--heal",
+                "--set", "comm.strategy=zero2", "--run-dir", str(tmp_path / "b"))
     assert "drop --max-restarts 2" in refused(
         "train", "configs/digits_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--heal",
         "--max-restarts", "2", "--run-dir", str(tmp_path / "c"))

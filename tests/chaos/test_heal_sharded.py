@@ -1,0 +1,75 @@
+"""Chaos: heal in place with a sharded strategy (zero2). The killed worker held the only copy of its shards,
+so the survivors reload every shard from the newest sharded checkpoint, resharded to their new group of 2,
+in the same processes (train/heal_reload.py), and redo the steps since that checkpoint.
+
+Checked: exit 0; one 'heal' record whose steps_lost is the steps applied since the reloaded checkpoint (and
+summary.json's steps_lost the same); the ledger shows every sample of every epoch exactly once (the steps
+after the checkpoint are cut and redone); the final parameters are bit-identical to a reference that
+trained with 3 workers to the checkpoint's step and resumed from it with 2 (the existing --resume path,
+DCP's resharding).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ringtrain.data.ledger import check_ledger
+from tests.chaos.jobs import Job, ledger_steps, records
+from tests.conftest import run_cli
+
+EPOCHS = 3
+STEPS_PER_EPOCH = 15
+CHECKPOINT_EVERY = 10
+SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=16",
+        "--set", "train.lr_schedule=constant", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
+        "--set", "monitor.progress=false", "--set", "dist.timeout_s=20", "--set", "comm.strategy=zero2",
+        "--set", "checkpoint.sharded=true", "--set", f"checkpoint.every_steps={CHECKPOINT_EVERY}",
+        "--set", f"train.epochs={EPOCHS}"]
+
+
+def test_a_killed_zero2_worker_is_healed_by_reloading_the_shards_bit_identical_to_a_resume(tmp_path):
+    run_dir = tmp_path / "healed"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal",
+             "--run-dir", str(run_dir), *SETS) as job:
+        # After the step-10 checkpoint is committed and a few more steps: those are lost and redone.
+        job.wait_for(lambda: any(r["step"] == CHECKPOINT_EVERY for r in records(run_dir, "checkpoint")),
+                     what="the step-10 checkpoint")
+        job.wait_for(lambda: len(ledger_steps(run_dir)) >= CHECKPOINT_EVERY + 3, what="step 13")
+        job.worker(2).kill()
+        code = job.finish()
+    assert code == 0, job.stderr
+    heals = records(run_dir, "heal")
+    assert len(heals) == 1, job.stderr
+    heal = heals[0]
+    done = json.loads((run_dir / "summary.json").read_text())
+    print(f"zero2 healed at step {heal['step']}: reloaded {heal['reloaded']} (step {heal['from_step']}), "
+          f"steps_lost {heal['steps_lost']}, recovery_s {heal['recovery_s']} (regroup {heal['regroup_s']} s, "
+          f"reload {heal['reload_s']} s)")
+    assert heal["lost_ranks"] == [2] and heal["remaining_ranks"] == [0, 1] and heal["world_size"] == 2
+    assert heal["from_step"] == CHECKPOINT_EVERY and heal["reloaded"].startswith("step_00000010")
+    # The steps applied since the checkpoint: up to the failed one (not applied by rank 0) or one before it.
+    assert heal["steps_lost"] in (heal["step"] - 1 - CHECKPOINT_EVERY, heal["step"] - CHECKPOINT_EVERY), heal
+    assert heal["steps_lost"] >= 2, heal
+    assert f"{heal['steps_lost']} steps lost" in job.stderr and "reloaded step_00000010" in job.stderr
+    assert done["heals"] == 1 and done["world_size"] == 2 and done["steps"] == EPOCHS * STEPS_PER_EPOCH
+    assert done["steps_lost"] == heal["steps_lost"]
+
+    steps = [r["step"] for r in ledger_steps(run_dir)]
+    assert steps == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))  # the lost steps were cut, then redone once
+    sizes = [r["world_size"] for r in ledger_steps(run_dir)]
+    assert sizes == [3] * CHECKPOINT_EVERY + [2] * (len(sizes) - CHECKPOINT_EVERY)
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    assert len(reports) == EPOCHS and all(r.exactly_once and r.complete for r in reports), reports
+
+    # The reference: 3 workers to the checkpoint's step, then --resume with 2 (DCP reshards 3 -> 2).
+    ref_dir = tmp_path / "reference"
+    first = run_cli("train", "configs/digits_mlp.toml", "--nproc", "3", "--run-dir", str(ref_dir), *SETS,
+                    "--set", f"train.max_steps={CHECKPOINT_EVERY}")
+    assert first.returncode == 0, first.stderr
+    second = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--run-dir", str(ref_dir), "--resume", *SETS)
+    assert second.returncode == 0, second.stderr
+    reference = json.loads((ref_dir / "summary.json").read_text())
+    print(f"param_sha256 healed {done['param_sha256'][0][:16]}, reference (stop at {CHECKPOINT_EVERY}, resume with 2) "
+          f"{reference['param_sha256'][0][:16]}")
+    assert reference["steps"] == done["steps"]
+    assert done["param_sha256"] == reference["param_sha256"]
