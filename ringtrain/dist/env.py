@@ -29,7 +29,7 @@ HEAL_JOIN_VAR = "RINGTRAIN_HEAL_JOIN"
 # Test hooks (chaos tests, drills): a worker SIGKILLs itself at a precise point (train/kill_hooks.py).
 KILL_IN_COLLECTIVE_VAR = "RINGTRAIN_TEST_KILL_IN_COLLECTIVE"
 """Test hook, 'STEP:RANK:PIECE': the worker launched as RANK dies in step STEP after its PIECE-th piece of
-ringtrain's collectives (a ring step, an shm barrier, a native shm call)."""
+ringtrain's collectives (a ring step, an shm barrier)."""
 KILL_IN_SAVE_VAR = "RINGTRAIN_TEST_KILL_IN_SAVE"
 """Test hook, 'STEP:RANK:POINT': the worker launched as RANK dies in the checkpoint save of step STEP, at
 POINT 'enter' or 'commit' (the writer: its data file in place, no manifest yet)."""

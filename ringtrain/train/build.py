@@ -19,7 +19,7 @@ from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.heal import Healing
-from ringtrain.train.kill_hooks import arm_kill_hooks
+from ringtrain.train.kill_hooks import arm_kill_hooks, prepare_kill_hooks
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
@@ -39,6 +39,8 @@ def build_trainer(
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     validate_for_backend(config, ctx.backend)
+    if ctx.env.kill_in_collective:  # a test hook (chaos tests): nothing when unset
+        prepare_kill_hooks(ctx.env, ctx.rank)
     if user is None and config.user_parts:
         user = UserParts.from_config(config)
     if user is None:

@@ -8,15 +8,18 @@ environment in ``dist/env.py``) place it; they are test hooks, not features:
 ``RINGTRAIN_TEST_KILL_IN_COLLECTIVE=STEP:RANK:PIECE``
     the worker launched as RANK dies in optimizer step STEP (counted from 1, as in metrics.jsonl) right
     after its PIECE-th piece of ringtrain's collectives in that step: a ring step (``ring.py``: a send to
-    the right and a receive from the left), an arrival at a barrier of shm's Python path, or a whole call of
-    shm's native path (C++, which cannot be cut inside).
+    the right and a receive from the left) or an arrival at an shm barrier (its data published for the
+    peers). shm's native path is one C++ call that cannot be cut between its barriers, so that worker takes
+    shm's Python path; the ranks of a host agree on the path, so its first group runs the Python path, and
+    the survivors' next group the native one again.
 ``RINGTRAIN_TEST_KILL_IN_SAVE=STEP:RANK:POINT``
     the worker launched as RANK dies in the checkpoint save after step STEP, at POINT ``enter`` (as the save
     starts: a non-writer dies while rank 0 writes) or ``commit`` (the writer, its data file written, fsynced
     and renamed into place, before the manifest that commits it: an uncommitted checkpoint on disk).
 
 Unset, nothing is installed and nothing costs. Set, only the chosen worker wraps two of its trainer's methods,
-and only during the chosen step (or save) does a profile function (``sys.setprofile``) watch its calls::
+and only during the chosen step (or save) does a profile function (``sys.setprofile``) watch its calls
+(``prepare_kill_hooks`` before the trainer is built, ``arm_kill_hooks`` after)::
 
     RINGTRAIN_TEST_KILL_IN_COLLECTIVE=1:2:3 ringtrain train ... --heal   # rank 2 dies in step 1's all-reduce
 """
@@ -28,21 +31,28 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from ringtrain.comm.shm_native import NAME as NATIVE_MODULE
+from ringtrain.comm.shm_native import ENV_SWITCH as SHM_NATIVE_VAR
 from ringtrain.dist.env import KILL_IN_COLLECTIVE_VAR, KILL_IN_SAVE_VAR, DistEnv
 from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from ringtrain.train.loop import Trainer
 
-__all__ = ["arm_kill_hooks", "SAVE_POINTS"]
+__all__ = ["prepare_kill_hooks", "arm_kill_hooks", "SAVE_POINTS"]
 
 SAVE_POINTS = ("enter", "commit")
 
 # Python functions whose return is one piece sent: a ring step, an arrival at an shm barrier.
 _PIECES = {"run_step": "ring.py", "arrive": "shm_board.py"}
-# The native shm path's entry points (methods of its C++ Workspace, module shm_native.NAME).
-_NATIVE_CALLS = ("run", "all_reduce")
+
+
+def prepare_kill_hooks(env: DistEnv, rank: int) -> None:
+    """Before the trainer (and its shm workspace) is built: the worker that is to die inside a collective
+    takes shm's Python path, whose barriers it can be stopped between."""
+    if env.kill_in_collective:
+        _, victim, _ = _parse(KILL_IN_COLLECTIVE_VAR, env.kill_in_collective, "PIECE", "3")
+        if victim == rank:
+            os.environ[SHM_NATIVE_VAR] = "0"  # read once, when shm first sets up (comm/shm_native.py)
 
 
 def arm_kill_hooks(trainer: Trainer, env: DistEnv) -> None:
@@ -82,20 +92,15 @@ def _arm_collective(trainer: Trainer, step: int, piece: int) -> None:
 
     def profile(frame, event, arg) -> None:
         nonlocal sent
-        if event == "return":
-            code = frame.f_code
-            filename = _PIECES.get(code.co_name)
-            if filename is None or not code.co_filename.endswith(filename):
-                return
-            what = code.co_name
-        elif event == "c_return":
-            if getattr(arg, "__name__", None) not in _NATIVE_CALLS or getattr(arg, "__module__", None) != NATIVE_MODULE:
-                return
-            what = "native shm all_reduce"
-        else:
+        if event != "return":
+            return
+        code = frame.f_code
+        filename = _PIECES.get(code.co_name)
+        if filename is None or not code.co_filename.endswith(filename):
             return
         sent += 1
         if sent == piece:
+            what = "a ring step" if code.co_name == "run_step" else "an shm barrier"
             _die(f"launched rank {rank} in step {step} after piece {piece} of its collectives ({what})")
 
     def killing_step(batch):

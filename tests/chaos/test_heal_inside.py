@@ -2,16 +2,19 @@
 inside the shm all-reduce, inside a checkpoint save.
 
 The kills are placed by the test hooks of ``ringtrain/train/kill_hooks.py`` (a worker SIGKILLs itself at a
-precise point, as a breakpoint would), in two runs of the digits MLP (global_batch_size 96, 2 epochs = 30
-steps, a checkpoint every 10), 3 workers, ``--min-nproc 1``, comm.strategy = "manual":
+precise point, as a breakpoint would), in two runs of the digits MLP (hidden sizes 256, 256: one gradient
+bucket of about 340 KB; global_batch_size 96, 2 epochs = 30 steps, a checkpoint every 10), 3 workers,
+``--min-nproc 1``, comm.strategy = "manual":
 
 - ring: rank 2 dies in step 1's gradient all-reduce after 3 of its 4 ring steps (the reduce-scatter done and
   one all-gather step: the survivors hold partially reduced gradients); then the writer, rank 0, dies in the
   save of step 20 with the data file in place but its manifest unwritten. 3 -> 2 -> 1 workers; the last one
   takes over the run directory.
-- shm (the native path, gradient buckets of 50 KB): rank 1 dies in step 1 after 2 of its bucket all-reduces
-  (the survivors block in the third and hold two buckets reduced, the rest not); then the non-writer (the
-  launched rank 2) dies as the save of step 20 starts, while rank 0 writes. 3 -> 2 -> 1.
+- shm: rank 1 dies in step 1 after the first of the three barriers of the all-reduce in place (its bucket in
+  shared memory, published to the peers, which sum their shards from it and then wait for it in vain). The
+  hook puts the victim, hence its whole first group, on shm's Python path (the native one is one C++ call);
+  the survivors' new group takes the native path, which the second heal tears down in turn. Then the
+  non-writer (the launched rank 2) dies as the save of step 20 starts, while rank 0 writes. 3 -> 2 -> 1.
 
 Both must exit 0 with two heals, 0 steps lost and every sample once, and apply no partial gradient: every
 committed checkpoint (10, 20, 30) is bit-identical to the one of a reference that trained with 2 workers
@@ -43,7 +46,7 @@ from tests.distributed import run_distributed
 from tests.trainers import build_test_trainer
 
 STEPS = 30  # 2 epochs of 15 steps
-OVERRIDES = ["train.global_batch_size=96", "train.local_batch_size=16", "train.lr_schedule=constant",
+OVERRIDES = ["model.hidden_sizes=[256,256]", "train.global_batch_size=96", "train.local_batch_size=16", "train.lr_schedule=constant",
              "data.ledger=true", "monitor.log_every_steps=1", "dist.timeout_s=20", "checkpoint.every_steps=10",
              "train.epochs=2"]
 SETS = [arg for override in [*OVERRIDES, "monitor.progress=false"] for arg in ("--set", override)]
@@ -93,6 +96,7 @@ def check_healed(run_dir: Path, job: Job, code: int, lost: list[list[int]]) -> N
     print(f"heals at steps {[h['step'] for h in heals]}: lost {[h['lost_ranks'] for h in heals]}, recovery_s "
           f"{[h['recovery_s'] for h in heals]}, steps_lost {[h['steps_lost'] for h in heals]}")
     assert [h["step"] for h in heals] == [1, 21] and [h["lost_ranks"] for h in heals] == lost, heals
+    assert heals[0]["cause"].startswith("step 1: all_reduce (DDP gradient sync) failed"), heals  # inside the sync
     assert all(h["steps_lost"] == 0 for h in heals) and [h["world_size"] for h in heals] == [2, 1], heals
     assert "2 workers go on (generation 1)" in job.stderr and "1 worker goes on (generation 2)" in job.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -123,7 +127,7 @@ def test_kills_inside_the_ring_all_reduce_and_inside_the_writers_save_are_healed
         tmp_path, reference):
     run_dir = tmp_path / "ring"
     code, job, _, _ = heal(run_dir, "ring", "1:2:3", "20:0:commit")
-    assert "SIGKILL launched rank 2 in step 1 after piece 3 of its collectives (run_step)" in job.stderr, job.stderr
+    assert "SIGKILL launched rank 2 in step 1 after piece 3 of its collectives (a ring step)" in job.stderr, job.stderr
     assert "SIGKILL launched rank 0 in the checkpoint save of step 20, its data file in place" in job.stderr
     check_healed(run_dir, job, code, lost=[[2], [0]])
     assert "is now rank 0 and writes the run directory" in job.stderr
@@ -152,9 +156,8 @@ def test_kills_inside_the_ring_all_reduce_and_inside_the_writers_save_are_healed
 def test_kills_inside_the_shm_all_reduce_and_during_a_save_are_healed_leaving_nothing_in_dev_shm(
         tmp_path, reference):
     run_dir = tmp_path / "shm"
-    code, job, pids, mapped = heal(run_dir, "shm", "1:1:2", "20:2:enter", "--set", "comm.bucket_mb=0.05")
-    assert "SIGKILL launched rank 1 in step 1 after piece 2 of its collectives (native shm all_reduce)" in job.stderr, \
-        job.stderr
+    code, job, pids, mapped = heal(run_dir, "shm", "1:1:1", "20:2:enter")
+    assert "SIGKILL launched rank 1 in step 1 after piece 1 of its collectives (an shm barrier)" in job.stderr, job.stderr
     assert "SIGKILL launched rank 2 in the checkpoint save of step 20, as it starts" in job.stderr
     check_healed(run_dir, job, code, lost=[[1], [1]])  # the second: launched rank 2, rank 1 of generation 1
 
