@@ -1,7 +1,8 @@
 """shm's native all-reduce (comm/csrc/shm_native.cpp) against torch.distributed, and its fallbacks.
 
 Checked on real processes: the sums of every dtype the native path takes, at sizes on both sides of its
-thresholds (direct, staged in one and in many pieces, in place in a shared arena), equal to Gloo's
+thresholds (direct, staged in one and in many pieces with plain and with streaming stores, left to choose
+between them, in place in a shared arena), equal to Gloo's
 (the same bits at 2 ranks; within the error bound of an n-term float sum at 3) and bit-identical on every
 rank; that the Python path is really not taken then, and really taken with RINGTRAIN_SHM_NATIVE=0 or a
 dtype the native path does not cover, interleaved with native calls in one group; a build that fails
@@ -64,11 +65,14 @@ def _forbid_python_path() -> None:
 
 def against_torch(rank: int, world_size: int) -> list[dict]:
     _forbid_python_path()
+    native = get_shm_group(dist.group.WORLD).native
     reports = []
     for name in DTYPES:
         dtype = getattr(torch, name)
         for numel in _sizes(dtype):
             for op in ("sum", "avg") if dtype.is_floating_point else ("sum",):
+                # Staged calls write the staging buffers with plain and with streaming stores, case by case.
+                native.stream_mode = len(reports) % 2
                 x = _values(dtype, numel, seed=1000 * rank + numel)
                 ours = x.clone()
                 comm.all_reduce(ours, op=op, algorithm="shm")
@@ -86,7 +90,19 @@ def against_torch(rank: int, world_size: int) -> list[dict]:
                     worst = float((ours != reference).sum())
                 reports.append({"case": (name, numel, op), "same_bits": torch.equal(ours, reference),
                                 "within_bound": worst <= 0, "digest": _digest(ours)})
-    assert get_shm_group(dist.group.WORLD).native is not None
+    # Left to choose (the default), a size's calls try both kinds of store and keep the faster.
+    native.stream_mode = 2
+    x = _values(torch.float32, 3 * NATIVE_DIRECT_BYTES // 4 + 1, seed=rank)
+    reference = x.clone()
+    dist.all_reduce(reference)
+    before, streamed = native.profile_stats()["streamed"], []
+    for _ in range(20):
+        ours = x.clone()
+        comm.all_reduce(ours, algorithm="shm")
+        streamed.append(native.profile_stats()["streamed"] - before - sum(streamed))
+        assert torch.equal(ours, reference) or world_size > 2, "adaptive stores: not Gloo's bits"
+    reports.append({"case": ("adaptive", len(x), "sum"), "same_bits": True, "within_bound": 0 < sum(streamed) < 20,
+                    "digest": _digest(ours), "streamed": streamed})
     return reports
 
 

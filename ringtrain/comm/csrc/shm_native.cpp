@@ -6,7 +6,9 @@
 // ``small_turn`` / ``staging_turn``). What moves here is what
 // cost time in Python: the dispatch of several torch ops per call, the barrier (a store and a poll of a
 // peer's cache line, then a futex sleep that the peer's arrival wakes), and the reductions, which sum all
-// ranks in one pass per block with vectorised loops. The GIL is released for large messages and for any
+// ranks in one pass per block with vectorised loops. Staged calls pick, per message size, plain or
+// streaming (non-temporal) stores into the staging buffers, by which was faster lately (``choose_stores``):
+// which wins depends on where the host placed the machine's cores, and that changes while a job runs. The GIL is released for large messages and for any
 // wait that outlasts the poll (releasing and taking it back costs a few hundred nanoseconds: a third of a
 // 4 KB all-reduce).
 //
@@ -106,11 +108,41 @@ inline int64_t from_acc(uint64_t v, int64_t*) { return int64_t(v); }
 template <typename T>
 using Acc = decltype(to_acc(T{}));
 
+// A copy whose stores bypass the caches (non-temporal): the lines go to memory and every other cache's copy
+// is dropped without the read-for-ownership that a plain store of a line a peer holds waits for (across
+// dies, ~2.6 GB/s). The caller fences (``stream_fence``) before it publishes the data: streaming stores are
+// not ordered with later stores (the barrier count) otherwise.
+inline void stream_copy(void* to, const void* from, size_t n) {
+    char* d = static_cast<char*>(to);
+    const char* s = static_cast<const char*>(from);
+#if defined(__AVX512F__) || defined(__AVX2__)
+    size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+    if (head > n) head = n;
+    std::memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+#if defined(__AVX512F__)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+#else
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+#endif
+    }
+#endif
+    std::memcpy(d, s, n);
+}
+inline void stream_fence() {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
 // out[i] = round(x_0[i] + x_1[i] + ... + x_{n-1}[i]), in rank order; ``own`` (if not null) replaces
 // src[own_rank] and is divided by ``divide_by`` (rounded to T) first, as the copies of other ranks were.
 // ``out`` may alias any source: each block is summed into a local buffer before it is stored.
 template <typename T>
-void sum_ranks(T* out, T* out2, T* const* src, int n, int64_t count, const T* own, int own_rank, int divide_by) {
+void sum_ranks(T* out, T* out2, T* const* src, int n, int64_t count, const T* own, int own_rank, int divide_by,
+               bool stream = false) {
     using A = Acc<T>;
     alignas(64) A acc[BLOCK];
     for (int64_t lo = 0; lo < count; lo += BLOCK) {
@@ -131,15 +163,23 @@ void sum_ranks(T* out, T* out2, T* const* src, int n, int64_t count, const T* ow
         }
         T* o = out + lo;
         for (int64_t i = 0; i < m; ++i) o[i] = from_acc(acc[i], (T*)nullptr);
-        if (out2 != nullptr) std::memcpy(out2 + lo, o, m * sizeof(T));
+        if (out2 != nullptr) {
+            if (stream)
+                stream_copy(out2 + lo, o, m * sizeof(T));
+            else
+                std::memcpy(out2 + lo, o, m * sizeof(T));
+        }
     }
 }
 
 // to[i] = from[i] / divide_by (rounded to T), or a plain copy.
 template <typename T>
-void copy_in(T* to, const T* from, int64_t count, int divide_by) {
+void copy_in(T* to, const T* from, int64_t count, int divide_by, bool stream = false) {
     if (divide_by <= 1) {
-        std::memcpy(to, from, count * sizeof(T));
+        if (stream)
+            stream_copy(to, from, count * sizeof(T));
+        else
+            std::memcpy(to, from, count * sizeof(T));
         return;
     }
     using A = Acc<T>;
@@ -175,6 +215,15 @@ class Workspace {
     // Tunables (bytes): messages up to ``direct_bytes`` are summed by every rank; larger ones are
     // reduce-scattered and all-gathered in pieces of ``piece_bytes`` per rank (at most the staging buffer).
     int64_t direct_bytes_, pipe_piece_bytes_;
+    // How a staged call writes the staging buffers that its peers read: PLAIN stores, STREAM (non-temporal:
+    // ``stream_copy``) or ADAPT: per message size (a power of two), the one whose recent calls were faster
+    // (``choose_stores``). Why both: when the machine's two cores sit on different dies (a VM's vCPUs placed
+    // apart by the host, which moves them every few seconds to minutes) a plain store to a line a peer
+    // holds waits for the other die (~2.6 GB/s, a 64 MB call 33 ms instead of 7); streaming stores send the
+    // lines to memory without that wait (7.7 ms), but on one die they cost 1.2-1.8x (the peer then reads
+    // them from memory instead of the shared cache).
+    static constexpr int PLAIN = 0, STREAM = 1, ADAPT = 2;
+    int stream_mode_ = ADAPT;
     // Which of the two small / staging buffers the last call used (shared with the Python path).
     int64_t small_turn_, staging_turn_;
     // How long a wait polls the peer's count before it sleeps in the kernel (``wait_slow``).
@@ -182,7 +231,7 @@ class Workspace {
     // Time per phase of the calls (seconds, summed), taken while ``profile_`` is on; the counts always.
     struct Profile {
         double copy_in = 0, reduce = 0, gather = 0, wait = 0;
-        int64_t calls = 0, barriers = 0, sleeps = 0, wakes = 0;
+        int64_t calls = 0, barriers = 0, sleeps = 0, wakes = 0, streamed = 0;
     };
     bool profile_ = false;
     Profile prof_;
@@ -190,7 +239,7 @@ class Workspace {
     std::map<std::string, double> profile_stats() const {
         return {{"calls", double(prof_.calls)},     {"barriers", double(prof_.barriers)}, {"sleeps", double(prof_.sleeps)},
                 {"wakes", double(prof_.wakes)},     {"copy_in_s", prof_.copy_in},         {"reduce_s", prof_.reduce},
-                {"gather_s", prof_.gather},         {"wait_s", prof_.wait}};
+                {"gather_s", prof_.gather},         {"wait_s", prof_.wait},           {"streamed", double(prof_.streamed)}};
     }
     void reset_profile() { prof_ = Profile{}; }
 
@@ -285,6 +334,30 @@ class Workspace {
             }
         }
     };
+
+    // ADAPT: per size class (log2 of the bytes), the recent time of a call with each kind of store (an
+    // exponential average; 0: not tried yet) and the calls so far. Every EXPLORE_EVERY-th call of a class
+    // tries the other kind, so a change of the machine's state is seen within that many calls; the kind in
+    // use is re-timed on every call, so a slowdown of it is seen at once. Ranks see the same calls in the
+    // same order, so they explore on the same calls; a rank that chose otherwise still computes the same
+    // bits (only how the bytes reach the staging buffer differs).
+    static constexpr int64_t EXPLORE_EVERY = 16;
+    double store_cost_[64][2] = {};
+    int64_t store_calls_[64] = {};
+
+    int choose_stores(int size_class) {
+        if (stream_mode_ != ADAPT) return stream_mode_ == STREAM ? STREAM : PLAIN;
+        const int64_t call = store_calls_[size_class]++;
+        const double* cost = store_cost_[size_class];
+        if (cost[PLAIN] == 0) return PLAIN;
+        if (cost[STREAM] == 0) return STREAM;
+        const int best = cost[STREAM] < cost[PLAIN] ? STREAM : PLAIN;
+        return call % EXPLORE_EVERY == EXPLORE_EVERY - 1 ? 1 - best : best;
+    }
+    void learn_stores(int size_class, int kind, double seconds) {
+        double& cost = store_cost_[size_class][kind];
+        cost = cost == 0 ? seconds : cost + 0.5 * (seconds - cost);
+    }
 
     char* base_;
     volatile int64_t* flags_;
@@ -469,6 +542,11 @@ class Workspace {
         const int64_t piece = std::min(piece_bytes_, pipe_piece_bytes_);
         const int64_t q = std::max<int64_t>(1, piece / int64_t(sizeof(T)) / n);  // elements of each shard per piece
         const int64_t pieces = std::max<int64_t>(1, (per_shard + q - 1) / q);
+        const int size_class = 63 - __builtin_clzll(uint64_t(nbytes));
+        const int stores = choose_stores(size_class);
+        const bool stream = stores == STREAM;
+        prof_.streamed += stream;
+        const double started = now_s();
         const int64_t first_turn = staging_turn_ ^ 1;
         staging_turn_ ^= pieces & 1;  // the next call starts on the buffer after this call's last piece
         auto part = [&](int64_t k, int j, int64_t& lo, int64_t& hi) {
@@ -484,7 +562,7 @@ class Workspace {
             for (int j = 0; j < n; ++j) {
                 int64_t lo, hi;
                 part(k, j, lo, hi);
-                if (j != me && hi > lo) copy_in<T>(bufs[me] + j * q, flat + lo, hi - lo, div);
+                if (j != me && hi > lo) copy_in<T>(bufs[me] + j * q, flat + lo, hi - lo, div, stream);
             }
         };
         auto reduce_and_publish = [&](int64_t k) {
@@ -496,7 +574,7 @@ class Workspace {
             if (hi <= lo) return;
             for (int j = 0; j < n; ++j) src[j] = bufs[j] + me * q;
             // Sum in rank order, this rank's own part straight from ``flat``; store into flat and the slot.
-            sum_ranks<T>(flat + lo, bufs[me] + me * q, src, n, hi - lo, flat + lo, me, div);
+            sum_ranks<T>(flat + lo, bufs[me] + me * q, src, n, hi - lo, flat + lo, me, div, stream);
         };
         auto gather = [&](int64_t k) {
             T* bufs[64];
@@ -508,6 +586,7 @@ class Workspace {
             }
         };
         copy_piece_in(0);
+        if (stream) stream_fence();
         lap(prof_.copy_in);
         if (!arrive(desc) || !wait_all(1, pieces + 1) || !check_same_call(desc)) return false;
         lap(prof_.wait);
@@ -518,11 +597,13 @@ class Workspace {
             lap(prof_.reduce);
             if (k < pieces) copy_piece_in(k);
             lap(prof_.copy_in);
+            if (stream) stream_fence();
             if (!arrive(nullptr) || !wait_all(k + 1, pieces + 1)) return false;
             lap(prof_.wait);
         }
         gather(pieces - 1);
         lap(prof_.gather);
+        learn_stores(size_class, stores, now_s() - started);
         return true;
     }
 
@@ -584,6 +665,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("failure", &Workspace::failure)
         .def_readwrite("direct_bytes", &Workspace::direct_bytes_)
         .def_readwrite("piece_bytes", &Workspace::pipe_piece_bytes_)
+        .def_readwrite("stream_mode", &Workspace::stream_mode_)
         .def_readwrite("small_turn", &Workspace::small_turn_)
         .def_readwrite("staging_turn", &Workspace::staging_turn_)
         .def_readwrite("spin_s", &Workspace::spin_s_)
