@@ -37,7 +37,8 @@ __all__ = ["FlagBoard", "header_bytes", "require_tso", "describe_call", "encode_
 LINE = 8  # int64 words per 64-byte line: one line per rank, so ranks never write the same cache line
 _COUNT, _PID, _DESC = 0, 1, 2  # _DESC: two slots of 3 words (numel, code, offset), chosen by count parity
 # The abort line's first word is the report (below); its second counts the native path's ranks asleep on a
-# futex (csrc/shm_native.cpp), which its arrivals wake. This board's waits never sleep there.
+# futex (csrc/shm_native.cpp), which its arrivals wake; its third, which kind of store the native path's
+# staged calls use per message size (written by local rank 0 only). This board's waits never sleep there.
 _DIED, _TIMEOUT, _MISMATCH = 1, 2, 3
 # The abort line's first word holds the whole report, packed: reason (bits 56+), culprit and reporter (16 bits
 # each, local ranks), step (24 bits). One aligned 8-byte store is atomic on x86-64, so two ranks failing at

@@ -101,8 +101,9 @@ def against_torch(rank: int, world_size: int) -> list[dict]:
         comm.all_reduce(ours, algorithm="shm")
         streamed.append(native.profile_stats()["streamed"] - before - sum(streamed))
         assert torch.equal(ours, reference) or world_size > 2, "adaptive stores: not Gloo's bits"
-    reports.append({"case": ("adaptive", len(x), "sum"), "same_bits": True, "within_bound": 0 < sum(streamed) < 20,
-                    "digest": _digest(ours), "streamed": streamed})
+    # Every rank: the first call plain, the second streaming, then what local rank 0 found faster.
+    reports.append({"case": ("adaptive", len(x), "sum"), "same_bits": True,
+                    "within_bound": streamed[:2] == [0, 1] and 0 < sum(streamed) < 20, "digest": _digest(ours)})
     return reports
 
 

@@ -40,6 +40,7 @@ namespace {
 constexpr int LINE = 8;  // int64 words per 64-byte flag line (shm_board.LINE)
 constexpr int PID = 1, DESC = 2;
 constexpr int SLEEPERS = 1;  // word of the abort line: how many ranks sleep in a futex wait right now
+constexpr int STORES = 2;    // word of the abort line: bit c set: local rank 0 found streaming stores faster for size class c
 constexpr int64_t DIED = 1, TIMEOUT = 2, MISMATCH = 3, ABORTED = 4;  // ABORTED: another rank posted the abort line
 constexpr int64_t STEP_MAX = (int64_t(1) << 24) - 1;
 constexpr double LIVENESS_EVERY_S = 0.02;
@@ -335,12 +336,16 @@ class Workspace {
         }
     };
 
-    // ADAPT: per size class (log2 of the bytes), the recent time of a call with each kind of store (an
-    // exponential average; 0: not tried yet) and the calls so far. Every EXPLORE_EVERY-th call of a class
-    // tries the other kind, so a change of the machine's state is seen within that many calls; the kind in
-    // use is re-timed on every call, so a slowdown of it is seen at once. Ranks see the same calls in the
-    // same order, so they explore on the same calls; a rank that chose otherwise still computes the same
-    // bits (only how the bytes reach the staging buffer differs).
+    // ADAPT: all ranks use the kind that local rank 0 found faster for the size class (log2 of the bytes):
+    // one bit per class in the abort line's STORES word, which only rank 0 writes. A rank's call lasts as
+    // long as the slowest rank's part, so rank 0's own call time measures the kind that all used. Rank 0
+    // keeps per class the recent time of each kind (exponential average of the kind in use; 0: not tried)
+    // and its count of calls; every rank counts the same calls (they make the same calls in the same
+    // order), so all try the other kind together: calls 0 and 1 of a class (plain, then streaming), then
+    // every EXPLORE_EVERY-th. A change of the machine's state is seen at once when it slows the kind in
+    // use, within EXPLORE_EVERY calls when it speeds up the other. A rank that read an older choice (it
+    // began the call before rank 0 ended the last one) computes the same bits: only how the bytes reach
+    // the staging buffer differs.
     static constexpr int64_t EXPLORE_EVERY = 16;
     double store_cost_[64][2] = {};
     int64_t store_calls_[64] = {};
@@ -348,15 +353,22 @@ class Workspace {
     int choose_stores(int size_class) {
         if (stream_mode_ != ADAPT) return stream_mode_ == STREAM ? STREAM : PLAIN;
         const int64_t call = store_calls_[size_class]++;
-        const double* cost = store_cost_[size_class];
-        if (cost[PLAIN] == 0) return PLAIN;
-        if (cost[STREAM] == 0) return STREAM;
-        const int best = cost[STREAM] < cost[PLAIN] ? STREAM : PLAIN;
+        if (call < 2) return int(call);
+        const int64_t bits = __atomic_load_n(const_cast<int64_t*>(&flags_[n_ * LINE + STORES]), __ATOMIC_RELAXED);
+        const int best = int((bits >> size_class) & 1);
         return call % EXPLORE_EVERY == EXPLORE_EVERY - 1 ? 1 - best : best;
     }
     void learn_stores(int size_class, int kind, double seconds) {
-        double& cost = store_cost_[size_class][kind];
-        cost = cost == 0 ? seconds : cost + 0.5 * (seconds - cost);
+        if (stream_mode_ != ADAPT || me_ != 0) return;
+        volatile int64_t* word = &flags_[n_ * LINE + STORES];
+        const int64_t bits = *word;
+        double* cost = store_cost_[size_class];
+        // The kind in use: averaged; the other (a try): its latest time, as the state may have changed since.
+        cost[kind] = (cost[kind] == 0 || kind != int((bits >> size_class) & 1)) ? seconds : cost[kind] + 0.5 * (seconds - cost[kind]);
+        if (cost[PLAIN] == 0 || cost[STREAM] == 0) return;
+        const int64_t bit = int64_t(1) << size_class;
+        const int64_t want = cost[STREAM] < cost[PLAIN] ? (bits | bit) : (bits & ~bit);
+        if (want != bits) __atomic_store_n(const_cast<int64_t*>(word), want, __ATOMIC_RELAXED);
     }
 
     char* base_;
