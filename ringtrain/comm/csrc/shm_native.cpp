@@ -558,7 +558,6 @@ class Workspace {
         const int stores = choose_stores(size_class);
         const bool stream = stores == STREAM;
         prof_.streamed += stream;
-        const double started = now_s();
         const int64_t first_turn = staging_turn_ ^ 1;
         staging_turn_ ^= pieces & 1;  // the next call starts on the buffer after this call's last piece
         auto part = [&](int64_t k, int j, int64_t& lo, int64_t& hi) {
@@ -602,6 +601,8 @@ class Workspace {
         lap(prof_.copy_in);
         if (!arrive(desc) || !wait_all(1, pieces + 1) || !check_same_call(desc)) return false;
         lap(prof_.wait);
+        // Timed from here, when all ranks are in the call: how far apart they entered it is not the stores' doing.
+        const double started = now_s();
         for (int64_t k = 1; k <= pieces; ++k) {
             if (k >= 2) gather(k - 2);
             lap(prof_.gather);
