@@ -18,6 +18,7 @@ support (Gloo, NCCL)::
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -28,7 +29,9 @@ from ringtrain.comm.groups import global_rank, group_rank, group_size
 from ringtrain.comm.scratch import scratch
 from ringtrain.comm.shards import tensor_shards
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "RingPeers", "MAX_MESSAGE_BYTES"]
+__all__ = [
+    "all_reduce", "reduce_scatter", "all_gather", "reduce_scatter_order", "all_gather_order", "RingPeers", "MAX_MESSAGE_BYTES",
+]
 
 MAX_MESSAGE_BYTES = 4 << 20
 """Largest single point-to-point message; bigger sends are split (see ``RingPeers.post``)."""
@@ -85,17 +88,19 @@ class RingPeers:
             works = [works[-1]] * len(ops)
         return ([w for w, k in zip(works, kinds) if k == "send"], [w for w, k in zip(works, kinds) if k == "recv"])
 
-    def wait(self, work: dist.Work, peer: int, step: int, steps: int) -> None:
-        """Wait for one message; a failure names the peer, the step and what went wrong."""
+    def wait(self, work: dist.Work, peer: int, step: int, steps: int, receiving: bool | None = None) -> None:
+        """Wait for one message; a failure names the peer, the step and what went wrong. ``receiving``:
+        whether the message comes from ``peer`` (default: from the left neighbour, not to the right one)."""
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as err:  # DistBackendError and Gloo's plain RuntimeErrors
-            raise self.failure(err, peer, step, steps) from err
+            raise self.failure(err, peer, step, steps, receiving) from err
 
-    def failure(self, err: BaseException, peer: int, step: int, steps: int) -> CollectiveError:
+    def failure(self, err: BaseException, peer: int, step: int, steps: int, receiving: bool | None = None) -> CollectiveError:
         who = global_rank(self.group, peer)
         me = global_rank(self.group, self.me)
-        direction = "sending to" if peer == self.right else "receiving from"
+        receiving = peer != self.right if receiving is None else receiving
+        direction = "receiving from" if receiving else "sending to"
         text = _first_sentence(str(err))
         if "timed out" in text.lower() or "timeout" in text.lower():
             return PeerTimeoutError(
@@ -108,8 +113,12 @@ class RingPeers:
             peer=who,
         )
 
-    def run_step(self, send: torch.Tensor, recv: torch.Tensor, step: int, steps: int) -> None:
+    def run_step(self, send: torch.Tensor, recv: torch.Tensor, step: int, steps: int,
+                 meanwhile: Callable[[], None] | None = None) -> None:
+        """One step: post the send and the receive, run ``meanwhile`` (if any) while they travel, wait."""
         send_works, recv_works = self.post(send, recv, tag=step)
+        if meanwhile is not None:
+            meanwhile()
         for work in recv_works:
             self.wait(work, self.left, step, steps)
         for work in send_works:
@@ -124,11 +133,15 @@ def _first_sentence(message: str) -> str:
 
 
 def reduce_scatter(
-    flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str = "ring reduce_scatter", members: list[int] | None = None
+    flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str = "ring reduce_scatter", members: list[int] | None = None,
+    meanwhile: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Sum ``flat`` over the group so that this rank's shard holds the total; return that shard (a view).
 
-    The other shards are left holding partial sums. ``members``: see ``RingPeers``.
+    The other shards are left holding partial sums. ``members``: see ``RingPeers``. ``meanwhile(step)``
+    runs while step ``step`` (0-based) is on the wire: it may change any shard but the one being sent, and
+    the one being received (``reduce_scatter_order``) until it returns (the hierarchical all-reduce sums it
+    inside the host then).
     """
     ring = RingPeers(group, timeout_s, what, members)
     n, r = ring.size, ring.rank
@@ -140,16 +153,21 @@ def reduce_scatter(
         send_lo, send_hi = bounds[(r - step - 1) % n]
         recv_lo, recv_hi = bounds[(r - step - 2) % n]
         tmp = incoming[: recv_hi - recv_lo]
-        ring.run_step(flat[send_lo:send_hi], tmp, step + 1, steps)
+        ring.run_step(flat[send_lo:send_hi], tmp, step + 1, steps,
+                      None if meanwhile is None else lambda: meanwhile(step))
         flat[recv_lo:recv_hi].add_(tmp)
     lo, hi = bounds[r]
     return flat[lo:hi]
 
 
 def all_gather(
-    flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str = "ring all_gather", members: list[int] | None = None
+    flat: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str = "ring all_gather", members: list[int] | None = None,
+    meanwhile: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """Given this rank's shard of ``flat`` (``tensor_shards``), fill in every other rank's shard in place."""
+    """Given this rank's shard of ``flat`` (``tensor_shards``), fill in every other rank's shard in place.
+
+    ``meanwhile(step)`` runs while step ``step`` (0-based) is on the wire; it may read the finished shards
+    (``all_gather_order``: at step s, the first s + 1 of them) but write none."""
     ring = RingPeers(group, timeout_s, what, members)
     n, r = ring.size, ring.rank
     bounds = tensor_shards(flat, n)
@@ -157,8 +175,21 @@ def all_gather(
     for step in range(n - 1):
         send_lo, send_hi = bounds[(r - step) % n]
         recv_lo, recv_hi = bounds[(r - step - 1) % n]
-        ring.run_step(flat[send_lo:send_hi], flat[recv_lo:recv_hi], offset + step + 1, steps)
+        ring.run_step(flat[send_lo:send_hi], flat[recv_lo:recv_hi], offset + step + 1, steps,
+                      None if meanwhile is None else lambda: meanwhile(step))
     return flat
+
+
+def reduce_scatter_order(position: int, size: int) -> list[int]:
+    """The shards of ``reduce_scatter`` at ring ``position`` of ``size``, in the order it needs them summed:
+    the first is sent at step 0, the one after it received (and added) at step 0, and so on."""
+    return [(position - 1 - k) % size for k in range(size)]
+
+
+def all_gather_order(position: int, size: int) -> list[int]:
+    """The shards of ``all_gather`` at ring ``position`` of ``size`` in the order they become final here:
+    its own first, then the one received at step 0, and so on."""
+    return [(position - k) % size for k in range(size)]
 
 
 def all_reduce(
