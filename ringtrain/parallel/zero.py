@@ -426,6 +426,13 @@ class ZeroStrategy(ReplicatedStrategy):
         buffers (gradient staging, gathered units) held at once."""
         return unique_storage_bytes(self.state_tensors(model, optimizer)) + model.peak_buffer_bytes
 
+    def close(self) -> None:
+        """Let zero3's communication thread end (a trainer built again by a heal, or one that finished; its
+        executor would otherwise live as long as the trainer does, and a finished worker joins it)."""
+        queue = getattr(self._wrapped, "_queue", None)
+        if queue is not None:
+            queue.close()
+
     def _require_wrapped(self) -> ZeroDataParallel:
         if self._wrapped is None:
             raise RuntimeError("wrap the model before sharding its optimizer")

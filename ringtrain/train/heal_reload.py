@@ -86,7 +86,19 @@ def fit_with_reloads(trainer: Trainer, rebuild: Rebuild) -> dict[str, Any]:
         try:
             return trainer.fit()
         except ShardsLost as lost:
-            trainer = reload_shards(trainer, lost, rebuild)
+            old, trainer = trainer, reload_shards(trainer, lost, rebuild)
+            _close(old)
+        finally:
+            if trainer.finished:
+                _close(trainer)
+
+
+def _close(trainer: Trainer) -> None:
+    """End the threads of a trainer's strategy (zero3's communication thread): the Healing that points back
+    at the trainer keeps it alive past the run, and a finished worker joins every thread it has."""
+    close = getattr(trainer.parts.strategy, "close", None)
+    if close is not None:
+        close()
 
 
 def reload_shards(old: Trainer, lost: ShardsLost, rebuild: Rebuild) -> Trainer:
@@ -107,6 +119,7 @@ def reload_shards(old: Trainer, lost: ShardsLost, rebuild: Rebuild) -> Trainer:
     old.parts.ledger.close()
     old.logger.close()
     ctx = generation_context(old.ctx, membership.generation)
+    old.parts.job_store.is_writer = ctx.rank == 0  # rank 0 lost: this worker now counts the job's progress
     new = rebuild(ctx, membership)
     new.previous = old.previous
     assert new.sharded is not None  # checkpoint.sharded = true (the config refuses a sharded heal without it)

@@ -327,7 +327,8 @@ class Trainer:
         with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
             self.healing.check_fence()
             self.parts.ledger.record(step, self.state.epoch, batch.indices.tolist(), skipped=verdict.skip)
-        with self.clock.phase("optimizer"):
+        # Sharded strategies communicate here too (the clip's norm, zero's parameter all-gather after the step).
+        with self.clock.phase("optimizer"), self.watch.op("optimizer step (sharded norm and all-gather)", step):
             if verdict.skip:
                 self.precision.skip(self.parts.optimizer)
             else:
