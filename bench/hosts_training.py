@@ -19,7 +19,9 @@ Each host pins its workers to cores from the first one on (``[dist] pin_cpu``), 
 stack the workers of ``2x1`` on core 0: layouts with fewer workers per host than this machine has cores run
 unpinned. Throughput is the median of the logged intervals after the first (warm-up, PowerSGD's first steps).
 Every case appends to ``OUT/results.json`` (a case measured again replaces its row) and ``OUT/table.md``
-is rewritten from all rows, so the grid can be run a piece at a time. Needs root.
+is rewritten from all rows, so the grid can be run a piece at a time. Needs root. The CI short form
+(tests/multihost/test_bench_hosts.py): the digits MLP, 1x2 and 2x1 at 1 Gbit/s, Gloo and bf16, then
+``--predict``.
 """
 
 from __future__ import annotations
@@ -226,7 +228,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
     parser.add_argument("--out", default="bench-out/hosts-training")
     parser.add_argument("--predict", metavar="LINKS", help="run nothing: compare OUT/results.json with the cost model "
-                        "(ringtrain plan), this machine's links from LINKS (bench-out/plan/links.json)")
+                        "(ringtrain plan), this machine's links from LINKS (bench-out/plan/links.json); writes "
+                        "OUT/predicted.md and .json")
     args = parser.parse_args()
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     unknown = set(split(args.workloads)) - set(WORKLOADS)
@@ -242,6 +245,7 @@ def main() -> int:
         lines += [f"| {c['name']} | {c['measured_step_ms']:.0f} ms | {c['predicted_step_ms']:.0f} ms | {c['error']:+.0%} |"
                   for c in predicted]
         (out / "predicted.md").write_text("\n".join(lines) + "\n")
+        (out / "predicted.json").write_text(json.dumps(predicted, indent=1) + "\n")
         print("\n".join(lines))
         return 0
     for case in cases(split(args.workloads), split(args.layouts), split(args.algorithms), split(args.rates)):
