@@ -272,7 +272,12 @@ class DistConfig(Section):
     strategy ('ddp' or 'manual') with algorithm 'torch', 'ring', 'ring_chunked', 'shm' (each generation sets
     up a fresh workspace, named for it; the broken group's is unmapped, and what a dead peer left in /dev/shm
     unlinked), 'fp16' or 'bf16'. A worker killed inside a ring or shm all-reduce or inside a checkpoint save
-    is healed like any other: no partial gradient is applied, no half-written checkpoint is committed."""
+    is healed like any other: no partial gradient is applied, no half-written checkpoint is committed.
+    'zero1', 'zero2' and 'zero3' heal too, with checkpoint.sharded = true: the lost worker held the only copy
+    of its shards, so the survivors, regrouped, build the trainer again over the new group and reload the
+    newest sharded checkpoint resharded to them (no process restart); the steps since it are redone, every
+    sample still once, and the heal record reports them as steps_lost (no checkpoint yet, or below M: the
+    job ends with one line)."""
 
     keep_freed_memory: bool = True
     """On CPU, fix glibc malloc's mmap and trim thresholds so that buffers freed in one step are reused in
