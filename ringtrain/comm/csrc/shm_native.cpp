@@ -347,6 +347,7 @@ class Workspace {
     // began the call before rank 0 ended the last one) computes the same bits: only how the bytes reach
     // the staging buffer differs.
     static constexpr int64_t EXPLORE_EVERY = 16;
+    static constexpr double STREAM_MARGIN = 0.8;
     double store_cost_[64][2] = {};
     int64_t store_calls_[64] = {};
 
@@ -366,8 +367,10 @@ class Workspace {
         // The kind in use: averaged; the other (a try): its latest time, as the state may have changed since.
         cost[kind] = (cost[kind] == 0 || kind != int((bits >> size_class) & 1)) ? seconds : cost[kind] + 0.5 * (seconds - cost[kind]);
         if (cost[PLAIN] == 0 || cost[STREAM] == 0) return;
+        // Streaming only when clearly faster: a try of plain stores after streaming ones is slower than plain
+        // stores in use (the staging lines come from memory for the first call), which must not keep them out.
         const int64_t bit = int64_t(1) << size_class;
-        const int64_t want = cost[STREAM] < cost[PLAIN] ? (bits | bit) : (bits & ~bit);
+        const int64_t want = cost[STREAM] < STREAM_MARGIN * cost[PLAIN] ? (bits | bit) : (bits & ~bit);
         if (want != bits) __atomic_store_n(const_cast<int64_t*>(word), want, __ATOMIC_RELAXED);
     }
 
