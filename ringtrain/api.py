@@ -36,7 +36,7 @@ from ringtrain.dist.lifetime import exit_with_parent
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan
-from ringtrain.train.run import check_run_dir, run_training
+from ringtrain.train.run import check_run_dir, run_joined_training, run_training
 from ringtrain.train.user_parts import UserParts, describe_callable
 
 __all__ = ["fit"]
@@ -80,9 +80,11 @@ def fit(
     exit_with_parent()  # under a launcher: a worker never outlives its agent
     try:
         resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction)
-        validate_for_world_size(resolved, env.world_size)
         parts = UserParts.checked(model, train_data, eval_data, loss, loss_reduction, count_items, metrics,
                                   optimizer, collate_fn)
+        if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
+            return run_joined_training(resolved, env, user=parts)
+        validate_for_world_size(resolved, env.world_size)
         plan = _resume_plan(env)
         if not plan.resume:
             check_run_dir(resolved, resume=False)

@@ -334,11 +334,8 @@ def _join(args: argparse.Namespace) -> int:
         exit_with_parent()
     spec = JobSpec.from_json(args.spec) if args.spec else JobSpec.read(args.run_dir)
     if spec.heal and not args.spec:
-        if spec.program.args[:2] != ("-m", "ringtrain.worker"):
-            raise ConfigError(
-                f"{args.run_dir} runs a script with --heal: admitting a worker into it is not supported yet (only "
-                "`ringtrain train --heal` jobs admit joiners); it goes on with the workers it has"
-            )
+        # `ringtrain train` and `ringtrain run SCRIPT` jobs alike: the worker (or the script's fit()) asks to
+        # be admitted (its environment says it joins a --heal job).
         from ringtrain.elastic import join_healing_job
 
         join_healing_job(spec, args.local_addr)  # admitted at a step boundary, no rendezvous

@@ -53,7 +53,10 @@ def build_trainer(
         data = user.data_split()
         model = user.build_model(train_cfg.seed)  # seeded like the built-in models
         if isinstance(user.model, torch.nn.Module):
-            broadcast_from_rank0(model)  # a module built before fit(): rank 0's weights for every rank
+            # A module built before fit(): rank 0's weights for every rank (a --heal joiner receives them in
+            # the state the running workers send it: they run no broadcast here).
+            if membership is None:
+                broadcast_from_rank0(model)
         task = user.task
     strategy = build_strategy(config.comm, ctx.device)
     wrapped = strategy.wrap(model)

@@ -28,7 +28,7 @@ def worker_of(joiner: Job) -> psutil.Process | None:
     """The training worker a `ringtrain join` command started (None before it started or after it ended)."""
     for proc in joiner.tree()[1:]:
         try:
-            if "ringtrain.worker" in " ".join(proc.cmdline()) and _alive(proc):
+            if joiner.worker_command in " ".join(proc.cmdline()) and _alive(proc):
                 return proc
         except psutil.NoSuchProcess:
             continue
@@ -50,7 +50,7 @@ def kill_and_join(job: Job, run_dir: Path, kills: int, steps_between: int, join:
     def start_joiners() -> None:
         waiting = len(joiners) - len(records(run_dir, "join"))
         while len(joiners) < joins_wanted and waiting < ready_joiners:
-            joiners.append(Job("join", str(run_dir)).__enter__())
+            joiners.append(Job("join", str(run_dir), worker_command=job.worker_command).__enter__())
             waiting += 1
 
     if joins_wanted:

@@ -137,12 +137,6 @@ def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path, capsys):
     assert "drop --max-restarts 2" in refused(
         "train", "configs/digits_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--heal",
         "--max-restarts", "2", "--run-dir", str(tmp_path / "c"))
-    # A `ringtrain run SCRIPT --heal` job does not admit joiners yet: one line, not a hang.
-    (tmp_path / "d").mkdir()
-    spec = {"rdzv_endpoint": "127.0.0.1:1", "run_id": "x", "min_workers": 1, "max_workers": 2, "max_restarts": 0,
-            "rdzv_conf": "", "program": {"args": ["train.py"]}, "log_dir": "logs", "nproc": 1, "heal": True}
-    (tmp_path / "d" / "job.json").write_text(json.dumps(spec))
-    assert "admitting a worker into it is not supported yet" in refused("join", str(tmp_path / "d"))
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
