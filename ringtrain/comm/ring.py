@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -139,9 +140,9 @@ def reduce_scatter(
     """Sum ``flat`` over the group so that this rank's shard holds the total; return that shard (a view).
 
     The other shards are left holding partial sums. ``members``: see ``RingPeers``. ``meanwhile(step)``
-    runs while step ``step`` (0-based) is on the wire: it may change any shard but the one being sent, and
-    the one being received (``reduce_scatter_order``) until it returns (the hierarchical all-reduce sums it
-    inside the host then).
+    runs while step ``step`` (0-based) is on the wire. It must not write the shard being sent; it may still
+    change the one being received (``reduce_scatter_order(...)[step + 1]``), which the received partial sums
+    are added to only after it returns: the hierarchical all-reduce sums that shard inside its host then.
     """
     ring = RingPeers(group, timeout_s, what, members)
     n, r = ring.size, ring.rank
@@ -154,7 +155,7 @@ def reduce_scatter(
         recv_lo, recv_hi = bounds[(r - step - 2) % n]
         tmp = incoming[: recv_hi - recv_lo]
         ring.run_step(flat[send_lo:send_hi], tmp, step + 1, steps,
-                      None if meanwhile is None else lambda: meanwhile(step))
+                      None if meanwhile is None else partial(meanwhile, step))
         flat[recv_lo:recv_hi].add_(tmp)
     lo, hi = bounds[r]
     return flat[lo:hi]
@@ -176,7 +177,7 @@ def all_gather(
         send_lo, send_hi = bounds[(r - step) % n]
         recv_lo, recv_hi = bounds[(r - step - 1) % n]
         ring.run_step(flat[send_lo:send_hi], flat[recv_lo:recv_hi], offset + step + 1, steps,
-                      None if meanwhile is None else lambda: meanwhile(step))
+                      None if meanwhile is None else partial(meanwhile, step))
     return flat
 
 
