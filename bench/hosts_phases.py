@@ -1,17 +1,19 @@
 """Where the time of the hierarchical all-reduce goes across two test hosts: its phases, side by side.
 
     sudo .venv/bin/python bench/hosts_phases.py --rate 1gbit --mb 64 --iters 6
+    sudo .venv/bin/python bench/hosts_phases.py --hosts 3 --rate 1gbit --mb 64 --iters 5
 
-Two test hosts (``tests/hosts.py``) x 2 ranks, each rank's main thread pinned to core ``local_rank`` as
+``--hosts`` test hosts (``tests/hosts.py``, default 2) x 2 ranks, each rank's main thread pinned to core ``local_rank`` as
 ``ringtrain bench collectives`` pins them. Every round runs, in turn, after a barrier:
 
 - ``sequential``: the hierarchical all-reduce as it was before the two-host stream: the host sums the whole
   tensor through shared memory, the leaders all-reduce it over the ring (``ring.all_reduce``), the leader
   copies it to its host; each phase timed on each rank;
-- ``stream``: ``hierarchical.all_reduce`` as it is (two hosts: one stream per direction, the host's work
-  behind the wire);
+- ``current``: ``hierarchical.all_reduce`` as it is (two hosts: one stream per direction; more: the ring
+  with the host's sums and copies beside its steps);
 - ``wire``: the leaders' ring alone (the other ranks idle): what the link costs without any host work;
-- ``gloo_leaders``: Gloo's own all-reduce between the two leaders alone.
+- ``gloo_leaders``: Gloo's own all-reduce between the leaders alone;
+- ``flat``: Gloo's own all-reduce over every rank (what ``ringtrain bench collectives`` compares with).
 
 Prints per mode the median over rounds of the slowest rank's wall time, the median phases per rank, and the
 machine's CPU during the mode (``/proc/stat``: busy share of all cores, of which softirq: the TCP stacks of
@@ -32,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-MODES = ("sequential", "stream", "wire", "gloo_leaders")
+MODES = ("sequential", "current", "wire", "gloo_leaders", "flat")
 PORT = 29512
 
 
@@ -66,7 +68,7 @@ def worker() -> None:
         stamps.append(time.monotonic())
         broadcast_from_leader(sg, flat, 60.0)
 
-    def stream(stamps: list[float]) -> None:
+    def current(stamps: list[float]) -> None:
         hierarchical.all_reduce(sg, flat, 60.0)
 
     def wire(stamps: list[float]) -> None:
@@ -77,7 +79,10 @@ def worker() -> None:
         if sg.is_leader:
             dist.all_reduce(flat, group=leaders)
 
-    calls = {"sequential": sequential, "stream": stream, "wire": wire, "gloo_leaders": gloo_leaders}
+    def everyone(stamps: list[float]) -> None:
+        dist.all_reduce(flat)
+
+    calls = {"sequential": sequential, "current": current, "wire": wire, "gloo_leaders": gloo_leaders, "flat": everyone}
     rows, cpu = [], {mode: [0] * 10 for mode in MODES}
     for round_ in range(int(os.environ["PHASES_ITERS"]) + 1):  # round 0 warms up
         for mode in MODES:
@@ -125,11 +130,12 @@ def main() -> int:
     from tests.hosts import INTERFACE, Hosts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, default=2, help="test hosts of 2 ranks each (default 2)")
     parser.add_argument("--rate", default="1gbit", help="cap every link (default 1gbit)")
     parser.add_argument("--mb", type=int, default=64, help="message size in MiB of float32 (default 64)")
     parser.add_argument("--iters", type=int, default=6, help="timed rounds (default 6)")
     args = parser.parse_args()
-    hosts_n, per_host = 2, 2
+    hosts_n, per_host = args.hosts, 2
     with Hosts.up(hosts_n, args.rate) as hosts:
         procs = []
         try:
@@ -150,7 +156,7 @@ def main() -> int:
         print(f"a rank failed: exit codes {[proc.returncode for proc in procs]}", file=sys.stderr)
         return 1
     results = [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith("{")]
-    print(f"# 2 test hosts x 2 ranks, {args.mb} MiB float32, links {args.rate}, {args.iters} rounds")
+    print(f"# {hosts_n} test hosts x {per_host} ranks, {args.mb} MiB float32, links {args.rate}, {args.iters} rounds")
     print(summarize(results, hosts_n, per_host))
     return 0
 
