@@ -24,6 +24,7 @@ from ringtrain.comm.groups import host_id
 from ringtrain.config import DistConfig
 from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.dist.env import DistEnv
+from ringtrain.dist.sockets import forget_group_sockets, recording_group_sockets
 from ringtrain.errors import LaunchError
 
 __all__ = ["DistContext", "init_distributed", "resolve_backend", "interface_for_address", "cores_for_worker",
@@ -85,10 +86,9 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
     # The flight recorder: ringtrain's collectives, and torch's record of the group's (read at creation).
     flight.torch_recorder_env(config.flight_recorder)
     flight.enable(config.flight_recorder)
-    dist.init_process_group(
-        backend, store=_build_store(env, timeout) if store is None else store, rank=env.rank,
-        world_size=env.world_size, timeout=timeout
-    )
+    store = _build_store(env, timeout) if store is None else store
+    with recording_group_sockets(store):  # a heal shuts them down under a peer blocked on them (sockets.py)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     try:
         host_rank, host_world_size = host_placement(env.bind_addr)
         if device.type == "cpu" and config.pin_cpu and hasattr(os, "sched_setaffinity"):
@@ -102,6 +102,7 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
         gc.collect()
         if dist.is_initialized():  # a worker fenced off while healing has already left its group
             dist.destroy_process_group()
+        forget_group_sockets()
 
 
 def interface_for_address(address: str) -> str:

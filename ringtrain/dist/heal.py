@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ringtrain.comm import shm_group
 from ringtrain.dist.jobstore import JobStore, NullJobStore
+from ringtrain.dist.sockets import forget_group_sockets, recording_group_sockets, shutdown_group_sockets
 from ringtrain.errors import RingtrainError
 
 __all__ = [
@@ -231,14 +232,21 @@ def request_join(job_store: NullJobStore, timeout_s: float, wait_s: float = 600.
     return membership, membership.generation
 
 
-def abandon_group() -> None:
-    """Leave the broken default group without waiting on it: its collectives failed, so nothing of it is
-    waited for again. Destroying it closes its sockets, which is what tells a peer still blocked in one of
-    its collectives (on a live rank) that the group is gone, at once instead of after timeout_s.
+def abandon_group(failed: bool = True) -> None:
+    """Leave the default group without waiting on it. A ``failed`` group's collectives failed, so nothing of
+    it is waited for again: its TCP sockets are shut down first (``sockets.py``), which tells a peer still
+    blocked in one of its collectives (on a live rank) that the group is gone at once, not after timeout_s,
+    and makes a collective of this rank still in flight on it (the step agreement, a DDP all-reduce) fail,
+    so the destroy returns at once instead of waiting for it until timeout_s. (``failed=False``: a healthy
+    group left at a step boundary to admit a joiner, with nothing in flight: closed the ordinary way.)
 
     Objects that hung off the group (a DDP wrapper's reducer, whose autograd hooks would otherwise fire on
-    the next backward) must be dropped by the caller first; the collection here frees them. Its shared-memory
-    workspace (``comm.algorithm = "shm"``) goes too, with any segment a dead peer left named in /dev/shm."""
+    the next backward) must be dropped by the caller first; the collection here frees them, so the group is
+    destroyed here, never later in a garbage collection. Its shared-memory workspace
+    (``comm.algorithm = "shm"``) goes too, with any segment a dead peer left named in /dev/shm."""
+    if failed:
+        shutdown_group_sockets()
+    forget_group_sockets()
     gc.collect()
     if dist.is_initialized():
         shm_group.destroy(dist.group.WORLD)
@@ -253,5 +261,6 @@ def init_generation_group(membership: Membership, generation: Generation, timeou
     under heal/<g>/pg/ (a fresh prefix per generation, so keys of a failed attempt never mix in)."""
     store = dist.PrefixStore(f"{generation.number}/pg/", membership.store)
     shm_group.set_name_scope(f"g{generation.number}")  # its shm segments, if any, are named for it
-    dist.init_process_group(backend, store=store, rank=generation.rank, world_size=generation.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    with recording_group_sockets(store):  # abandon_group shuts them down if this generation fails
+        dist.init_process_group(backend, store=store, rank=generation.rank, world_size=generation.world_size,
+                                timeout=timedelta(seconds=timeout_s))

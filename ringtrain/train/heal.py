@@ -163,7 +163,7 @@ class Healing(NoHealing):
         started = time.perf_counter()
         _, joiners = self.membership.admission()
         _drop_group_parts(trainer)
-        abandon_group()
+        abandon_group(failed=False)
         generation = self.membership.admit(joiners)
         init_generation_group(self.membership, generation, trainer.config.dist.timeout_s, trainer.ctx.backend)
         # Nobody is ahead here: the strategy first (DDP broadcasts rank 0's parameters), then the state.
