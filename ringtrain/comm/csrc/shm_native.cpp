@@ -6,8 +6,9 @@
 // ``small_turn`` / ``staging_turn``). What moves here is what
 // cost time in Python: the dispatch of several torch ops per call, the barrier (a store and a poll of a
 // peer's cache line, then a futex sleep that the peer's arrival wakes), and the reductions, which sum all
-// ranks in one pass per block with vectorised loops. Staged calls pick, per message size, plain or
-// streaming (non-temporal) stores into the staging buffers, by which was faster lately (``choose_stores``):
+// ranks in one pass per block with vectorised loops. Staged calls, and direct ones from 8 KB, pick per
+// message size plain or streaming (non-temporal) stores into the shared buffers, by which was faster
+// lately (``choose_stores``):
 // which wins depends on where the host placed the machine's cores, and that changes while a job runs. The GIL is released for large messages and for any
 // wait that outlasts the poll (releasing and taking it back costs a few hundred nanoseconds: a third of a
 // 4 KB all-reduce).
@@ -216,7 +217,8 @@ class Workspace {
     // Tunables (bytes): messages up to ``direct_bytes`` are summed by every rank; larger ones are
     // reduce-scattered and all-gathered in pieces of ``piece_bytes`` per rank (at most the staging buffer).
     int64_t direct_bytes_, pipe_piece_bytes_;
-    // How a staged call writes the staging buffers that its peers read: PLAIN stores, STREAM (non-temporal:
+    // How a call writes the shared buffers that its peers read (staged calls; direct ones from
+    // DIRECT_CHOICE_BYTES, below which the two kinds measured the same): PLAIN stores, STREAM (non-temporal:
     // ``stream_copy``) or ADAPT: per message size (a power of two), the one whose recent calls were faster
     // (``choose_stores``). Why both: when the machine's two cores sit on different dies (a VM's vCPUs placed
     // apart by the host, which moves them every few seconds to minutes) a plain store to a line a peer
@@ -348,6 +350,7 @@ class Workspace {
     // the staging buffer differs.
     static constexpr int64_t EXPLORE_EVERY = 16;
     static constexpr double STREAM_MARGIN = 0.8;
+    static constexpr int64_t DIRECT_CHOICE_BYTES = 8 << 10;
     double store_cost_[64][2] = {};
     int64_t store_calls_[64] = {};
 
@@ -533,13 +536,22 @@ class Workspace {
         small_turn_ ^= 1;
         T* src[64];
         for (int j = 0; j < n_; ++j) src[j] = reinterpret_cast<T*>(small_buffer(j, small_turn_));
-        copy_in<T>(src[me_], flat, numel, div);
+        const int64_t nbytes = numel * int64_t(sizeof(T));
+        const int size_class = nbytes >= DIRECT_CHOICE_BYTES ? 63 - __builtin_clzll(uint64_t(nbytes)) : -1;
+        const int stores = size_class >= 0 ? choose_stores(size_class) : PLAIN;
+        prof_.streamed += stores == STREAM;
+        // Timed whole: on two dies the stores into lines the peers read last call and the peers' reads of
+        // them are where the time goes, and the wait holds the peers' part.
+        const double started = size_class >= 0 ? now_s() : 0;
+        copy_in<T>(src[me_], flat, numel, div, stores == STREAM);
+        if (stores == STREAM) stream_fence();
         lap(prof_.copy_in);
         if (!arrive(desc) || !wait_all(1, 1) || !check_same_call(desc)) return false;
         lap(prof_.wait);
         // Every rank adds the same buffers in the same order: bit-identical results.
         sum_ranks<T>(flat, nullptr, src, n_, numel, nullptr, me_, 1);
         lap(prof_.reduce);
+        if (size_class >= 0) learn_stores(size_class, stores, now_s() - started);
         return true;
     }
 
