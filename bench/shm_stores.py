@@ -6,7 +6,7 @@ Two ranks (one per core) stay up for the whole run, so that what changes between
 not the processes or their memory. Every ``--period`` seconds, holding the exclusive CPU lock
 (``/tmp/ringtrain-cpu.lock``, as every timing here does), one sample: the distance between the two cores
 (``bench/core_distance.c``: the shortest cache-line round trip, ns; built with ``cc`` if there is one),
-then per size the median of 7 calls (max over ranks, ms) with ``stream_mode`` 2 (adaptive: the default),
+then per size the median of ``--calls`` calls (max over ranks, µs) with ``stream_mode`` 2 (adaptive: the default),
 0 (plain stores) and 1 (streaming stores), in that order. One line per sample on stdout. On the 2-vCPU
 VM the distance flips between ~50 ns (one die) and ~270-400 ns (two) every few seconds to minutes, and
 the plain stores' speed with it.
@@ -50,7 +50,7 @@ def _core_distance() -> str | None:
     return program if result.returncode == 0 else None
 
 
-def _median_ms(tensor: torch.Tensor, calls: int = 7) -> float:
+def _median_us(tensor: torch.Tensor, calls: int) -> float:
     dist.barrier()
     comm.all_reduce(tensor, algorithm="shm")
     times = []
@@ -60,7 +60,7 @@ def _median_ms(tensor: torch.Tensor, calls: int = 7) -> float:
         times.append(time.perf_counter() - start)
     times = torch.tensor(times)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return float(times.median()) * 1e3
+    return float(times.median()) * 1e6
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, program: str | None) -> None:
@@ -85,9 +85,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, program: str | None)
             times = {}
             for name, mode in MODES.items():
                 native.stream_mode = mode
-                times[name] = _median_ms(tensor)
+                times[name] = _median_us(tensor, args.calls)
             native.stream_mode = MODES["adapt"]
-            line.append(f"{size >> 10}K " + " ".join(f"{name} {ms:.3f}" for name, ms in times.items()))
+            line.append(f"{size >> 10}K " + " ".join(f"{name} {us:.1f}" for name, us in times.items()))
         dist.barrier()
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=12)
     parser.add_argument("--period", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--sizes", default="64K,1M,4M,16M,64M", help="message sizes, comma-separated (K, M)")
+    parser.add_argument("--calls", type=int, default=7, help="timed calls per size and kind of store (the median)")
     args = parser.parse_args()
     args.sizes = [_bytes(size) for size in args.sizes.split(",")]
     program = _core_distance()
