@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/shm_stores.py --samples 12 --period 5 --sizes 64K,1M,4M,16M,64M
 
-Two ranks (one per core) stay up for the whole run, so that what changes between samples is the machine,
+``--nproc`` ranks (2: one per core; pinned round robin) stay up for the whole run, so that what changes between samples is the machine,
 not the processes or their memory. Every ``--period`` seconds, holding the exclusive CPU lock
 (``/tmp/ringtrain-cpu.lock``, as every timing here does), one sample: the distance between the two cores
 (``bench/core_distance.c``: the shortest cache-line round trip, ns; built with ``cc`` if there is one),
@@ -66,7 +66,7 @@ def _median_us(tensor: torch.Tensor, calls: int) -> float:
 def _worker(rank: int, port: int, args: argparse.Namespace, program: str | None) -> None:
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc)
     comm.all_reduce(torch.ones(8), algorithm="shm")
     native = get_shm_group(dist.group.WORLD).native
     if native is None:
@@ -98,6 +98,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, program: str | None)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks, pinned round robin to the cores")
     parser.add_argument("--samples", type=int, default=12)
     parser.add_argument("--period", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--sizes", default="64K,1M,4M,16M,64M", help="message sizes, comma-separated (K, M)")
@@ -107,7 +108,7 @@ def main() -> None:
     program = _core_distance()
     if program is None:
         print("bench/shm_stores.py: no C compiler (cc): the core distance is left out", file=sys.stderr)
-    mp.spawn(_worker, args=(29400 + os.getpid() % 500, args, program), nprocs=2)
+    mp.spawn(_worker, args=(29400 + os.getpid() % 500, args, program), nprocs=args.nproc)
 
 
 if __name__ == "__main__":
