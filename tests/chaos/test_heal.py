@@ -141,18 +141,19 @@ def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path, capsys):
 
 
 def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_once(tmp_path):
-    """Repeated failures (issue 12's proof) with comm.strategy = "manual" (buckets and hooks rebuilt on every
-    new group; kills inside ringtrain's ring all-reduce are tested on their own): 3 workers, --min-nproc 2;
-    a worker is SIGKILLed five times, a few steps apart, and after each of the first four a `ringtrain join`
-    worker (started ahead, waiting while the job is full) is admitted at the next step boundary, the state
-    sent over the new group, sha256 checked: 3 -> 2 -> 3 -> ... -> 2. Killed in turn: launched rank 1, the
+    """Repeated failures (issue 12's proof) with comm.strategy = "manual" and ringtrain's ring all-reduce
+    (buckets and hooks rebuilt on every new group; kills inside the ring itself are tested on their own):
+    3 workers, --min-nproc 2; a worker is SIGKILLed five times, a few steps apart, and after each of the
+    first four a `ringtrain join` worker (started ahead, waiting while the job is full) is admitted at the
+    next step boundary, the state sent over the new group, sha256 checked: 3 -> 2 -> 3 -> ... -> 2. Killed in turn: launched rank 1, the
     first joiner, launched rank 2, the second and the third joiner (rank 0 is the writer; its handover is
     the fencing test's). Exit 0, every sample once, 0 steps lost, each heal's recovery_s recorded, equal
     parameters, summary.json counts the five heals."""
     run_dir = tmp_path / "rejoin"
     epochs = 20  # long enough for every kill and join under load: the five kills take ~25 of its 300 steps
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
-             str(run_dir), *SETS, "--set", f"train.epochs={epochs}", "--set", "comm.strategy=manual") as job:
+             str(run_dir), *SETS, "--set", f"train.epochs={epochs}", "--set", "comm.strategy=manual",
+             "--set", "comm.algorithm=ring") as job:
         joiners = kill_and_join(job, run_dir, kills=5, steps_between=3, join=True)
         code = job.finish()
         join_codes = [joiner.finish(timeout=60) for joiner in joiners]
@@ -167,7 +168,9 @@ def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_on
     assert sorted(join_codes).count(0) == 1, (join_codes, logs)  # three joiners were killed, one trains to the end
     assert len(heals) == 5 and len(joins) == 4, logs
     assert all(h["steps_lost"] == 0 and h["world_size"] == 2 and len(h["lost_ranks"]) == 1 for h in heals), heals
-    assert all(0 < h["recovery_s"] < 25.0 for h in heals), heals  # recorded for each; each heal's time is recorded
+    # Recorded for each, and none waits out dist.timeout_s (20 s): the broken group's sockets are shut down
+    # (dist/sockets.py), so a survivor blocked in a collective on a live peer learns of the failure at once.
+    assert all(0 < h["recovery_s"] < 5.0 for h in heals), heals
     assert heals[0]["lost_ranks"] == [1] and all(0 not in h["lost_ranks"] for h in heals), heals
     assert all(j["world_size"] == 3 and j["joined_ranks"] == [2] for j in joins), joins
     sizes = [r["world_size"] for r in ledger_steps(run_dir)]
