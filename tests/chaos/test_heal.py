@@ -147,8 +147,8 @@ def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_on
     first four a `ringtrain join` worker (started ahead, waiting while the job is full) is admitted at the
     next step boundary, the state sent over the new group, sha256 checked: 3 -> 2 -> 3 -> ... -> 2. Killed
     in turn: launched rank 1, the first joiner, launched rank 2, the second and the third joiner (rank 0 is
-    the writer; its handover is the fencing test's). Exit 0, every sample once, 0 steps lost, each heal's recovery_s recorded, equal
-    parameters, summary.json counts the five heals."""
+    the writer; its handover is the fencing test's). Exit 0, every sample once, 0 steps lost, each heal's
+    recovery_s recorded, equal parameters, summary.json counts the five heals."""
     run_dir = tmp_path / "rejoin"
     epochs = 20  # long enough for every kill and join under load: the five kills take ~25 of its 300 steps
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
