@@ -10,7 +10,9 @@ out when the group is made:
 - ``recording_group_sockets(store)`` wraps ``dist.init_process_group``: the sockets that appear in
   /proc/self/fd across it, TCP connections, with neither end on a port of ``store`` (rank 0's TCPStore server
   accepts the other ranks' store clients during the init; those belong to the store, not to the group). The
-  store itself (the job store client, or the rendezvous store) is made before, outside the window.
+  store itself (the job store client, or the rendezvous store) is made before, outside the window. (A
+  socket that another thread opened during the init would be taken for the group's: ringtrain's threads
+  open theirs, the heartbeat's job store client, outside it, and to the store's port, which is left out.)
 - Gloo connects every pair inside the init unless ``TORCH_GLOO_LAZY_INIT`` is set (then a pair connects on
   its first collective, after the window, where it could not be told from a user's socket): the variable is
   lifted for the duration of the init, so every pair of the group is connected, and recorded, inside it.
