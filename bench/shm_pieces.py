@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,33 +24,13 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringtrain import comm  # noqa: E402 - the repository's own package
-from ringtrain.comm.shm_group import get_shm_group  # noqa: E402
+from bench.shm_stores import median_s, start_native  # noqa: E402 - the timing and set-up it shares
 
 SIZES = (16 << 20, 64 << 20)
 
 
-def _median_ms(tensor: torch.Tensor, calls: int) -> float:
-    dist.barrier()
-    comm.all_reduce(tensor, algorithm="shm")
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        comm.all_reduce(tensor, algorithm="shm")
-        times.append(time.perf_counter() - start)
-    times = torch.tensor(times)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return float(times.median()) * 1e3
-
-
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.sched_setaffinity(0, {rank % os.cpu_count()})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc)
-    comm.all_reduce(torch.ones(8), algorithm="shm")
-    native = get_shm_group(dist.group.WORLD).native
-    if native is None:
-        raise SystemExit("the native shm all-reduce is not available here (see `python -m ringtrain.comm.shm_native`)")
+    native = start_native(rank, port, args.nproc)
     tensors = {size: torch.zeros(size // 4) for size in SIZES}
     lines = []
     for round_ in range(2):
@@ -60,7 +39,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
             for size, tensor in tensors.items():
                 native.reset_profile()
                 native.profile = True
-                ms = _median_ms(tensor, args.calls)
+                ms = median_s(tensor, args.calls) * 1e3
                 native.profile = False
                 s = native.profile_stats()
                 per_call = {k: s[k] / s["calls"] * 1e3 for k in ("wait_s", "copy_in_s", "reduce_s", "gather_s")}

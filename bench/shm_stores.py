@@ -50,7 +50,9 @@ def _core_distance() -> str | None:
     return program if result.returncode == 0 else None
 
 
-def _median_us(tensor: torch.Tensor, calls: int) -> float:
+def median_s(tensor: torch.Tensor, calls: int) -> float:
+    """Median seconds of ``calls`` shm all-reduces of ``tensor`` (max over ranks), after one warm-up call.
+    Collective. Shared with bench/shm_pieces.py."""
     dist.barrier()
     comm.all_reduce(tensor, algorithm="shm")
     times = []
@@ -60,17 +62,24 @@ def _median_us(tensor: torch.Tensor, calls: int) -> float:
         times.append(time.perf_counter() - start)
     times = torch.tensor(times)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return float(times.median()) * 1e6
+    return float(times.median())
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, program: str | None) -> None:
+def start_native(rank: int, port: int, nproc: int):
+    """This rank pinned (round robin) in a Gloo group of ``nproc`` on loopback; the group's native shm
+    workspace, or SystemExit with the reason when it is not built. Shared with bench/shm_pieces.py."""
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
     comm.all_reduce(torch.ones(8), algorithm="shm")
     native = get_shm_group(dist.group.WORLD).native
     if native is None:
         raise SystemExit("the native shm all-reduce is not available here (see `python -m ringtrain.comm.shm_native`)")
+    return native
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, program: str | None) -> None:
+    native = start_native(rank, port, args.nproc)
     tensors = {size: torch.zeros(size // 4) for size in args.sizes}
     lock = open(LOCK, "a") if rank == 0 else None
     for _ in range(args.samples):
@@ -85,7 +94,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, program: str | None)
             times = {}
             for name, mode in MODES.items():
                 native.stream_mode = mode
-                times[name] = _median_us(tensor, args.calls)
+                times[name] = median_s(tensor, args.calls) * 1e6
             native.stream_mode = MODES["adapt"]
             line.append(f"{size >> 10}K " + " ".join(f"{name} {us:.1f}" for name, us in times.items()))
         dist.barrier()
