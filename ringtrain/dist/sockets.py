@@ -17,7 +17,8 @@ out when the group is made:
   its first collective, after the window, where it could not be told from a user's socket): the variable is
   lifted for the duration of the init, so every pair of the group is connected, and recorded, inside it.
 - ``shutdown_group_sockets()`` shuts each recorded socket down, keeping its descriptor (Gloo still owns and
-  closes it); a descriptor that no longer names the same socket (closed and reused) is left alone.
+  closes it); a descriptor that no longer names the same socket (closed, or closed and reused) is left alone.
+  Gloo may close one while this runs, so each is pinned with ``dup`` before it is checked and shut down.
 """
 
 from __future__ import annotations
@@ -61,20 +62,31 @@ def recording_group_sockets(store: dist.Store | None) -> Iterator[None]:
 
 
 def shutdown_group_sockets() -> int:
-    """Shut the recorded sockets down (both directions), keeping their descriptors; returns how many."""
-    current = _socket_fds()
+    """Shut the recorded sockets down (both directions), keeping their descriptors; returns how many.
+
+    Gloo's own threads may close a descriptor at any moment (a pair that failed), so each is first
+    duplicated, which pins whatever socket it names at that instant or fails if it is closed; the duplicate is
+    checked to be the recorded socket (not a reuse of the number for another) and shut down, then closed.
+    There is no window between the check and the shutdown for the descriptor to change under it."""
     done = 0
     for fd, name in _recorded:
-        if current.get(fd) != name:
-            continue  # closed since (and maybe reused for another socket): not the group's any more
-        sock = socket.socket(fileno=fd)
         try:
-            sock.shutdown(socket.SHUT_RDWR)
-            done += 1
+            pinned = os.dup(fd)
         except OSError:
-            pass  # already shut down or reset by the peer
+            continue  # closed since: nothing of the group's left on it
+        try:
+            if f"socket:[{os.fstat(pinned).st_ino}]" != name:
+                continue  # closed and reused for another socket: not the group's any more
+            sock = socket.socket(fileno=pinned)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, so on Gloo's descriptor of it too
+                done += 1
+            except OSError:
+                pass  # already shut down or reset by the peer
+            finally:
+                sock.detach()
         finally:
-            sock.detach()  # the descriptor stays Gloo's
+            os.close(pinned)
     _recorded.clear()
     return done
 
