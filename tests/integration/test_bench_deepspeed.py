@@ -33,7 +33,8 @@ def _deepspeed_files() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("deepspeed_allreduce_buffer")}
 
 
-def test_deepspeed_shm_runs_beside_ringtrain_shm(tmp_path):
+def test_deepspeed_shm_runs_beside_ringtrain_shm(tmp_path, deepspeed_build):
+    # deepspeed_build: the op was compiled in the background (tests/conftest.py); this loads it from the cache.
     reason = _deepspeed_op_builds()
     if reason:
         pytest.skip(reason)
