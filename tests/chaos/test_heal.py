@@ -154,7 +154,9 @@ def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_on
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
              str(run_dir), *SETS, "--set", f"train.epochs={epochs}", "--set", "comm.strategy=manual",
              "--set", "comm.algorithm=ring") as job:
-        joiners = kill_and_join(job, run_dir, kills=5, steps_between=3, join=True)
+        # Two joiners ready at a time: each later one starts while a kill is healed, in time for its turn;
+        # four started at once (the default) take ~30 s of a 2-core machine to start beside the training.
+        joiners = kill_and_join(job, run_dir, kills=5, steps_between=3, join=True, ready_joiners=2)
         code = job.finish()
         join_codes = [joiner.finish(timeout=60) for joiner in joiners]
         for joiner in joiners:
