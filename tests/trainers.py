@@ -28,7 +28,7 @@ from ringtrain.train.resume import ResumePlan
 REPO = Path(__file__).resolve().parent.parent
 
 __all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params", "params_of", "train_uninterrupted",
-           "make_image_folder"]
+           "train_run", "make_image_folder"]
 
 
 def build_test_trainer(
@@ -69,6 +69,19 @@ def train_uninterrupted(rank: int, world_size: int, config: str, overrides: list
     trainer.resume(ResumePlan.fresh())
     trainer.fit()
     return params_of(trainer)
+
+
+def train_run(rank: int, world_size: int, config: str, overrides: list[str], run_dir: str, resume: bool) -> None:
+    """What ``ringtrain train CONFIG --set OVERRIDES --run-dir RUN_DIR [--resume]`` does in its workers: train
+    to the end (or to train.max_steps), resuming from the newest checkpoint when ``resume`` (required then).
+    A chaos test's reference run, without a launch (summary.json's param_sha256 is the oracle):
+
+        run_distributed(train_run, 3, "configs/digits_mlp.toml", ["train.max_steps=10"], str(ref), False)
+        run_distributed(train_run, 2, "configs/digits_mlp.toml", [], str(ref), True)
+    """
+    trainer = build_test_trainer(rank, world_size, config, overrides, run_dir)
+    trainer.resume(ResumePlan(resume=resume, required=resume))
+    trainer.fit()
 
 
 def make_image_folder(root: Path, train_per_class: int = 3, val_per_class: int = 2) -> None:

@@ -5,8 +5,8 @@ Checked: exit 0; one 'heal' record with steps_lost 0 and recovery_s <= 2 s; the 
 of every epoch exactly once (3 workers, then 2, the global batch of 96 kept by accumulation: 2 x 16 per
 worker at 3, 3 x 16 at 2); and the final parameters are bit-identical to a reference that trained the
 same steps with 3 workers, stopped after the step the survivors went on from, and resumed from that
-checkpoint with 2 (the existing checkpoint/resume path). The lr schedule is constant so that stopping the
-reference early (train.max_steps) does not change it.
+checkpoint with 2 (the existing checkpoint/resume path, run in the test harness: no launch). The lr
+schedule is constant so that stopping the reference early (train.max_steps) does not change it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from ringtrain.data.ledger import check_ledger
 from tests.chaos.heal_cycles import kill_and_join
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.conftest import run_cli
+from tests.distributed import run_distributed
+from tests.trainers import train_run
 
 EPOCHS = 3
 SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=16",
@@ -64,14 +66,13 @@ def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_sur
     assert len(reports) == EPOCHS and all(r.exactly_once and r.complete for r in reports), reports
     assert run_cli("ledger", str(run_dir)).returncode == 0
 
-    # The reference: 3 workers to the step the survivors went on from, then a resume with 2.
+    # The reference: 3 workers to the step the survivors went on from, then a resume with 2 (the trainer
+    # `ringtrain train [--resume]` builds, in the test harness's processes: no launch).
     ref_dir = tmp_path / "reference"
-    first = run_cli("train", "configs/digits_mlp.toml", "--nproc", "3", "--run-dir", str(ref_dir), *SETS,
-                    "--set", f"train.epochs={EPOCHS}", "--set", f"train.max_steps={heal['from_step']}")
-    assert first.returncode == 0, first.stderr
-    second = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--run-dir", str(ref_dir), "--resume",
-                     *SETS, "--set", f"train.epochs={EPOCHS}")
-    assert second.returncode == 0, second.stderr
+    overrides = [*SETS[1::2], f"train.epochs={EPOCHS}"]
+    run_distributed(train_run, 3, "configs/digits_mlp.toml", [*overrides, f"train.max_steps={heal['from_step']}"],
+                    str(ref_dir), False, timeout_s=120)
+    run_distributed(train_run, 2, "configs/digits_mlp.toml", overrides, str(ref_dir), True, timeout_s=120)
     reference = summary(ref_dir)
     print(f"param_sha256 healed {done['param_sha256'][0][:16]}, reference (stop at {heal['from_step']}, resume "
           f"with 2) {reference['param_sha256'][0][:16]}")

@@ -6,7 +6,7 @@ Checked: exit 0; one 'heal' record whose steps_lost is the steps applied since t
 summary.json's steps_lost the same); the ledger shows every sample of every epoch exactly once (the steps
 after the checkpoint are cut and redone); the final parameters are bit-identical to a reference that
 trained with 3 workers to the checkpoint's step and resumed from it with 2 (the existing --resume path,
-DCP's resharding).
+DCP's resharding; run in the test harness: no launch).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import json
 
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, ledger_steps, records
-from tests.conftest import run_cli
+from tests.distributed import run_distributed
+from tests.trainers import train_run
 
 EPOCHS = 3
 STEPS_PER_EPOCH = 15
@@ -61,13 +62,12 @@ def test_a_killed_zero2_worker_is_healed_by_reloading_the_shards_bit_identical_t
     reports = check_ledger(run_dir / "ledger.jsonl")
     assert len(reports) == EPOCHS and all(r.exactly_once and r.complete for r in reports), reports
 
-    # The reference: 3 workers to the checkpoint's step, then --resume with 2 (DCP reshards 3 -> 2).
-    ref_dir = tmp_path / "reference"
-    first = run_cli("train", "configs/digits_mlp.toml", "--nproc", "3", "--run-dir", str(ref_dir), *SETS,
-                    "--set", f"train.max_steps={CHECKPOINT_EVERY}")
-    assert first.returncode == 0, first.stderr
-    second = run_cli("train", "configs/digits_mlp.toml", "--nproc", "2", "--run-dir", str(ref_dir), "--resume", *SETS)
-    assert second.returncode == 0, second.stderr
+    # The reference: 3 workers to the checkpoint's step, then --resume with 2 (DCP reshards 3 -> 2); the trainer
+    # `ringtrain train [--resume]` builds, in the test harness's processes: no launch.
+    ref_dir, overrides = tmp_path / "reference", SETS[1::2]
+    run_distributed(train_run, 3, "configs/digits_mlp.toml", [*overrides, f"train.max_steps={CHECKPOINT_EVERY}"],
+                    str(ref_dir), False, timeout_s=120)
+    run_distributed(train_run, 2, "configs/digits_mlp.toml", overrides, str(ref_dir), True, timeout_s=120)
     reference = json.loads((ref_dir / "summary.json").read_text())
     print(f"param_sha256 healed {done['param_sha256'][0][:16]}, reference (stop at {CHECKPOINT_EVERY}, resume with 2) "
           f"{reference['param_sha256'][0][:16]}")
