@@ -145,6 +145,16 @@ def _affinity() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
+def near_mask(affinities: Sequence[Sequence[int]], local_rank: int) -> int:
+    """Bit j set: local rank j is pinned to the one core that ``local_rank`` is pinned to (``affinities``: each
+    local rank's allowed cores). 0 when ``local_rank`` may run on several cores: then no rank is known to share
+    its core. The native path writes the shared parts that only such ranks read with plain stores."""
+    mine = set(affinities[local_rank])
+    if len(mine) != 1:
+        return 0
+    return sum(1 << j for j, cores in enumerate(affinities) if j != local_rank and set(cores) == mine)
+
+
 def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", cgroup_file: str = "/proc/self/cgroup") -> float | None:
     """CPUs this process's cgroup may use (quota / period: 1.5 for ``cpu.max`` = ``150000 100000``), the
     tightest of its cgroup and their ancestors, v2 (``cpu.max``) or v1 (``cpu.cfs_quota_us``); None if unlimited."""
@@ -291,12 +301,13 @@ class ShmGroup:
         shm_group.board = board
         # Native only if every rank of the host has it: the two paths share the protocol, not the arithmetic.
         if all(gathered[r][2] for r in shm_group.local) and shm_group.local_size <= 64:
-            shm_group._start_native(native, spin)
+            shm_group._start_native(native, spin, near_mask([gathered[r][1] for r in shm_group.local], shm_group.local_rank))
         return shm_group
 
-    def _start_native(self, native, spin: bool) -> None:
+    def _start_native(self, native, spin: bool, near: int = 0) -> None:
         workspace = native.Workspace(self.bytes.data_ptr(), self.header_bytes, self.region_bytes, self.small_bytes,
                                      self.piece_bytes, self.local_rank, self.local_size, spin, self.board.check_liveness)
+        workspace.near_mask = near
         workspace.direct_bytes = min(NATIVE_DIRECT_BYTES, self.small_bytes)
         workspace.piece_bytes = min(NATIVE_PIECE_BYTES, self.piece_bytes)
         self.native_dtypes = frozenset(getattr(torch, name) for name in native.dtypes())

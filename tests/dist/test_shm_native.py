@@ -1,8 +1,8 @@
 """shm's native all-reduce (comm/csrc/shm_native.cpp) against torch.distributed, and its fallbacks.
 
 Checked on real processes: the sums of every dtype the native path takes, at sizes on both sides of its
-thresholds (direct, staged in one and in many pieces with plain and with streaming stores, left to choose
-between them, in place in a shared arena), equal to Gloo's
+thresholds (direct, staged in one and in many pieces with plain and with streaming stores, streamed only
+to the ranks on other cores, left to choose between them, in place in a shared arena), equal to Gloo's
 (the same bits at 2 ranks; within the error bound of an n-term float sum at 3) and bit-identical on every
 rank; that the Python path is really not taken then, and really taken with RINGTRAIN_SHM_NATIVE=0 or a
 dtype the native path does not cover, interleaved with native calls in one group; a build that fails
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ringtrain import comm
 from ringtrain.comm import flight, shm, shm_native
-from ringtrain.comm.shm_group import NATIVE_DIRECT_BYTES, NATIVE_IN_PLACE_BYTES, NATIVE_PIECE_BYTES, get_shm_group
+from ringtrain.comm.shm_group import NATIVE_DIRECT_BYTES, NATIVE_IN_PLACE_BYTES, NATIVE_PIECE_BYTES, get_shm_group, near_mask
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
 
@@ -71,8 +71,11 @@ def against_torch(rank: int, world_size: int) -> list[dict]:
         dtype = getattr(torch, name)
         for numel in _sizes(dtype):
             for op in ("sum", "avg") if dtype.is_floating_point else ("sum",):
-                # Staged calls write the staging buffers with plain and with streaming stores, case by case.
+                # Staged calls write the staging buffers with plain and with streaming stores, case by case;
+                # every other streaming case with the ranks of this rank's parity taken as sharing its core
+                # (their parts in plain stores, the rest streamed).
                 native.stream_mode = len(reports) % 2
+                native.near_mask = near_mask([[r % 2] for r in range(world_size)], rank) if len(reports) % 4 == 3 else 0
                 x = _values(dtype, numel, seed=1000 * rank + numel)
                 ours = x.clone()
                 comm.all_reduce(ours, op=op, algorithm="shm")
@@ -118,6 +121,14 @@ def test_native_sums_match_torch_and_are_bit_identical_on_every_rank(world_size)
             # Two addends commute and halving is exact: the same bits as Gloo at 2 ranks; integers always.
             if world_size == 2 or not case[0].startswith(("float", "bfloat")):
                 assert c["same_bits"], f"{case}: not the bits torch.distributed gives"
+
+
+def test_ranks_pinned_to_the_same_single_core_are_near():
+    # 4 ranks pinned round robin to 2 cores (as ringtrain pins its workers): 0 and 2 share a core, 1 and 3.
+    assert [near_mask([[0], [1], [0], [1]], r) for r in range(4)] == [0b0100, 0b1000, 0b0001, 0b0010]
+    # A rank free to run on several cores shares none; a peer with a wider mask is not near either.
+    assert near_mask([[0, 1], [0], [0]], 0) == 0
+    assert near_mask([[0], [0, 1], [0]], 0) == 0b100
 
 
 def in_place_and_mixed(rank: int, world_size: int) -> dict:

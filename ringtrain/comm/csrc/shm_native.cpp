@@ -227,6 +227,12 @@ class Workspace {
     // them from memory instead of the shared cache).
     static constexpr int PLAIN = 0, STREAM = 1, ADAPT = 2;
     int stream_mode_ = ADAPT;
+    // Bit j: local rank j runs on this rank's core (both pinned to it; set by shm_group.py from the ranks'
+    // affinity masks, 0 where unknown). With STREAM, a staged call writes the parts that only such a rank
+    // reads with plain stores: it reads them from the core's own caches (streaming stores would send them to
+    // memory first, which made STREAM 27 ms against plain's 21 at 4 ranks on 2 cores, 64 MB), while the
+    // parts the other core's ranks read still skip the wait for the other die.
+    int64_t near_mask_ = 0;
     // Which of the two small / staging buffers the last call used (shared with the Python path).
     int64_t small_turn_, staging_turn_;
     // How long a wait polls the peer's count before it sleeps in the kernel (``wait_slow``).
@@ -582,13 +588,16 @@ class Workspace {
         auto buffers = [&](int64_t k, T** out) {
             for (int j = 0; j < n; ++j) out[j] = reinterpret_cast<T*>(staging_buffer(j, first_turn ^ (k & 1)));
         };
+        auto near = [&](int j) { return ((near_mask_ >> j) & 1) != 0; };
+        bool all_near = true;
+        for (int j = 0; j < n; ++j) all_near = all_near && (j == me || near(j));
         auto copy_piece_in = [&](int64_t k) {  // the parts of piece k that the other ranks reduce
             T* bufs[64];
             buffers(k, bufs);
             for (int j = 0; j < n; ++j) {
                 int64_t lo, hi;
                 part(k, j, lo, hi);
-                if (j != me && hi > lo) copy_in<T>(bufs[me] + j * q, flat + lo, hi - lo, div, stream);
+                if (j != me && hi > lo) copy_in<T>(bufs[me] + j * q, flat + lo, hi - lo, div, stream && !near(j));
             }
         };
         auto reduce_and_publish = [&](int64_t k) {
@@ -599,8 +608,9 @@ class Workspace {
             part(k, me, lo, hi);
             if (hi <= lo) return;
             for (int j = 0; j < n; ++j) src[j] = bufs[j] + me * q;
-            // Sum in rank order, this rank's own part straight from ``flat``; store into flat and the slot.
-            sum_ranks<T>(flat + lo, bufs[me] + me * q, src, n, hi - lo, flat + lo, me, div, stream);
+            // Sum in rank order, this rank's own part straight from ``flat``; store into flat and the slot (which
+            // every other rank reads: streamed with STREAM unless all of them share this rank's core).
+            sum_ranks<T>(flat + lo, bufs[me] + me * q, src, n, hi - lo, flat + lo, me, div, stream && !all_near);
         };
         auto gather = [&](int64_t k) {
             T* bufs[64];
@@ -694,6 +704,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("direct_bytes", &Workspace::direct_bytes_)
         .def_readwrite("piece_bytes", &Workspace::pipe_piece_bytes_)
         .def_readwrite("stream_mode", &Workspace::stream_mode_)
+        .def_readwrite("near_mask", &Workspace::near_mask_)
         .def_readwrite("small_turn", &Workspace::small_turn_)
         .def_readwrite("staging_turn", &Workspace::staging_turn_)
         .def_readwrite("spin_s", &Workspace::spin_s_)
