@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.jobs import Job, last_step, records
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_clis
 
 SCRIPT = "tests/fit/user_code.py"
 # configs/debug_mlp.toml is the same job as user_code.CONFIG; its model is user_code.digits_mlp.
@@ -34,45 +34,55 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run_dir, "train")}
 
 
+def script_args(*args: str, case: str = "oracle", config: dict | None = None) -> list[str]:
+    """`ringtrain run SCRIPT ARGS -- --case CASE [--config CONFIG]`'s arguments."""
+    return ["run", SCRIPT, *args, "--", "--case", case, *(["--config", json.dumps(config)] if config else [])]
+
+
 def run_script(*args: str, case: str = "oracle", config: dict | None = None, timeout: float = 240):
-    script_args = ["--", "--case", case, *(["--config", json.dumps(config)] if config else [])]
-    return run_cli("run", SCRIPT, *args, *script_args, timeout=timeout)
+    return run_cli(*script_args(*args, case=case, config=config), timeout=timeout)
 
 
-def test_the_builtin_mlp_and_the_same_class_through_fit_train_bit_identical_parameters(tmp_path):
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> Path:
+    """The run directory of the oracle case through `ringtrain run` on 2 workers, run once for the tests that
+    compare against it (read only)."""
+    run_dir = tmp_path_factory.mktemp("oracle") / "run"
+    result = run_script("--nproc", "2", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_the_builtin_mlp_and_the_same_class_through_fit_train_bit_identical_parameters(tmp_path, oracle):
     by_name = run_cli("train", BUILT_IN, "--nproc", "2", "--run-dir", str(tmp_path / "by_name"))
-    through_fit = run_script("--nproc", "2", "--run-dir", str(tmp_path / "fit"))
     assert by_name.returncode == 0, by_name.stderr
-    assert through_fit.returncode == 0, through_fit.stderr
-    want, got = summary(tmp_path / "by_name"), summary(tmp_path / "fit")
+    want, got = summary(tmp_path / "by_name"), summary(oracle)
     print(f"oracle: built-in {want['param_sha256'][0][:16]} vs fit {got['param_sha256'][0][:16]} after "
           f"{got['steps']} steps on 2 workers")
     assert got["param_sha256"] == want["param_sha256"], "fit() trained other parameters than the built-in path"
-    assert losses(tmp_path / "fit") == losses(tmp_path / "by_name")
+    assert losses(oracle) == losses(tmp_path / "by_name")
     assert got["eval"]["accuracy"] == want["eval"]["accuracy"]
     # The run directory is ringtrain train's, plus what was run.
-    program = json.loads((tmp_path / "fit" / "program.json").read_text())
+    program = json.loads((oracle / "program.json").read_text())
     assert program["script"] == str(REPO / SCRIPT) and program["args"] == ["--case", "oracle"]
-    config = (tmp_path / "fit" / "config.toml").read_text()
+    config = (oracle / "config.toml").read_text()
     assert 'factory = "tests.fit.user_code:digits_mlp"' in config or 'factory = "__main__:digits_mlp"' in config
 
 
-def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path):
+def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path, oracle):
     """model(**input) with dict items trains the same numbers as tensors; a user's mean loss and a
     torchmetrics metric run end to end, and --set reaches the script's config."""
-    dict_run = run_script("--nproc", "2", "--run-dir", str(tmp_path / "dict"), case="dict_inputs")
-    mean_run = run_script("--nproc", "2", "--run-dir", str(tmp_path / "mean"), "--set", "train.epochs=1",
-                          case="mean_loss")
-    reference = run_script("--nproc", "2", "--run-dir", str(tmp_path / "ref"))
-    for result in (dict_run, mean_run, reference):
+    for result in run_clis(script_args("--nproc", "2", "--run-dir", str(tmp_path / "dict"), case="dict_inputs"),
+                           script_args("--nproc", "2", "--run-dir", str(tmp_path / "mean"), "--set", "train.epochs=1",
+                                       case="mean_loss")):
         assert result.returncode == 0, result.stderr
-    assert losses(tmp_path / "dict") == losses(tmp_path / "ref")
+    assert losses(tmp_path / "dict") == losses(oracle)
     mean = summary(tmp_path / "mean")
     assert mean["steps"] == 23, "--set train.epochs=1 did not override the script's 2 epochs"
     assert 0.5 < mean["eval"]["macro_accuracy"] <= 1.0 and mean["eval"]["loss"] < 1.0
     assert "accuracy" not in mean["eval"], "accuracy is reported for the built-in cross_entropy only"
     # A mean loss times its samples is the built-in sum, up to float rounding.
-    ref_losses, mean_losses = losses(tmp_path / "ref"), losses(tmp_path / "mean")
+    ref_losses, mean_losses = losses(oracle), losses(tmp_path / "mean")
     common = set(mean_losses) & set(ref_losses)
     assert len(common) >= 4 and all(abs(mean_losses[s] - ref_losses[s]) < 1e-4 for s in common)
 
@@ -175,16 +185,15 @@ def test_a_parameter_without_gradient_is_named_under_ddp_on_two_workers(tmp_path
     assert "Expected to have finished reduction" not in result.stderr
 
 
-def test_resume_of_a_user_model_through_ringtrain_run_is_bit_exact(tmp_path):
-    straight = run_script("--nproc", "2", "--run-dir", str(tmp_path / "straight"))
+def test_resume_of_a_user_model_through_ringtrain_run_is_bit_exact(tmp_path, oracle):
     first = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--set", "train.max_steps=20")
     again = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"))  # a fresh run over checkpoints
     resumed = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--resume")
-    for result in (straight, first, resumed):
+    for result in (first, resumed):
         assert result.returncode == 0, result.stderr
     assert again.returncode == 2 and "already holds checkpoints" in again.stderr, again.stderr
-    assert summary(tmp_path / "split")["param_sha256"] == summary(tmp_path / "straight")["param_sha256"]
-    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+    assert summary(tmp_path / "split")["param_sha256"] == summary(oracle)["param_sha256"]
+    assert losses(tmp_path / "split") == losses(oracle)
 
 
 def test_sigkill_of_a_user_model_worker_restarts_and_every_sample_is_used_once(tmp_path):
