@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -55,6 +58,23 @@ def run_clis(*commands: list[str], timeout: float = 240) -> list[subprocess.Comp
             for file in files:
                 file.close()
     return finished
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """``ringtrain ARGS`` in this process (``ringtrain.cli.main``, what ``python -m ringtrain`` calls), with its
+    exit code and its stdout and stderr, as ``run_cli`` returns them: for the quick commands that only read
+    a run directory (ledger, diagnose, report, export), which as a new process spend ~2 s importing torch."""
+    from ringtrain.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # a new process's filters; its warnings go to stderr, as they would
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return subprocess.CompletedProcess(["ringtrain", *args], code, out.getvalue(), shown + err.getvalue())
 
 
 @pytest.fixture

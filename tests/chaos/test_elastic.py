@@ -21,7 +21,7 @@ import pytest
 
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, assert_loopback_only, last_step, ledger_steps, records
-from tests.conftest import run_cli
+from tests.conftest import run_main
 
 STEPS_PER_EPOCH = 23  # 1,437 training samples, 64 a step
 
@@ -122,7 +122,7 @@ def test_scale_up_one_to_two_mid_epoch_exactly_once_and_identical_parameters(sce
     assert len(reports) == 3 and all(r.exactly_once and r.complete for r in reports)
     assert duplicates == 0 and missing == 0
     assert summary["world_size"] == 2 and len(set(summary["param_sha256"])) == 1 and len(summary["param_sha256"]) == 2
-    assert run_cli("ledger", str(scenario.run_dir)).returncode == 0
+    assert run_main("ledger", str(scenario.run_dir)).returncode == 0
 
 
 def test_an_elastic_run_listens_on_loopback_only(scenario):

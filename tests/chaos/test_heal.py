@@ -18,7 +18,7 @@ from pathlib import Path
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.heal_cycles import kill_and_join
 from tests.chaos.jobs import Job, ledger_steps, records
-from tests.conftest import run_cli
+from tests.conftest import run_main
 from tests.distributed import run_distributed
 from tests.trainers import train_run
 
@@ -64,7 +64,7 @@ def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_sur
     windows = {sum(len(ids) for ids in r["ids"]) for r in ledger_steps(run_dir)}
     assert windows == {96, 1437 - 14 * 96}, windows
     assert len(reports) == EPOCHS and all(r.exactly_once and r.complete for r in reports), reports
-    assert run_cli("ledger", str(run_dir)).returncode == 0
+    assert run_main("ledger", str(run_dir)).returncode == 0
 
     # The reference: 3 workers to the step the survivors went on from, then a resume with 2 (the trainer
     # `ringtrain train [--resume]` builds, in the test harness's processes: no launch).

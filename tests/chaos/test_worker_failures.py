@@ -21,7 +21,7 @@ import torch
 
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, last_step, records
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 from tests.distributed import run_distributed
 from tests.trainers import train_uninterrupted
 
@@ -88,7 +88,7 @@ def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_
         # The flight recorder on request, while all is well: every rank dumps, and they agree.
         job.process.send_signal(signal.SIGUSR1)
         job.wait_for(lambda: len(list(flight.glob("rank-*.json"))) == 2, timeout=30, what="both flight dumps")
-        healthy = run_cli("diagnose", str(run_dir))
+        healthy = run_main("diagnose", str(run_dir))
         print(f"SIGUSR1 to the launcher: {healthy.stdout.strip()}")
         assert healthy.returncode == 0, healthy.stdout + healthy.stderr
         assert "ranks 0, 1 of 2 (rank 0: requested; rank 1: requested)" in healthy.stdout
@@ -105,7 +105,7 @@ def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_
         # Rank 0 dumped its flight recorder on the failure; rank 1, stopped, could not answer.
         job.wait_for(lambda: "did not respond" in json.loads((flight / "rank-0.json").read_text())["reason"],
                      timeout=10, what="rank 0's dump on the failure")
-        hung = run_cli("diagnose", str(run_dir))
+        hung = run_main("diagnose", str(run_dir))
         print(f"after the SIGSTOP: {hung.stdout.strip()}")
         assert hung.returncode == 1, hung.stdout + hung.stderr
         assert "rank 1 did not answer the last dump" in hung.stdout

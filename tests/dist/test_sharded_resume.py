@@ -157,12 +157,12 @@ def test_export_gathers_a_sharded_checkpoint_into_one_safetensors_file(tmp_path)
     """FSDP2 shards of 2 workers -> one safetensors file equal to the full parameters at that step."""
     from safetensors.torch import load_file
 
-    from tests.conftest import run_cli
+    from tests.conftest import run_main
 
     run_dir = tmp_path / "run"
     saved = run_distributed(full_params, 2, str(run_dir), ["comm.strategy='fsdp'", "checkpoint.sharded=true"], False, 4)
     (run_dir / "config.toml").write_text(load_config(DEBUG, PLAN).to_toml())
-    done = run_cli("export", str(run_dir), "--out", str(tmp_path / "model.safetensors"))
+    done = run_main("export", str(run_dir), "--out", str(tmp_path / "model.safetensors"))
     assert done.returncode == 0, done.stderr
     assert "from " in done.stdout and "step_00000004.dcp" in done.stdout
     exported = load_file(tmp_path / "model.safetensors")

@@ -21,7 +21,7 @@ from torch import nn
 
 from ringtrain.config import CommConfig
 from ringtrain.parallel import build_strategy
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 from tests.distributed import run_distributed
 
 STEPS = 10
@@ -274,7 +274,7 @@ def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_p
         for ours, theirs in zip(runs[strategy], runs["manual"]):
             assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4), f"{strategy} at step {ours['step']}"
         assert runs[strategy][-1]["model_state_mb"] < runs["manual"][-1]["model_state_mb"]
-    exported = run_cli("export", str(tmp_path / "zero3"))
+    exported = run_main("export", str(tmp_path / "zero3"))
     assert exported.returncode == 0 and (tmp_path / "zero3" / "model.safetensors").is_file(), exported.stderr
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.jobs import Job, last_step, records
-from tests.conftest import REPO, run_cli, run_clis
+from tests.conftest import REPO, run_cli, run_clis, run_main
 
 SCRIPT = "tests/fit/user_code.py"
 # configs/debug_mlp.toml is the same job as user_code.CONFIG; its model is user_code.digits_mlp.
@@ -207,7 +207,7 @@ def test_sigkill_of_a_user_model_worker_restarts_and_every_sample_is_used_once(t
         assert job.finish() == 0, job.stderr
     [resumed] = records(run_dir, "resume")
     assert resumed["restart"] == 1 and summary(run_dir)["restarts"] == 1
-    ledger = run_cli("ledger", str(run_dir))
+    ledger = run_main("ledger", str(run_dir))
     assert ledger.returncode == 0, ledger.stdout + ledger.stderr
     print(f"SIGKILL of a user model's worker: restart {resumed['restart_s']:.1f} s, {resumed['steps_lost']} steps "
           f"lost; ledger: {ledger.stdout.strip().splitlines()[-1]}")
@@ -237,9 +237,9 @@ def test_every_feature_on_a_user_model_manual_shm_bf16_oom_shrink_export_report(
     assert shrunk["step"] == 3 and shrunk["failed_ranks"] == [1] and shrunk["micro_batch_size"] == 8
     got = summary(run_dir)
     assert got["micro_batch_size"] == 8 and len(set(got["param_sha256"])) == 1 and got["eval"]["accuracy"] > 0.5
-    exported = run_cli("export", str(run_dir))
+    exported = run_main("export", str(run_dir))
     assert exported.returncode == 0 and (run_dir / "model.safetensors").is_file(), exported.stderr
-    report = run_cli("report", str(run_dir))
+    report = run_main("report", str(run_dir))
     assert report.returncode == 0 and (run_dir / "report" / "report.md").is_file(), report.stderr
 
 

@@ -9,7 +9,7 @@ import statistics
 import pytest
 from PIL import Image
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 # Steps of ~10 ms, so the loop's own statements between phases, and DDP's fixed costs, are a small share.
 SIZED = ["--set", "model.hidden_sizes=[1024, 1024]", "--set", "train.local_batch_size=128",
@@ -72,7 +72,7 @@ def assert_png(path):
 
 
 def test_report_compares_runs_and_explains_scaling(runs, tmp_path):
-    result = run_cli("report", str(runs[1]), "--compare", str(runs[2]), "--out", str(tmp_path))
+    result = run_main("report", str(runs[1]), "--compare", str(runs[2]), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     report = (tmp_path / "report.md").read_text()
     assert "scaling efficiency" in report and "| phase (mean ms per step) | base (scaled) |" in report
@@ -82,7 +82,7 @@ def test_report_compares_runs_and_explains_scaling(runs, tmp_path):
 
 
 def test_report_of_a_missing_run_is_one_line(tmp_path):
-    result = run_cli("report", str(tmp_path / "nothing"))
+    result = run_main("report", str(tmp_path / "nothing"))
     assert result.returncode == 2
     assert result.stderr.strip().startswith("ringtrain: error:") and "metrics.jsonl" in result.stderr
 

@@ -11,7 +11,7 @@ from contextlib import ExitStack
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, last_step, ledger_steps, records
 from tests.chaos.test_elastic import sigterm_pending
-from tests.conftest import run_cli
+from tests.conftest import run_main
 
 PORT = 29400
 TIMEOUT_S = 5
@@ -67,5 +67,5 @@ def test_cut_host_is_left_behind_then_rejoins_with_ringtrain_join(make_hosts, tm
     assert _sizes(run_dir) == [2, 1, 2], _sizes(run_dir)
     reports = check_ledger(run_dir / "ledger.jsonl")
     assert len(reports) == 2 and all(r.exactly_once and r.complete for r in reports), reports
-    ledger = run_cli("ledger", str(run_dir))
+    ledger = run_main("ledger", str(run_dir))
     assert ledger.returncode == 0 and "every sample exactly once per epoch" in ledger.stdout, ledger.stdout
