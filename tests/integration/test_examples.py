@@ -23,11 +23,12 @@ def run_example(script: str, prefix: str, run_dir, *script_args: str) -> tuple[s
 
 
 def test_gpt2_learns_python_below_the_unigram_entropy(tmp_path):
+    # 80 steps (0.25 s each on 2 cores): val loss 2.40 against the bound of 2.59 (100 steps: 2.35).
     out, summary = run_example("gpt2_stdlib.py", "val loss", tmp_path / "run",
-                               "--files", "asyncio/*.py", "--steps", "100")
+                               "--files", "asyncio/*.py", "--steps", "80")
     entropy = float(re.search(r"unigram entropy (\d+\.\d+) nats/byte", out).group(1))
     val_loss = summary["eval"]["loss"]
-    assert summary["steps"] == 100
+    assert summary["steps"] == 80
     assert 2.5 < entropy < 3.5  # Python source: about 3 nats per byte when context is ignored
     assert val_loss < entropy - 0.4, "GPT-2 learned no more than the byte frequencies"
     assert summary["eval"]["ppl"] > 1
