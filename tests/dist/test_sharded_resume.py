@@ -15,7 +15,7 @@ from ringtrain.checkpoint.sharded import committed, verify
 from ringtrain.config import load_config
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
-from tests.trainers import build_test_trainer, params_of
+from tests.trainers import build_test_trainer, params_of, train_run
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 PLAN = ["train.max_steps=12", "checkpoint.every_steps=4", "monitor.log_every_steps=1", "train.optimizer='adamw'",
@@ -145,7 +145,8 @@ def test_a_fresh_run_over_sharded_checkpoints_is_refused_and_resume_finds_them(t
     run_dir = tmp_path / "run"
     args = ["train", str(DEBUG), "--nproc", "2", "--run-dir", str(run_dir), "--set", "checkpoint.async=true",
             "--set", "train.max_steps=4"]
-    assert run_cli(*args).returncode == 0
+    # The first run, made in the harness (the trainer `ringtrain train` builds) to save a launch.
+    run_distributed(train_run, 2, str(DEBUG), ["checkpoint.async=true", "train.max_steps=4"], str(run_dir), False)
     again = run_cli(*args)
     assert again.returncode != 0 and "already holds checkpoints (latest step_00000004.dcp)" in again.stderr
     resumed = run_cli(*args[:-1], "train.max_steps=6", "--resume")
