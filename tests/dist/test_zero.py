@@ -258,16 +258,18 @@ def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_p
     other strategies share its trainer path; tests above cover them): the losses of every
     logged step follow the manual strategy's, the checkpoint exports, the records carry model_state_mb."""
     from tests.chaos.jobs import records
-    from tests.fit.test_fit import run_script
+    from tests.conftest import run_clis
+    from tests.fit.test_fit import script_args
 
+    strategies = ("manual", "zero3")
+    results = run_clis(*(script_args("--nproc", "2", "--run-dir", str(tmp_path / strategy), "--set",
+                                     f"comm.strategy={strategy}", "--set", "comm.algorithm=shm", "--set",
+                                     "train.precision=bf16", "--set", "train.max_steps=20", "--set",
+                                     "monitor.log_every_steps=5") for strategy in strategies))  # both jobs at once
     runs = {}
-    for strategy in ("manual", "zero3"):
-        run_dir = tmp_path / strategy
-        result = run_script("--nproc", "2", "--run-dir", str(run_dir), "--set", f"comm.strategy={strategy}",
-                            "--set", "comm.algorithm=shm", "--set", "train.precision=bf16", "--set", "train.max_steps=20",
-                            "--set", "monitor.log_every_steps=5")
+    for strategy, result in zip(strategies, results):
         assert result.returncode == 0, result.stderr
-        runs[strategy] = records(run_dir, "train")
+        runs[strategy] = records(tmp_path / strategy, "train")
         assert all(r["model_state_mb"] > 0 for r in runs[strategy])
     for strategy in ("zero3",):
         assert [r["step"] for r in runs[strategy]] == [r["step"] for r in runs["manual"]]
