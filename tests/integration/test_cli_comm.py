@@ -9,6 +9,8 @@ import torch
 
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.conftest import run_cli
+from tests.distributed import run_distributed
+from tests.trainers import train_run
 
 STEPS = 20
 COMMON = ["configs/debug_mlp.toml", "--nproc", "2", "--set", f"train.max_steps={STEPS}"]
@@ -20,9 +22,9 @@ def final_model(run_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def plain_ddp(tmp_path_factory):
+    """The reference: the same job with plain DDP, the trainer `ringtrain train` builds, run in the harness."""
     run_dir = tmp_path_factory.mktemp("plain")
-    result = run_cli("train", *COMMON, "--run-dir", str(run_dir))
-    assert result.returncode == 0, result.stderr
+    run_distributed(train_run, 2, COMMON[0], [f"train.max_steps={STEPS}"], str(run_dir), False)
     return final_model(run_dir)
 
 
