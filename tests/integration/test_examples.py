@@ -1,18 +1,40 @@
-"""examples/, run as a user runs them (`ringtrain run examples/X.py --nproc 2`), CI-sized; each must learn."""
+"""examples/, run as a user runs them (`ringtrain run examples/X.py --nproc 2`), CI-sized; each must learn.
+
+The three examples run at once (one module fixture): on 2 cores much of each is its processes starting and
+importing transformers or timm, which overlaps with another's training."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+from pathlib import Path
 
-from tests.conftest import run_cli
+import pytest
+
+from tests.conftest import run_clis
+
+EXAMPLES = {  # script: its CI-sized arguments
+    # 80 steps (0.25 s each on 2 cores): val loss 2.40 against the bound of 2.59 (100 steps: 2.35).
+    "gpt2_stdlib.py": ["--files", "asyncio/*.py", "--steps", "80"],
+    "timm_digits.py": ["--epochs", "3", "--image-size", "16"],
+    "tabular_regression.py": ["--epochs", "20"],
+}
 
 
-def run_example(script: str, prefix: str, run_dir, *script_args: str) -> tuple[str, dict]:
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    root = tmp_path_factory.mktemp("examples")
+    results = run_clis(*(["run", f"examples/{script}", "--nproc", "2", "--run-dir", str(root / script),
+                          "--set", "monitor.progress=false", "--", *args] for script, args in EXAMPLES.items()),
+                       timeout=360)
+    return {script: (result, root / script) for script, result in zip(EXAMPLES, results)}
+
+
+def check_example(examples: dict, script: str, prefix: str) -> tuple[str, dict]:
     """The example's output and its run's summary.json, after checking that both workers agree; prints the
     example's result line (the one starting with prefix)."""
-    result = run_cli("run", f"examples/{script}", "--nproc", "2", "--run-dir", str(run_dir),
-                     "--set", "monitor.progress=false", "--", *script_args, timeout=180)
+    result, run_dir = examples[script]
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     print(next(line for line in result.stdout.splitlines() if line.startswith(prefix)))
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -22,10 +44,8 @@ def run_example(script: str, prefix: str, run_dir, *script_args: str) -> tuple[s
     return result.stdout, summary
 
 
-def test_gpt2_learns_python_below_the_unigram_entropy(tmp_path):
-    # 80 steps (0.25 s each on 2 cores): val loss 2.40 against the bound of 2.59 (100 steps: 2.35).
-    out, summary = run_example("gpt2_stdlib.py", "val loss", tmp_path / "run",
-                               "--files", "asyncio/*.py", "--steps", "80")
+def test_gpt2_learns_python_below_the_unigram_entropy(examples):
+    out, summary = check_example(examples, "gpt2_stdlib.py", "val loss")
     entropy = float(re.search(r"unigram entropy (\d+\.\d+) nats/byte", out).group(1))
     val_loss = summary["eval"]["loss"]
     assert summary["steps"] == 80
@@ -34,9 +54,8 @@ def test_gpt2_learns_python_below_the_unigram_entropy(tmp_path):
     assert summary["eval"]["ppl"] > 1
 
 
-def test_timm_resnet_classifies_the_digits(tmp_path):
-    out, summary = run_example("timm_digits.py", "test accuracy", tmp_path / "run",
-                               "--epochs", "3", "--image-size", "16")
+def test_timm_resnet_classifies_the_digits(examples):
+    out, summary = check_example(examples, "timm_digits.py", "test accuracy")
     # Over both workers' shares of the 360 test images (torchmetrics synchronises its own): chance is 10%.
     assert summary["eval"]["accuracy"] > 0.7
     assert summary["eval"]["balanced_accuracy"] > 0.7
@@ -44,8 +63,8 @@ def test_timm_resnet_classifies_the_digits(tmp_path):
     assert abs(summary["eval"]["balanced_accuracy"] - summary["eval"]["accuracy"]) < 0.05
 
 
-def test_mlp_regression_explains_the_diabetes_targets(tmp_path):
-    out, summary = run_example("tabular_regression.py", "test R²", tmp_path / "run", "--epochs", "20")
+def test_mlp_regression_explains_the_diabetes_targets(examples):
+    out, summary = check_example(examples, "tabular_regression.py", "test R²")
     baseline = float(re.search(r"least squares on the same split: (-?\d+\.\d+)", out).group(1))
     assert summary["eval"]["r2"] > 0.3  # 0 is predicting the mean
     assert summary["eval"]["r2"] > baseline - 0.1, "the MLP does clearly worse than a linear fit"
