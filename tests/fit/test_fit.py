@@ -245,7 +245,7 @@ def test_every_feature_on_a_user_model_manual_shm_bf16_oom_shrink_export_report(
 
 def test_an_elastic_ringtrain_run_records_the_program_for_join(tmp_path):
     run_dir = tmp_path / "run"
-    without = run_cli("run", SCRIPT, "--nproc", "2", "--min-nproc", "1")
+    without = run_main("run", SCRIPT, "--nproc", "2", "--min-nproc", "1")  # refused before any launch
     assert without.returncode == 2 and "ringtrain run with --min-nproc needs --run-dir" in without.stderr
     result = run_script("--nproc", "2", "--min-nproc", "1", "--run-dir", str(run_dir), "--set", "train.epochs=1")
     assert result.returncode == 0, result.stderr
@@ -253,5 +253,5 @@ def test_an_elastic_ringtrain_run_records_the_program_for_join(tmp_path):
     program = json.loads((run_dir / "job.json").read_text())["program"]
     assert program["args"] == [str(REPO / SCRIPT), "--case", "oracle"] and program["cwd"] == str(REPO)
     assert program["env"]["RINGTRAIN_RUN_DIR"] == str(run_dir)
-    late = run_cli("join", str(run_dir))  # the job is over: one line, nothing started
+    late = run_main("join", str(run_dir))  # the job is over: one line, nothing started
     assert late.returncode == 2 and "no job is running" in late.stderr
