@@ -140,7 +140,7 @@ def test_a_factory_config_trains_through_ringtrain_train(tmp_path):
 def test_a_factory_mistake_is_one_line_before_any_worker_starts(tmp_path, edit, message):
     config = tmp_path / "mine.toml"
     config.write_text(FACTORY_CONFIG.replace(*edit))
-    result = run_cli("train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    result = run_main("train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"))  # refused in-process
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert message in lines[0], lines[0]
