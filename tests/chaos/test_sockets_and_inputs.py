@@ -15,7 +15,7 @@ import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import Digest, write_manifest
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 
 class _CreatesAFile:
@@ -48,8 +48,8 @@ def test_an_explicitly_requested_broken_checkpoint_fails_in_one_line_before_any_
     data[len(data) // 2] ^= 0xFF
     broken.write_bytes(bytes(data))
     run_dir = tmp_path / "run"
-    result = run_cli("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir),
-                     "--resume-from", str(broken))
+    result = run_main("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir),
+                      "--resume-from", str(broken))  # refused before any worker: ringtrain.cli.main in this process
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0] == f"ringtrain: error: checkpoint {broken} does not match the sha256 in its manifest (altered on disk)"

@@ -140,14 +140,14 @@ def test_fsdp_shards_saved_by_two_load_into_ddp_at_one(tmp_path):
 
 
 def test_a_fresh_run_over_sharded_checkpoints_is_refused_and_resume_finds_them(tmp_path):
-    from tests.conftest import run_cli
+    from tests.conftest import run_cli, run_main
 
     run_dir = tmp_path / "run"
     args = ["train", str(DEBUG), "--nproc", "2", "--run-dir", str(run_dir), "--set", "checkpoint.async=true",
             "--set", "train.max_steps=4"]
     # The first run, made in the harness (the trainer `ringtrain train` builds) to save a launch.
     run_distributed(train_run, 2, str(DEBUG), ["checkpoint.async=true", "train.max_steps=4"], str(run_dir), False)
-    again = run_cli(*args)
+    again = run_main(*args)  # refused before any launch: ringtrain.cli.main in this process
     assert again.returncode != 0 and "already holds checkpoints (latest step_00000004.dcp)" in again.stderr
     resumed = run_cli(*args[:-1], "train.max_steps=6", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-1500:]

@@ -187,7 +187,8 @@ def test_a_parameter_without_gradient_is_named_under_ddp_on_two_workers(tmp_path
 
 def test_resume_of_a_user_model_through_ringtrain_run_is_bit_exact(tmp_path, oracle):
     first = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--set", "train.max_steps=20")
-    again = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"))  # a fresh run over checkpoints
+    # A fresh run over checkpoints: refused before any launch (ringtrain.cli.main in this process).
+    again = run_main(*script_args("--nproc", "2", "--run-dir", str(tmp_path / "split")))
     resumed = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--resume")
     for result in (first, resumed):
         assert result.returncode == 0, result.stderr
