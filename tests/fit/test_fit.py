@@ -159,22 +159,42 @@ def test_what_a_factory_returns_is_checked_on_the_workers_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize(
-    ("case", "message"),
-    [
-        ("iterable", "train_data is a Stream; ringtrain needs a map-style Dataset"),
-        ("triples", "train_data[0] is tuple of 3; each item must be an (input, target) pair"),
-        ("non_scalar_loss", "loss 'per_sample_loss' returned tensor[16], not a scalar"),
-        ("unused_parameter", "step 1: 2 trainable parameter(s) got no gradient (unused.weight, unused.bias)"),
-    ],
-)
-def test_a_part_that_does_not_fit_is_one_line_and_exit_2(tmp_path, case, message):
-    """Plain `python script.py` (one worker): what fit() checks itself."""
+MISFITS = {
+    "iterable": "train_data is a Stream; ringtrain needs a map-style Dataset",
+    "triples": "train_data[0] is tuple of 3; each item must be an (input, target) pair",
+    "non_scalar_loss": "loss 'per_sample_loss' returned tensor[16], not a scalar",
+    "unused_parameter": "step 1: 2 trainable parameter(s) got no gradient (unused.weight, unused.bias)",
+}
+
+
+@pytest.fixture(scope="module")
+def misfits(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Plain `python script.py --case CASE` (one worker) for every case of MISFITS, all at once (each is mostly
+    a Python process importing torch); (exit code, stderr) by case."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, SCRIPT, "--case", case, "--config", json.dumps({"run_dir": str(tmp_path)})],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    started = {case: subprocess.Popen([sys.executable, SCRIPT, "--case", case, "--config",
+                                       json.dumps({"run_dir": str(tmp_path_factory.mktemp(case))})],
+                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for case in MISFITS}
+    results = {}
+    try:
+        for case, process in started.items():
+            _, stderr = process.communicate(timeout=120)
+            results[case] = (process.returncode, stderr)
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+@pytest.mark.parametrize(("case", "message"), list(MISFITS.items()), ids=list(MISFITS))
+def test_a_part_that_does_not_fit_is_one_line_and_exit_2(misfits, case, message):
+    """Plain `python script.py` (one worker): what fit() checks itself."""
+    returncode, stderr = misfits[case]
+    lines = stderr.strip().splitlines()
+    assert returncode == 2 and len(lines) == 1, stderr
     assert lines[0].startswith("ringtrain: error: [rank 0] ") and message in lines[0], lines[0]
 
 
