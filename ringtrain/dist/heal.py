@@ -54,6 +54,8 @@ HEAL_BEAT_S = 0.1
 SILENT_AFTER_S = 0.5
 """A member whose heartbeat stood still this long is dead or stopped (5 beats)."""
 _POLL_S = 0.01
+_FRESH_S = 0.5
+"""A fence read that took longer is read again (see ``check_fence``)."""
 JOINER_BASE = 1000
 """Member ids of joining workers start above this (the launched ones are their first ranks), so a joiner
 ranks after every worker that was there before it."""
@@ -111,8 +113,17 @@ class Membership:
 
     def check_fence(self) -> None:
         """Raise Fenced when the job moved on to a newer generation than this worker's (call before every
-        write into the run directory: a cut-off worker that resumes must not act for the group)."""
-        newest = self.newest()
+        write into the run directory: a cut-off worker that resumes must not act for the group).
+
+        A read that took long may be stale: the worker may have been stopped (SIGSTOP, a long stall) while the
+        store's answer, sent before a heal, sat in its socket. So the read is repeated until one is quick, and
+        the write that follows acts on an answer at most ``_FRESH_S`` old. (The appends a worker stopped after
+        its check would still make go into files a new writer replaced at its start: ``take_over``.)"""
+        for _ in range(10):  # a store that is slow every time: the last answer, as without the check
+            started = time.monotonic()
+            newest = self.newest()
+            if time.monotonic() - started < _FRESH_S:
+                break
         if newest != self.generation.number:
             raise Fenced(self._fenced_line(newest))
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,7 @@ class RunDirLogger(Logger):
         if self.config is not None:
             (self.run_dir / "config.toml").write_text(self.config.to_toml())
         # Appending keeps the history of a resumed run in one file.
+        take_over(self.run_dir / "metrics.jsonl")
         self.metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
@@ -135,6 +138,17 @@ class RunDirLogger(Logger):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def take_over(path: Path) -> None:
+    """Replace ``path`` by a copy of itself (a new inode) before a new writer opens it for appending: a handle
+    that an earlier writer still holds then writes into the unlinked old file, never into this run's. The
+    earlier writer is a worker that a heal cut off (its fence check passed, then it was stopped, and it
+    appends once more when it resumes) or any process of an earlier attempt still alive."""
+    if path.exists():
+        copy = path.with_name(f".{path.name}.take-over")
+        shutil.copyfile(path, copy)
+        os.replace(copy, path)
 
 
 class MultiLogger(Logger):

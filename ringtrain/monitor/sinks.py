@@ -10,7 +10,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from ringtrain.monitor.loggers import Logger
+from ringtrain.monitor.loggers import Logger, take_over
 
 __all__ = ["CsvLogger", "TensorBoardLogger"]
 
@@ -25,6 +25,9 @@ class CsvLogger(Logger):
         self.path = Path(path)
         self.file = None
         self.writer: csv.DictWriter | None = None
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
+        take_over(self.path)  # an earlier writer's open handle no longer reaches the table
 
     def log(self, record: dict[str, Any]) -> None:
         if record.get("type") != "train":

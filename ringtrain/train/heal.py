@@ -106,6 +106,8 @@ class Healing(NoHealing):
         """Join requests rank 0 has scheduled (so it asks the store once a step)."""
         self._plan: tuple[int, int] | None = None
         """Rank 0's own admission plan: (generation, after_step)."""
+        self.window_starts: dict[int, tuple[int, int]] = {}
+        """Step -> (epoch, cursor) where its window starts, for this step and the one before."""
         trainer.logger = FencedLogger(trainer.logger, self)
         trainer.dump_flight = self._fenced_dump(trainer.dump_flight)
         trainer.watch.on_failure = trainer.dump_flight
@@ -120,6 +122,11 @@ class Healing(NoHealing):
     def begin_step(self) -> None:
         # The module's buffers before this step's forwards: a redone step must not count them twice.
         self.buffers = BufferSnapshot(self.trainer.module)
+        # Where this step's window starts (the sampler moves at the commit): the ledger's line of the last
+        # committed step can be rebuilt from it if the writer was lost before writing it (_fix_ledger).
+        sampler = self.trainer.parts.sampler
+        self.window_starts[self.trainer.state.step + 1] = (sampler.epoch, sampler.cursor)
+        self.window_starts.pop(self.trainer.state.step - 1, None)  # the last two steps are enough
 
     def check_fence(self) -> None:
         # Only rank 0 writes the run directory (loggers, ledger, checkpoints): one store read a step, there.
@@ -194,7 +201,6 @@ class Healing(NoHealing):
         old = self.membership.generation
         failed_step = trainer.state.step + 1
         self.membership.publish_failure(failed_step)
-        before = (trainer.state.step, trainer.parts.sampler.epoch, trainer.parts.sampler.cursor)
         # Nothing may keep the broken group's objects alive: a DDP reducer's hooks would fire on the next
         # backward. The module stays (the same parameters, optimizer and state).
         _drop_group_parts(trainer)
@@ -225,7 +231,7 @@ class Healing(NoHealing):
             self.buffers.restore()  # this rank had not applied the failed step: its forwards are undone
         source = _agree_on_state(trainer)
         _rebuild(trainer, generation)
-        self._fix_ledger(old, before)
+        self._fix_ledger(old)
         record = {
             **record,
             "from_step": trainer.state.step,
@@ -244,21 +250,24 @@ class Healing(NoHealing):
             )
         self.pending = record
 
-    def _fix_ledger(self, old: Generation, before: tuple[int, int, int]) -> None:
-        """The writer's ledger holds exactly the steps applied: cut back to the agreed step, and if this rank
-        had not applied the last one (another survivor had), record that step's window as it was dealt."""
+    def _fix_ledger(self, old: Generation) -> None:
+        """The writer's ledger holds exactly the steps applied: cut back to the agreed step, and if its line is
+        missing, record that step's window as it was dealt. It is missing when this rank had not applied the
+        step (another survivor had), or when the old writer was lost after the step's gather (every rank
+        committed it) but before it wrote the line."""
         trainer = self.trainer
         ledger = trainer.parts.ledger
         if trainer.ctx.rank != 0 or not hasattr(ledger, "path"):
             return
         ledger.close()
-        ledger.start(trainer.state.step)
-        step, epoch, cursor = before
-        if step == trainer.state.step - 1 and ledger.last_step() < trainer.state.step:
+        step = trainer.state.step
+        ledger.start(step)
+        if ledger.last_step() < step and step in self.window_starts:
+            epoch, cursor = self.window_starts[step]
             sampler = trainer.parts.sampler
             window = sampler.order(epoch)[cursor : cursor + sampler.global_batch_size]
             shares = [window[r :: old.world_size].tolist() for r in range(old.world_size)]
-            ledger.write(trainer.state.step, epoch, shares, skipped=False)
+            ledger.write(step, epoch, shares, skipped=False)
 
 
 class FencedLogger(Logger):

@@ -11,7 +11,8 @@ environment in ``dist/env.py``) place it; they are test hooks, not features:
     the right and a receive from the left) or an arrival at an shm barrier (its data published for the
     peers). shm's native path is one C++ call that cannot be cut between its barriers, so that worker takes
     shm's Python path; the ranks of a host agree on the path, so its first group runs the Python path, and
-    the survivors' next group the native one again.
+    the survivors' next group the native one again. PIECE ``ledger``: right after the step's sample-ledger
+    gather, its last collective (every rank has committed the step), before the writer writes its line.
 ``RINGTRAIN_TEST_KILL_IN_SAVE=STEP:RANK:POINT``
     the worker launched as RANK dies in the checkpoint save after step STEP, at POINT ``enter`` (as the save
     starts: a non-writer dies while rank 0 writes) or ``commit`` (the writer, its data file written, fsynced
@@ -43,7 +44,8 @@ __all__ = ["prepare_kill_hooks", "arm_kill_hooks", "SAVE_POINTS"]
 SAVE_POINTS = ("enter", "commit")
 
 # Python functions whose return is one piece sent: a ring step, an arrival at an shm barrier.
-_PIECES = {"run_step": "ring.py", "arrive": "shm_board.py"}
+_PIECES = {"run_step": "ring.py", "arrive": "shm_board.py", "_gather_to_writer": "ledger.py"}
+LEDGER_PIECE = "ledger"
 
 
 def prepare_kill_hooks(env: DistEnv, rank: int) -> None:
@@ -60,7 +62,7 @@ def arm_kill_hooks(trainer: Trainer, env: DistEnv) -> None:
     if env.kill_in_collective:
         step, rank, piece = _parse(KILL_IN_COLLECTIVE_VAR, env.kill_in_collective, "PIECE", "3")
         if rank == trainer.ctx.rank:
-            _arm_collective(trainer, step, int(piece))
+            _arm_collective(trainer, step, piece if piece == LEDGER_PIECE else int(piece))
     if env.kill_in_save:
         step, rank, point = _parse(KILL_IN_SAVE_VAR, env.kill_in_save, "POINT", "commit")
         if point not in SAVE_POINTS:
@@ -75,8 +77,8 @@ def _parse(var: str, value: str, last: str, example: str) -> tuple[int, int, str
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or int(parts[0]) < 1 or not parts[2]:
         raise ConfigError(f"{var}={value!r}: expected STEP:RANK:{last} (step from 1, e.g. 20:2:{example}); "
                           f"unset it to train without the test hook")
-    if last == "PIECE" and (not parts[2].isdigit() or int(parts[2]) < 1):
-        raise ConfigError(f"{var}={value!r}: PIECE must be a whole number from 1, e.g. 20:2:3")
+    if last == "PIECE" and parts[2] != LEDGER_PIECE and (not parts[2].isdigit() or int(parts[2]) < 1):
+        raise ConfigError(f"{var}={value!r}: PIECE must be a whole number from 1 or {LEDGER_PIECE}, e.g. 20:2:3")
     return int(parts[0]), int(parts[1]), parts[2]
 
 
@@ -85,7 +87,7 @@ def _die(where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm_collective(trainer: Trainer, step: int, piece: int) -> None:
+def _arm_collective(trainer: Trainer, step: int, piece: int | str) -> None:
     rank = trainer.ctx.rank
     train_step = trainer.train_step
     sent = 0
@@ -97,6 +99,10 @@ def _arm_collective(trainer: Trainer, step: int, piece: int) -> None:
         code = frame.f_code
         filename = _PIECES.get(code.co_name)
         if filename is None or not code.co_filename.endswith(filename):
+            return
+        if piece == LEDGER_PIECE or code.co_name == "_gather_to_writer":
+            if piece == LEDGER_PIECE and code.co_name == "_gather_to_writer":
+                _die(f"launched rank {rank} in step {step} after the step's ledger gather, before its line")
             return
         sent += 1
         if sent == piece:

@@ -153,6 +153,23 @@ def test_kills_inside_the_ring_all_reduce_and_inside_the_writers_save_are_healed
     print("ring: checkpoints 10 and 30 bit-identical to the reference; step 20's half-finished save skipped")
 
 
+def test_the_writer_lost_after_a_steps_ledger_gather_leaves_no_hole_in_the_ledger(tmp_path):
+    """Rank 0 dies after step 5's ledger gather (every rank committed step 5) and before it writes the line:
+    the new writer records step 5's window as it was dealt, so every sample is still used exactly once."""
+    run_dir = tmp_path / "ledger"
+    code, job, _, _ = heal(run_dir, "ring", "5:0:ledger", "")
+    assert "SIGKILL launched rank 0 in step 5 after the step's ledger gather, before its line" in job.stderr, \
+        job.stderr
+    assert code == 0, job.stderr
+    (heal_record,) = records(run_dir, "heal")
+    assert heal_record["lost_ranks"] == [0] and heal_record["from_step"] == 5 and heal_record["steps_lost"] == 0
+    steps = [r["step"] for r in ledger_steps(run_dir)]
+    assert steps == list(range(1, STEPS + 1)), steps
+    assert [r["world_size"] for r in ledger_steps(run_dir)][4:6] == [3, 2]  # step 5 as it was dealt, to 3
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    assert all(r.exactly_once and r.complete for r in reports), reports
+
+
 def test_kills_inside_the_shm_all_reduce_and_during_a_save_are_healed_leaving_nothing_in_dev_shm(
         tmp_path, reference):
     run_dir = tmp_path / "shm"

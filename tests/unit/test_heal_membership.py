@@ -3,7 +3,9 @@ member is left out, and a member that comes back after the decision is fenced (i
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -64,3 +66,57 @@ def test_survivors_agree_a_silent_member_is_left_out_and_fenced_when_it_returns(
     assert Membership(connect(job_store_port), results[0], timeout_s=10).newest() == 1
     steps = Membership(connect(job_store_port), results[0], timeout_s=10).arrived_steps(0)
     assert steps[0] == 6 and steps[1] == 7
+
+
+class StaleFirstAnswer:
+    """The store as a worker stopped inside its fence read sees it: the first answer was sent (generation 0),
+    then the job healed (generation 1) while the worker was stopped, and the old answer is read on resuming."""
+
+    def __init__(self, store):
+        self.store, self.stale = store, True
+
+    def check(self, keys):
+        return self.store.check(keys)
+
+    def get(self, key):
+        answer = self.store.get(key)
+        if self.stale:
+            self.stale = False
+            self.store.set("generation", "1")  # the survivors' heal, while this worker is stopped
+            time.sleep(0.7)
+        return answer
+
+
+def test_a_fence_read_that_took_long_is_read_again_so_a_stopped_worker_does_not_act_on_a_stale_answer(
+        job_store_port):
+    membership = Membership(connect(job_store_port), Generation(0, (0, 1), member=0), timeout_s=10)
+    membership.store.set("generation", "0")
+    membership.check_fence()  # quick and current: passes
+    membership.store = StaleFirstAnswer(membership.store)
+    with pytest.raises(Fenced, match="cut off: the job healed to generation 1 without it"):
+        membership.check_fence()  # the stale "0" took 0.7 s to arrive: read again, and it is "1"
+
+
+def test_a_new_writer_takes_the_run_files_over_so_an_old_writers_open_handle_writes_nowhere(tmp_path):
+    from ringtrain.monitor.loggers import RunDirLogger
+    from ringtrain.monitor.sinks import CsvLogger
+
+    record = {"type": "train", "step": 1, "loss": 0.5}
+    old_run, old_csv = RunDirLogger(tmp_path), CsvLogger(tmp_path / "metrics.csv")
+    for logger in (old_run, old_csv):
+        logger.start(10, 0, 5)
+        logger.log(record)
+    new_run, new_csv = RunDirLogger(tmp_path), CsvLogger(tmp_path / "metrics.csv")
+    for logger in (new_run, new_csv):
+        logger.start(10, 1, 5)  # a heal's new rank 0 taking over the run directory
+    before = {name: (tmp_path / name).read_text() for name in ("metrics.jsonl", "metrics.csv")}
+    assert json.loads(before["metrics.jsonl"]) == record and before["metrics.csv"].count("\n") == 2
+    for logger in (old_run, old_csv):
+        logger.log({**record, "step": 2})  # the cut-off writer's append, after its fence check passed
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+    for logger in (new_run, new_csv):
+        logger.log({**record, "step": 3})
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 3]
+    assert (tmp_path / "metrics.csv").read_text().count("\n") == 3
+    for logger in (old_run, old_csv, new_run, new_csv):
+        logger.close()
