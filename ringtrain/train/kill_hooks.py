@@ -43,7 +43,8 @@ __all__ = ["prepare_kill_hooks", "arm_kill_hooks", "SAVE_POINTS"]
 
 SAVE_POINTS = ("enter", "commit")
 
-# Python functions whose return is one piece sent: a ring step, an arrival at an shm barrier.
+# Python functions whose return is one piece sent: a ring step, an arrival at an shm barrier; and the ledger's
+# gather, watched for PIECE ``ledger`` only (never counted as a piece, so the numbers above keep their meaning).
 _PIECES = {"run_step": "ring.py", "arrive": "shm_board.py", "_gather_to_writer": "ledger.py"}
 LEDGER_PIECE = "ledger"
 
@@ -100,9 +101,11 @@ def _arm_collective(trainer: Trainer, step: int, piece: int | str) -> None:
         filename = _PIECES.get(code.co_name)
         if filename is None or not code.co_filename.endswith(filename):
             return
-        if piece == LEDGER_PIECE or code.co_name == "_gather_to_writer":
-            if piece == LEDGER_PIECE and code.co_name == "_gather_to_writer":
+        if code.co_name == "_gather_to_writer":
+            if piece == LEDGER_PIECE:
                 _die(f"launched rank {rank} in step {step} after the step's ledger gather, before its line")
+            return
+        if piece == LEDGER_PIECE:
             return
         sent += 1
         if sent == piece:
