@@ -25,7 +25,8 @@ run: install
 	$(BIN)/ringtrain train configs/digits_mlp.toml --nproc 2 --run-dir runs/digits_mlp-$$(date +%Y%m%d-%H%M%S)
 
 test: install
-	$(BIN)/python -m pytest
+	# Two test processes side by side (pytest-xdist), a module to each; tests marked exclusive run alone.
+	$(BIN)/python -m pytest -n 2 --dist loadscope
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import signal
@@ -95,7 +96,10 @@ _deepspeed_build: subprocess.Popen | None = None
 
 def pytest_collection_finish(session):
     global _deepspeed_build
-    if any(DEEPSPEED_TEST in item.nodeid for item in session.items) and _deepspeed_build is None:
+    # Under pytest-xdist every worker collects every test: one worker (gw0) builds, and a test on another worker
+    # waits for that build inside DeepSpeed's own build lock.
+    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    if first_worker and any(DEEPSPEED_TEST in item.nodeid for item in session.items) and _deepspeed_build is None:
         # SCHED_IDLE and nice 19 (g++ inherits both): it runs on a core only when no test wants it. Its own
         # process group, to be killed whole, but pytest's session: with the kernel's autogroups a new session
         # would get an equal share of the CPU whatever its niceness.
@@ -108,6 +112,10 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    paths = _lock_paths(session.config)
+    if paths is not None:  # this worker is done with them; the other, if still running, opens them afresh
+        for path in paths:
+            path.unlink(missing_ok=True)
     if _deepspeed_build is not None and _deepspeed_build.poll() is None:
         # The test was never reached (stopped on the way, or the run interrupted): the build goes, with its g++.
         os.killpg(_deepspeed_build.pid, signal.SIGKILL)
@@ -123,3 +131,79 @@ def deepspeed_build():
         except subprocess.TimeoutExpired:
             os.killpg(_deepspeed_build.pid, signal.SIGKILL)
             _deepspeed_build.wait()
+
+
+# --- Tests side by side (pytest-xdist), and the ones that must run alone ----------------------------------------
+# `make test` runs the suite in two processes (`pytest -n 2 --dist loadscope`): most of a test's time is its
+# workers starting and waiting on each other, timeouts and heartbeats, so two tests share the 2 cores well
+# (16 min against 21 in one process). A test that times something against a bound, or checks that /dev/shm
+# holds nothing new, must not share the machine: it is marked ``@pytest.mark.exclusive`` (or wraps the timed
+# part in ``alone()``), and then runs with no other test beside it. Every other test holds a shared lock for
+# its run; ``alone`` takes it exclusively. A turnstile stops new tests from starting while one waits to be
+# alone, so it is not starved. Without xdist there is one process and nothing to lock.
+_lock_file = None  # this worker's open lock file, shared-locked while a test runs
+_lock_depth = 0
+
+
+def _lock_paths(config) -> tuple[Path, Path] | None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    base = Path(tempfile.gettempdir()) / f"ringtrain-tests-{workerinput['testrunuid']}"
+    return base.with_suffix(".lock"), base.with_suffix(".turnstile")
+
+
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+    config.addinivalue_line("markers", "exclusive: runs with no other test beside it (under pytest-xdist)")
+
+
+@contextlib.contextmanager
+def alone():
+    """No other test runs while the block runs (under pytest-xdist; otherwise none runs anyway)."""
+    global _lock_depth
+    paths = _lock_paths(_config) if _config is not None else None
+    if paths is None or _lock_file is None or _lock_depth:
+        _lock_depth += 1
+        try:
+            yield
+        finally:
+            _lock_depth -= 1
+        return
+    lock_path, turnstile_path = paths
+    # Drop this test's shared lock first: two tests waiting to be alone must not each hold one the other waits on.
+    fcntl.flock(_lock_file, fcntl.LOCK_UN)
+    with open(turnstile_path, "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(_lock_file, fcntl.LOCK_EX)
+    _lock_depth += 1
+    try:
+        yield
+    finally:
+        _lock_depth -= 1
+        fcntl.flock(_lock_file, fcntl.LOCK_SH)  # back to sharing, until the test ends
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _lock_file
+    paths = _lock_paths(item.config)
+    if paths is None:
+        return (yield)
+    lock_path, turnstile_path = paths
+    _lock_file = open(lock_path, "a")
+    try:
+        with open(turnstile_path, "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(_lock_file, fcntl.LOCK_SH)
+        if item.get_closest_marker("exclusive") is not None:
+            with alone():
+                return (yield)
+        return (yield)
+    finally:
+        _lock_file.close()  # releases the lock
+        _lock_file = None

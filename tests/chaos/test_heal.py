@@ -15,6 +15,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.heal_cycles import kill_and_join
 from tests.chaos.jobs import Job, ledger_steps, records
@@ -33,6 +35,7 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.exclusive  # recovery_s against a 2 s bound
 def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_survivors_size(tmp_path):
     run_dir = tmp_path / "healed"
     started = time.monotonic()

@@ -42,6 +42,7 @@ def _ringtrain_segments() -> set[str]:
     return {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
 
 
+@pytest.mark.exclusive  # failure times against the timeout; nothing new in /dev/shm
 @pytest.mark.parametrize(
     "algorithm, signal_name, world_size, numel",
     [
@@ -110,6 +111,7 @@ def segment_names(rank: int, world_size: int) -> dict:
     return {"workspace": sg.segment.name, "listed": sorted(_ringtrain_segments()), "sum": tensor[0].item()}
 
 
+@pytest.mark.exclusive  # nothing new in /dev/shm: no other test may make segments meanwhile
 def test_segments_are_unlinked_as_soon_as_every_rank_has_mapped_them():
     before = _ringtrain_segments()
     for result in run_distributed(segment_names, 4):

@@ -77,6 +77,7 @@ def abandon_in_flight(rank: int, world_size: int, port: int):
     return result
 
 
+@pytest.mark.exclusive  # waits timed against a 3 s bound
 def test_a_peer_blocked_on_a_rank_that_abandons_its_group_learns_at_once(job_store_port):
     started = time.monotonic()
     (recorded0, untouched0, lazy0, peer, peer_waited_s, gone0, init0), \

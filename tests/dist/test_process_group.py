@@ -105,6 +105,7 @@ print(json.dumps({"affinities": affinities, "one_thread_s": best[1], "two_thread
 """
 
 
+@pytest.mark.exclusive  # a speed-up measured in wall time
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two compute threads need two cores")
 def test_two_threads_per_worker_compute_on_two_cores_and_a_matmul_gets_faster():
     cores = sorted(os.sched_getaffinity(0))

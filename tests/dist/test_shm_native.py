@@ -249,6 +249,7 @@ def killed_inside(rank: int, world_size: int) -> dict:
         return {"type": type(err).__name__, "message": str(err), "peer": err.peer, "after_s": time.monotonic() - started}
 
 
+@pytest.mark.exclusive  # nothing new in /dev/shm: no other test may make segments meanwhile
 def test_a_rank_killed_inside_a_native_call_is_named():
     before = {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
     results = run_distributed(killed_inside, 3, lost_ranks={1}, collective_timeout_s=5.0, timeout_s=60)

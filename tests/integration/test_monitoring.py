@@ -9,7 +9,7 @@ import statistics
 import pytest
 from PIL import Image
 
-from tests.conftest import run_cli, run_main
+from tests.conftest import alone, run_cli, run_main
 
 # Steps of ~10 ms, so the loop's own statements between phases, and DDP's fixed costs, are a small share.
 SIZED = ["--set", "model.hidden_sizes=[1024, 1024]", "--set", "train.local_batch_size=128",
@@ -27,8 +27,9 @@ def runs(tmp_path_factory):
     out = {}
     for world_size in (1, 2):
         run_dir = tmp_path_factory.mktemp("monitoring") / f"n{world_size}"
-        result = run_cli("train", "configs/debug_mlp.toml", "--nproc", str(world_size), "--run-dir", str(run_dir),
-                         "--set", f"train.global_batch_size={128 * world_size}", *SIZED)
+        with alone():  # the step breakdown must add up: no other test's processes taking the cores mid-step
+            result = run_cli("train", "configs/debug_mlp.toml", "--nproc", str(world_size), "--run-dir", str(run_dir),
+                             "--set", f"train.global_batch_size={128 * world_size}", *SIZED)
         assert result.returncode == 0, result.stderr
         out[world_size] = run_dir
     return out

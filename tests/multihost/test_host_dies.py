@@ -15,6 +15,7 @@ from tests.multihost.jobs import start_node_jobs
 
 
 
+@pytest.mark.exclusive  # the time to name the host, against a bound
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-host", "rendezvous-host"])
 def test_a_dead_host_is_named(make_hosts, tmp_path, victim):
     hosts = make_hosts(2)

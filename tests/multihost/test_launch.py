@@ -148,6 +148,7 @@ def test_user_script_under_torchrun_finds_the_hosts(make_hosts, tmp_path):
             assert record["leaders"] == sorted(min(r) for r in ranks)
 
 
+@pytest.mark.exclusive  # the time to fail, against a bound
 @pytest.mark.parametrize(
     ("flags", "named", "within_s"),
     [

@@ -8,12 +8,15 @@ import re
 import time
 from contextlib import ExitStack
 
+import pytest
+
 from tests.chaos.jobs import last_step
 from tests.multihost.jobs import start_node_jobs
 
 TIMEOUT_S = 5
 
 
+@pytest.mark.exclusive  # the time to name the host, against a bound
 def test_link_cut_mid_run_names_the_unreachable_host(make_hosts, tmp_path):
     hosts = make_hosts(2)
     with ExitStack() as stack:
