@@ -24,6 +24,10 @@ from tests.conftest import run_main
 from tests.distributed import run_distributed
 from tests.trainers import train_run
 
+# Under --heal a member whose heartbeat stood still 0.5 s is taken for lost; beside another test's jobs on
+# 2 cores a live worker can be starved that long (seen once in three side-by-side runs): these run alone.
+pytestmark = pytest.mark.exclusive
+
 EPOCHS = 3
 SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=16",
         "--set", "train.lr_schedule=constant", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
@@ -35,7 +39,6 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.exclusive  # recovery_s against a 2 s bound
 def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_survivors_size(tmp_path):
     run_dir = tmp_path / "healed"
     started = time.monotonic()

@@ -45,6 +45,10 @@ from tests.chaos.jobs import Job, ledger_steps, records
 from tests.distributed import run_distributed
 from tests.trainers import build_test_trainer
 
+# Under --heal a member whose heartbeat stood still 0.5 s is taken for lost; beside another test's jobs on
+# 2 cores a live worker can be starved that long (seen once in three side-by-side runs): these run alone.
+pytestmark = pytest.mark.exclusive
+
 STEPS = 30  # 2 epochs of 15 steps
 OVERRIDES = ["model.hidden_sizes=[256,256]", "train.global_batch_size=96", "train.local_batch_size=16", "train.lr_schedule=constant",
              "data.ledger=true", "monitor.log_every_steps=1", "dist.timeout_s=20", "checkpoint.every_steps=10",
