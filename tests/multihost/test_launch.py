@@ -100,7 +100,7 @@ def test_two_hosts_two_workers_shm_goes_hierarchical(make_hosts, tmp_path):
 
 
 _USER_SCRIPT = textwrap.dedent("""
-    import json, torch, torch.distributed as dist
+    import json, sys, torch, torch.distributed as dist
     from ringtrain import comm
     from ringtrain.comm.shm_group import get_shm_group
 
@@ -109,8 +109,11 @@ _USER_SCRIPT = textwrap.dedent("""
     t = torch.full((300_000,), float(rank + 1))          # above shm's small-message size: the staged path
     comm.all_reduce(t, algorithm="shm")
     sg = get_shm_group(dist.group.WORLD)
-    print(json.dumps({"rank": rank, "sum": t.unique().tolist(), "hierarchical": sg.hierarchical,
-                      "leaders": sg.leaders, "local": sg.local}), flush=True)
+    # One write of the whole line: with PYTHONUNBUFFERED set, print writes a line and its end separately to
+    # the stdout the two workers share, and the other rank's line once landed between them.
+    sys.stdout.write(json.dumps({"rank": rank, "sum": t.unique().tolist(), "hierarchical": sg.hierarchical,
+                                 "leaders": sg.leaders, "local": sg.local}) + "\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """)
 
