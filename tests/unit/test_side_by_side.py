@@ -1,4 +1,4 @@
-"""`make test` runs two test processes side by side (pytest-xdist); a test marked ``exclusive``, and a block in
+"""`make test` runs three test processes side by side (pytest-xdist); a test marked ``exclusive``, and a block in
 ``alone()``, run with no other test beside them, while the others do overlap (tests/conftest.py)."""
 
 from __future__ import annotations
