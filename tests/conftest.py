@@ -134,12 +134,12 @@ def deepspeed_build():
 
 
 # --- Tests side by side (pytest-xdist), and the ones that must run alone ----------------------------------------
-# `make test` runs the suite in three processes (`pytest -n 3 --dist loadscope`): most of a test's time is its
-# workers starting and waiting on each other, timeouts and heartbeats, so tests share the 2 cores well
-# (one day's host: 18 min with three, 20.5 with two; another's: 14.4 min with two against 21 in one process). A test that times something against a bound, or checks that /dev/shm
-# holds nothing new, must not share the machine: it is marked ``@pytest.mark.exclusive`` (or wraps the timed
-# part in ``alone()``), and then runs with no other test beside it. Every other test holds a shared lock for
-# its run; ``alone`` takes it exclusively. A turnstile stops new tests from starting while one waits to be
+# `make test` runs the suite in three processes (`pytest -n 3 --dist loadscope`): most of a test's time is its workers
+# starting and waiting on each other, timeouts and heartbeats, so tests share the 2 cores well (one host: 18 min with
+# three, 20.5 with two; another: 14.4 min with two against 21 in one process). A test that times something against a
+# bound, or checks that /dev/shm holds nothing new, must not share the machine: it is marked ``@pytest.mark.exclusive``
+# (or wraps the timed part in ``alone()``), and then runs with no other test beside it. Every other test holds a shared
+# lock for its run; ``alone`` takes it exclusively. A turnstile stops new tests from starting while one waits to be
 # alone, so it is not starved. Without xdist there is one process and nothing to lock.
 _lock_file = None  # this worker's open lock file, shared-locked while a test runs
 _lock_depth = 0

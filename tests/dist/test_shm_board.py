@@ -17,17 +17,23 @@ POSTS = {0: (1, _TIMEOUT), 1: (0, _MISMATCH)}
 REPORTS = {("PeerTimeoutError", 1, "seen by rank 0"), ("MismatchError", 0, "seen by rank 1")}
 
 
+def _report(err: Exception) -> tuple:
+    reporter = str(err).split("(seen by rank ")[1].split(")")[0]
+    return (type(err).__name__, err.peer, f"seen by rank {reporter}")
+
+
 def race_to_abort(rank: int, world_size: int) -> list[tuple]:
     board = shm.init_shm().board
     seen = []
     for round_index in range(ROUNDS):
         count = board.arrive()
+        early = None
         try:
             board.wait_all(count, "test barrier", 1, 1, 10.0)  # spin: both leave within a microsecond or so
-        except comm.CollectiveError:
+        except comm.CollectiveError as err:
             # The peer left first and posted while this rank, descheduled (another test's processes on the
             # core), had not yet seen its arrival: this rank read the peer's report, and posting below keeps it.
-            pass
+            early = _report(err)
         culprit, reason = POSTS[rank]
         board._post_abort(culprit, reason, round_index + 1)
         dist.barrier()
@@ -35,8 +41,9 @@ def race_to_abort(rank: int, world_size: int) -> list[tuple]:
             board.arrive()  # refuses, raising what the abort line says
             seen.append(("no error", None, ""))
         except comm.CollectiveError as err:
-            reporter = str(err).split("(seen by rank ")[1].split(")")[0]
-            seen.append((type(err).__name__, err.peer, f"seen by rank {reporter}"))
+            report = _report(err)
+            # A report read early must be the one the line still holds: one whole report per round.
+            seen.append(report if early in (None, report) else ("changed", early, report))
         dist.barrier()
         if rank == 0:  # clear the line for the next round (the test's doing; a real group stays aborted)
             for word in range(8):
