@@ -31,11 +31,14 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
+from ringtrain.dist.jobstore import JobStore
 from ringtrain.errors import LaunchError
+from ringtrain.heal.liveness import ExitReporter, exit_key
 from ringtrain.launch import (
     JobStopped,
     LaunchOptions,
@@ -106,9 +109,11 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
         _write(spec, run_dir)
     # Node 0's workers bind where its rendezvous listens; other nodes' to --local-addr (or torch's choice).
     local_addr = options.local_addr or (host if options.node_rank == 0 else None)
+    watch = _HealWatch(host, port, spec.run_id) if options.heal else None
     try:
-        agents = [_Agent(spec, local_addr, index) for index in range(options.nproc)]
-        _wait(agents, min_workers)
+        with watch or nullcontext():
+            agents = [_Agent(spec, local_addr, index) for index in range(options.nproc)]
+            _wait(agents, min_workers, watch)
     finally:
         del store  # the rendezvous lives exactly as long as this launcher
 
@@ -141,7 +146,20 @@ def join_healing_job(spec: JobSpec, local_addr: str | None = None) -> None:
     env = {**os.environ, **dict(spec.program.env), JOB_STORE_VAR: spec.rdzv_endpoint, HEAL_JOIN_VAR: "1",
            HEAL_VAR: f"{spec.min_workers}:{spec.max_workers}", LAUNCHER_VAR: "1", "TORCHELASTIC_RUN_ID": spec.run_id,
            BIND_ADDR_VAR: local_addr or host}
-    code = subprocess.call([sys.executable, "-u", *spec.program.args], env=env, cwd=spec.program.cwd)
+    host_, port = split_endpoint(spec.rdzv_endpoint)
+    reports = JobStore(host_, port, f"ringtrain/{spec.run_id}/", is_writer=False)
+    # This process is the worker's parent: it records the worker's exit for members on other hosts.
+    with ExitReporter(lambda h, pid: reports.store.set(f"heal/{exit_key(h, pid)}", "1")):
+        worker = subprocess.Popen([sys.executable, "-u", *spec.program.args], env=env, cwd=spec.program.cwd)
+        try:
+            code = worker.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the worker too: it withdraws its request and exits
+            try:
+                code = worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                code = worker.wait()
+            raise
     if code:
         raise WorkerFailed(f"the joining worker exited with code {code}")
 
@@ -197,7 +215,37 @@ class _Agent:
         return f"worker agent {self.index} (pid {self.process.pid}) exited with code {code}"
 
 
-def _wait(agents: list[_Agent], min_workers: int) -> None:
+class _HealWatch:
+    """A --heal launcher's part in healing: it records the exit of every worker it started, so members on other
+    hosts know for certain that one is dead (heal/liveness.py), and it learns when the job is done, so a
+    worker that was cut off and stays stopped cannot keep the launcher waiting for ever."""
+
+    def __init__(self, host: str, port: int, run_id: str):
+        # Clients of their own: the exit reporter writes from its thread, the launcher reads from this one.
+        self._reports = JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False)
+        self._reads = JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False)
+        self._reporter = ExitReporter(lambda h, pid: self._reports.store.set(f"heal/{exit_key(h, pid)}", "1"))
+
+    def __enter__(self) -> _HealWatch:
+        self._reporter.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._reporter.__exit__(*exc)
+
+    def job_done(self) -> bool:
+        try:
+            return self._reads.store.check(["heal/done"])
+        except RuntimeError:
+            return False
+
+
+CUT_OFF_GRACE_S = 15.0
+"""Once a --heal job is done, how long the launcher waits for its remaining agents before it stops them: an agent
+still running then holds a worker that was cut off from the job (stopped, or hung) and will never finish."""
+
+
+def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None) -> None:
     """Wait for every agent; forward SIGINT/SIGTERM to them; decide the job's outcome."""
     received: list[int] = []
 
@@ -209,7 +257,7 @@ def _wait(agents: list[_Agent], min_workers: int) -> None:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        outcomes = _collect(agents, min_workers)
+        outcomes = _collect(agents, min_workers, watch)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -222,11 +270,24 @@ def _wait(agents: list[_Agent], min_workers: int) -> None:
     raise WorkerFailed(first + (f" (and {others} other agent{'s' * (others > 1)} failed)" if others else ""))
 
 
-def _collect(agents: list[_Agent], min_workers: int) -> list[tuple[int, str]]:
-    """(exit code, description) of each agent, in the order they exited."""
+def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None) -> list[tuple[int, str]]:
+    """(exit code, description) of each agent, in the order they exited. Under --heal, once the job is done the
+    agents still running get CUT_OFF_GRACE_S, then they are stopped (their workers were cut off)."""
     outcomes: list[tuple[int, str]] = []
     running = list(agents)
+    done_at: float | None = None
     while running:
+        if watch is not None and done_at is None and watch.job_done():
+            done_at = time.monotonic()
+        if done_at is not None and time.monotonic() - done_at > CUT_OFF_GRACE_S:
+            for agent in running:
+                print(f"ringtrain: the job is done; worker agent {agent.index} (pid {agent.process.pid}) still runs "
+                      f"{CUT_OFF_GRACE_S:g} s later: its worker was cut off from the job; stopping it",
+                      file=sys.stderr, flush=True)
+                agent.process.kill()  # its worker dies with it (PR_SET_PDEATHSIG), stopped or not
+            for agent in running:
+                agent.finish()
+            break
         for agent in list(running):
             if agent.process.poll() is None:
                 continue

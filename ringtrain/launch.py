@@ -298,9 +298,14 @@ def _heal_in_place(min_workers: int, max_workers: int) -> None:
     barrier for every agent of the rendezvous round, 300 s for one whose worker was healed away; the
     launcher (elastic.py) already waits for every agent, so this agent skips that barrier."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     os.environ[HEAL_VAR] = f"{min_workers}:{max_workers}"
     SimpleElasticAgent._exit_barrier = lambda self: None
+    # The rendezvous only starts the job: who is in it from then on is the heal's business (the job store). An
+    # agent whose rendezvous keep-alive lapsed on a loaded machine would otherwise come back as a "new node" and
+    # every agent would restart its worker (membership changes do not count as restarts in torch's agent).
+    DynamicRendezvousHandler.num_nodes_waiting = lambda self: 0
 
 
 def host_rendezvous_store(host: str, port: int) -> dist.TCPStore:

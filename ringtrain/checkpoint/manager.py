@@ -14,6 +14,7 @@ names each one and the checkpoint used instead.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import sys
@@ -38,7 +39,7 @@ from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoin
 __all__ = ["CheckpointManager", "ALLOWED_GLOBALS", "load_checkpoint_file"]
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
-_TEMP = re.compile(r"^\.step_\d{8}\.(pt|manifest\.json)\.tmp-\d+$")
+_TEMP = re.compile(r"^\.step_\d{8}\.(pt|manifest\.json)\.tmp-(\d+)$")
 
 ALLOWED_GLOBALS: tuple = ()
 """Classes beyond torch's weights-only defaults that a ringtrain checkpoint may hold: none. Everything
@@ -58,12 +59,16 @@ class CheckpointManager:
             module.load_state_dict(state["model"])
     """
 
-    def __init__(self, directory: str | Path, keep_last: int = 3, is_writer: bool = True):
+    def __init__(self, directory: str | Path, keep_last: int = 3, is_writer: bool = True,
+                 fence: Callable[[], None] | None = None):
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.is_writer = is_writer
+        self.fence = fence
+        """Called right before each file of a save takes its name (under --heal: raises if this writer was cut off
+        from the job while it wrote, so a stopped writer that resumes commits nothing over the new writer's)."""
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}.pt"
@@ -88,9 +93,11 @@ class CheckpointManager:
         final = self.path_for(step)
         # Uncommit first: a crash while the new data replaces an old file of the same step must not leave
         # the old manifest vouching for the new bytes.
+        if self.fence is not None:
+            self.fence()
         manifest_path(final).unlink(missing_ok=True)
-        digest = write_atomic(final, lambda f: _save_hashed(state, f))
-        write_manifest(final, digest, step=step, **manifest_fields)
+        digest = write_atomic(final, lambda f: _save_hashed(state, f), self.fence)
+        write_manifest(final, digest, self.fence, step=step, **manifest_fields)
         self._prune()
         return final
 
@@ -126,9 +133,11 @@ class CheckpointManager:
                     # Manifest first: a crash in between leaves an uncommitted file, never a false commit.
                     manifest_path(old).unlink(missing_ok=True)
                     old.unlink(missing_ok=True)
-        # Only the writer saves here, and it is between saves: any temp file is a crashed save's leftover.
+        # This writer is between saves: its own temp files are leftovers, and so are those of a process that is
+        # gone. A live one's are another writer's save in progress (a writer that took over from this one).
         for leftover in self.directory.iterdir():
-            if _TEMP.match(leftover.name):
+            found = _TEMP.match(leftover.name)
+            if found and (int(found.group(2)) == os.getpid() or not _pid_alive(int(found.group(2)))):
                 leftover.unlink(missing_ok=True)
 
 
@@ -170,6 +179,16 @@ def _save_hashed(state: dict[str, Any], f) -> Any:
     writer = HashingWriter(f)
     torch.save(state, writer)
     return writer.digest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _step_of(path: Path) -> int:

@@ -61,14 +61,17 @@ def manifest_path(data_path: Path) -> Path:
     return data_path.with_name(data_path.name.removesuffix(".pt") + ".manifest.json")
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> Any:
-    """Write ``path`` so that it either appears whole or not at all; returns what ``write`` returned."""
+def write_atomic(path: Path, write: Callable[[IO[bytes]], Any], before_rename: Callable[[], None] | None = None) -> Any:
+    """Write ``path`` so that it either appears whole or not at all; returns what ``write`` returned.
+    ``before_rename`` runs last before the file takes its name (a writer's fence: it may raise to stop it)."""
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with temp.open("wb") as f:
             result = write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(temp, path)
         fsync_dir(path.parent)
     finally:
@@ -97,7 +100,7 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(data_path: Path, digest: Digest, **fields: Any) -> Path:
+def write_manifest(data_path: Path, digest: Digest, before_rename: Callable[[], None] | None = None, **fields: Any) -> Path:
     """Commit ``data_path``: write its manifest (atomically) after the data file is durable."""
     manifest = {
         "format": FORMAT,
@@ -108,7 +111,7 @@ def write_manifest(data_path: Path, digest: Digest, **fields: Any) -> Path:
         **fields,
     }
     path = manifest_path(data_path)
-    write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"))
+    write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"), before_rename)
     return path
 
 

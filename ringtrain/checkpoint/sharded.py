@@ -36,6 +36,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,14 +90,20 @@ class ShardedCheckpointer:
     and load (collectives), only rank 0 commits and prunes."""
 
     def __init__(self, directory: str | Path, rank: int, world_size: int, keep_last: int = 3,
-                 commit_timeout_s: float = 600.0):
+                 commit_timeout_s: float = 600.0, fence: Callable[[], None] | None = None,
+                 new_group: Callable[[], Any] | None = None):
         self.directory = Path(directory)
         self.rank = rank
         self.world_size = world_size
         self.keep_last = keep_last
         self.commit_timeout_s = commit_timeout_s
+        self.fence = fence
+        """Called before the writer commits (under --heal: raises if it was cut off from the job meanwhile)."""
         # DCP's planning collectives run beside training's (a background save): a Gloo group of their own.
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world_size > 1 else None
+        # (``new_group``: how to make it; under --heal, recording its sockets so a failed job can shut them.)
+        make_group = new_group or (lambda: dist.new_group(backend="gloo"))
+        self.group = make_group() if dist.is_initialized() and world_size > 1 else None
+        self._abandoned = False
         self._pending: PendingSave | None = None
         self._stager = None  # a dcp_io.ReusedStager, made at the first background save
 
@@ -168,6 +175,17 @@ class ShardedCheckpointer:
         pending, self._pending = self._pending, None
         return pending.result(self.commit_timeout_s) if pending is not None else None
 
+    def abandon(self, wait_s: float = 5.0) -> None:
+        """The group failed (healing): a background save in flight must not commit any more; wait briefly for
+        one that is committing right now, so the checkpoints on disk stand still before anybody chooses one."""
+        self._abandoned = True
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result(wait_s)
+            except BaseException:  # noqa: BLE001 - a save of a failed group fails; nothing of it is kept
+                pass
+
     def _commit(self, path: Path, step: int, fields: dict, report: SaveReport) -> None:
         mine = {p.name: _digest(p) for p in sorted(path.iterdir()) if _written_by(p.name, self.rank)}
         report.bytes = sum(size for _, size in mine.values())
@@ -185,10 +203,14 @@ class ShardedCheckpointer:
                                           f"{self.commit_timeout_s:g} s; the checkpoint is not committed")
                 time.sleep(0.01)
             files.update(json.loads(marker.read_text()))
+        if self._abandoned:
+            raise CheckpointError(f"checkpoint {path.name}: the group that saved it failed; not committed")
+        if self.fence is not None:
+            self.fence()
         manifest = {"format": FORMAT, "kind": "sharded", "folder": path.name, "step": step, "world_size": self.world_size,
                     "files": {name: {"bytes": size, "sha256": sha} for name, (sha, size) in sorted(files.items())},
                     **fields}
-        write_atomic(manifest_of(path), lambda f: f.write(json.dumps(manifest, indent=1).encode() + b"\n"))
+        write_atomic(manifest_of(path), lambda f: f.write(json.dumps(manifest, indent=1).encode() + b"\n"), self.fence)
         self._prune()
 
     def _prune(self) -> None:

@@ -27,8 +27,8 @@ from ringtrain.dist.env import DistEnv
 from ringtrain.dist.sockets import forget_group_sockets, recording_group_sockets
 from ringtrain.errors import LaunchError
 
-__all__ = ["DistContext", "init_distributed", "resolve_backend", "interface_for_address", "cores_for_worker",
-           "host_placement"]
+__all__ = ["DistContext", "init_distributed", "prepare_process", "leave_default_group", "resolve_backend",
+           "interface_for_address", "cores_for_worker", "host_placement"]
 
 
 @dataclass(frozen=True)
@@ -75,17 +75,8 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
     """
     env = DistEnv.from_environ() if env is None else env
     config = DistConfig() if config is None else config
-    backend = resolve_backend(config.backend)
-    torch.set_num_threads(config.threads_per_worker)
-    device = _device_for(backend, env.local_rank)
-    if device.type == "cpu" and config.keep_freed_memory:
-        keep_freed_memory()  # before the model and data allocate anything
-    if env.bind_addr:
-        _bind_collectives_to(env.bind_addr)
+    backend, device = prepare_process(env, config)
     timeout = timedelta(seconds=config.timeout_s)
-    # The flight recorder: ringtrain's collectives, and torch's record of the group's (read at creation).
-    flight.torch_recorder_env(config.flight_recorder)
-    flight.enable(config.flight_recorder)
     store = _build_store(env, timeout) if store is None else store
     with recording_group_sockets(store):  # a heal shuts them down under a peer blocked on them (sockets.py)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
@@ -97,12 +88,34 @@ def init_distributed(env: DistEnv | None = None, config: DistConfig | None = Non
             _pin_compute_threads(cores)
         yield DistContext(env, backend, device, host_rank, host_world_size)
     finally:
-        # DDP keeps the group alive from inside reference cycles. Collect them now: left to the
-        # interpreter's shutdown, a Gloo thread would free a tensor after Python is gone and abort.
-        gc.collect()
-        if dist.is_initialized():  # a worker fenced off while healing has already left its group
-            dist.destroy_process_group()
-        forget_group_sockets()
+        leave_default_group()
+
+
+def prepare_process(env: DistEnv, config: DistConfig) -> tuple[str, torch.device]:
+    """What a worker sets up before it meets any group (``init_distributed`` does it first; a worker joining a
+    --heal job does it before its group forms): backend and device, compute threads, the allocator, the
+    address collectives bind to, the flight recorder. Returns (backend, device)."""
+    backend = resolve_backend(config.backend)
+    torch.set_num_threads(config.threads_per_worker)
+    device = _device_for(backend, env.local_rank)
+    if device.type == "cpu" and config.keep_freed_memory:
+        keep_freed_memory()  # before the model and data allocate anything
+    if env.bind_addr:
+        _bind_collectives_to(env.bind_addr)
+    # The flight recorder: ringtrain's collectives, and torch's record of the group's (read at creation).
+    flight.torch_recorder_env(config.flight_recorder)
+    flight.enable(config.flight_recorder)
+    return backend, device
+
+
+def leave_default_group() -> None:
+    """Destroy the default group if it is still there (a worker fenced off while healing has left it already).
+    DDP keeps the group alive from inside reference cycles: collected now, not at the interpreter's shutdown,
+    where a Gloo thread would free a tensor after Python is gone and abort."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    forget_group_sockets()
 
 
 def interface_for_address(address: str) -> str:

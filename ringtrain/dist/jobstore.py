@@ -66,10 +66,18 @@ class NullJobStore:
         """The heartbeat counters of these ranks (or, under --heal, member ids)."""
         return {}
 
+    def beat_times_of(self, ids: list[int]) -> dict[int, float]:
+        """When each of these ranks (member ids) last beat, by its own clock (time.time())."""
+        return {}
+
     def set_host(self, rank: int, address: str) -> None: ...
 
     def hosts(self, world_size: int) -> dict[int, str]:
         """Each rank's host, as its address (or host id) (ranks that never said are left out)."""
+        return {}
+
+    def hosts_of(self, ids: list[int]) -> dict[int, str]:
+        """The host of each of these ranks (or, under --heal, member ids)."""
         return {}
 
     def clone(self) -> NullJobStore:
@@ -105,7 +113,9 @@ class JobStore(NullJobStore):
         return self.store.add("steps_lost", 0)
 
     def beat(self, rank: int, count: int) -> None:
-        self.store.set(f"heartbeat/{rank}", str(count))
+        # The count tells a watcher that the beat moved; the time (the beating host's clock), since when it
+        # stands still: a survivor that starts watching after a failure knows at once how long it has.
+        self.store.set(f"heartbeat/{rank}", f"{count} {time.time():.3f}")
 
     def request_dump(self) -> None:
         """Ask every rank to write its flight recorder (its heartbeat thread sees this within a beat)."""
@@ -119,15 +129,24 @@ class JobStore(NullJobStore):
         return self.beats_of(list(range(world_size)))
 
     def beats_of(self, ids: list[int]) -> dict[int, int]:
+        return {i: int(count) for i, (count, _) in self._beats(ids).items()}
+
+    def beat_times_of(self, ids: list[int]) -> dict[int, float]:
+        return {i: float(when) for i, (_, when) in self._beats(ids).items()}
+
+    def _beats(self, ids: list[int]) -> dict[int, tuple[str, str]]:
         keys = {i: f"heartbeat/{i}" for i in ids}
-        return {i: int(self.store.get(key)) for i, key in keys.items() if self.store.check([key])}
+        return {i: tuple(self.store.get(key).decode().split()) for i, key in keys.items() if self.store.check([key])}
 
     def set_host(self, rank: int, address: str) -> None:
         self.store.set(f"host/{rank}", address)
 
     def hosts(self, world_size: int) -> dict[int, str]:
-        keys = [f"host/{rank}" for rank in range(world_size)]
-        return {rank: self.store.get(key).decode() for rank, key in enumerate(keys) if self.store.check([key])}
+        return self.hosts_of(list(range(world_size)))
+
+    def hosts_of(self, ids: list[int]) -> dict[int, str]:
+        keys = {i: f"host/{i}" for i in ids}
+        return {i: self.store.get(key).decode() for i, key in keys.items() if self.store.check([key])}
 
     def clone(self) -> JobStore:
         """A second connection, for another thread (one client socket must not be shared)."""

@@ -31,7 +31,8 @@ from contextlib import contextmanager
 import psutil
 import torch.distributed as dist
 
-__all__ = ["recording_group_sockets", "shutdown_group_sockets", "forget_group_sockets", "group_sockets"]
+__all__ = ["recording_group_sockets", "new_recorded_group", "shutdown_group_sockets", "forget_group_sockets",
+           "group_sockets"]
 
 _LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 _recorded: list[tuple[int, str]] = []
@@ -44,8 +45,9 @@ def group_sockets() -> list[tuple[int, str]]:
 
 
 @contextmanager
-def recording_group_sockets(store: dist.Store | None) -> Iterator[None]:
-    """Record the TCP sockets the default group's init opens (wrap ``dist.init_process_group`` in it)."""
+def recording_group_sockets(store: dist.Store | None, append: bool = False) -> Iterator[None]:
+    """Record the TCP sockets the default group's init opens (wrap ``dist.init_process_group`` in it);
+    ``append``: a group made beside the default one (``new_recorded_group``), recorded with it."""
     before = _socket_fds()
     lazy = os.environ.pop(_LAZY_INIT, None)
     try:
@@ -55,10 +57,19 @@ def recording_group_sockets(store: dist.Store | None) -> Iterator[None]:
             os.environ[_LAZY_INIT] = lazy
     new = {fd: name for fd, name in _socket_fds().items() if before.get(fd) != name}
     store_ports = _store_ports(store)
-    _recorded[:] = [
+    found = [
         (c.fd, new[c.fd]) for c in psutil.Process().net_connections(kind="tcp")
         if c.fd in new and c.raddr and c.laddr.port not in store_ports and c.raddr.port not in store_ports
     ]
+    _recorded[:] = [*_recorded, *found] if append else found
+
+
+def new_recorded_group(**kwargs):
+    """``dist.new_group(**kwargs)`` whose sockets are recorded with the default group's, so that
+    ``shutdown_group_sockets`` wakes a peer blocked in one of its collectives too (a sharded checkpoint's)."""
+    store = dist.distributed_c10d._get_default_store()
+    with recording_group_sockets(store, append=True):
+        return dist.new_group(**kwargs)
 
 
 def shutdown_group_sockets() -> int:

@@ -237,9 +237,11 @@ class CollectiveWatch:
 
     def _hosts(self) -> dict[int, str]:
         try:
-            return self.job_store.hosts(self.world_size)
+            # Keyed by the id each rank beats under (its member id under --heal), told back by rank.
+            found = self.job_store.hosts_of(self.members)
         except RuntimeError:
             return {}
+        return {rank: found[m] for rank, m in enumerate(self.members) if m in found}
 
 
 def flight_dumper(run_dir: str | Path, rank: int, world_size: int) -> Callable[[str], None]:

@@ -12,13 +12,12 @@ from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
 from ringtrain.dist.group import DistContext
-from ringtrain.dist.heal import HEAL_BEAT_S, Generation, Membership
 from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
-from ringtrain.train.heal import Healing
+from ringtrain.train.healing_hooks import NoHealing
 from ringtrain.train.kill_hooks import arm_kill_hooks, prepare_kill_hooks
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
@@ -32,10 +31,12 @@ __all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0"]
 
 def build_trainer(
     config: Config, ctx: DistContext, job_store: NullJobStore | None = None, user: UserParts | None = None,
-    membership: Membership | None = None,
+    healing: NoHealing | None = None, joining: bool = False,
 ) -> Trainer:
     """The trainer of ``config``: its built-in model and data, or the user's (``user``, from ``fit`` or the
-    config's factories). ``membership``: a worker admitted into a --heal job (else generation 0's)."""
+    config's factories). ``healing``: the seams of a --heal job (ringtrain/heal/). ``joining``: a worker admitted
+    into a running --heal job, built before its group forms: the module is not wrapped (no collective) until it
+    has received the running workers' state (``Trainer.regroup``)."""
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     validate_for_backend(config, ctx.backend)
@@ -55,11 +56,11 @@ def build_trainer(
         if isinstance(user.model, torch.nn.Module):
             # A module built before fit(): rank 0's weights for every rank (a --heal joiner receives them in
             # the state the running workers send it: they run no broadcast here).
-            if membership is None:
+            if not joining:
                 broadcast_from_rank0(model)
         task = user.task
     strategy = build_strategy(config.comm, ctx.device)
-    wrapped = strategy.wrap(model)
+    wrapped = model if joining else strategy.wrap(model)
     if user is not None and user.optimizer is not None:
         optimizer = user.optimizer(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -95,6 +96,7 @@ def build_trainer(
     train_loader, eval_loader = loaders(ctx.rank, ctx.world_size)
     parts = TrainParts(
         model=wrapped,
+        module=model,
         strategy=strategy,
         optimizer=optimizer,
         scheduler=build_lr_scheduler(train_cfg, optimizer, total_steps),
@@ -111,20 +113,11 @@ def build_trainer(
         data_stats=data.stats,
         loaders=loaders,
     )
+    fence = healing.check_fence if healing is not None else None
     checkpoints = CheckpointManager(
-        run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0
+        run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0, fence=fence
     )
-    trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints)
-    if config.dist.heal:
-        if membership is None:
-            # Membership by member id: a worker's first rank (dist/heal.py); generation 0 is the launched group.
-            generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
-            attempt = f"{ctx.env.master_port}-{ctx.env.restart_count}"  # one rendezvous round: one port
-            membership = Membership(parts.job_store, generation, config.dist.timeout_s, attempt=attempt)
-            if ctx.rank == 0:
-                membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
-        trainer.healing = Healing(trainer, membership, ctx.env.heal_min_workers or 1, ctx.env.heal_max_workers)
-        trainer.watch.interval_s = HEAL_BEAT_S
+    trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints, healing)
     if ctx.env.kill_in_collective or ctx.env.kill_in_save:  # test hooks (chaos tests): nothing when unset
         arm_kill_hooks(trainer, ctx.env)
     return trainer

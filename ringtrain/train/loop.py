@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,15 +33,18 @@ from ringtrain.config import Config
 from ringtrain.errors import CheckpointError, CorruptCheckpoint
 from ringtrain.data.loader import StepBatch
 from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
-from ringtrain.dist.group import DistContext
+from ringtrain.dist.group import DistContext, host_placement
 from ringtrain.dist.jobstore import PreviousAttempt
 from ringtrain.dist.watch import CollectiveWatch, flight_dumper
-from ringtrain.monitor.loggers import Logger
+from ringtrain.monitor.loggers import Logger, build_logger
 from ringtrain.monitor.memory import memory_mb
 from ringtrain.monitor.metrics import StepClock, model_flops_utilization
 from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
 from ringtrain.train.evaluate import evaluate
 from ringtrain.train.comm_state import gather_rank_states
+from ringtrain.data.ledger import build_ledger
+from ringtrain.parallel import build_strategy
+from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.optim import load_optimizer_state, optimizer_name, position_lr_scheduler
 from ringtrain.train.sharded_state import load_sharded, save_sharded
 from ringtrain.train.guards import (
@@ -53,7 +57,8 @@ from ringtrain.train.guards import (
     check_replicas,
 )
 from ringtrain.train.resume import ResumePlan, check_same_choice, config_changes, pick_checkpoint, resume_record
-from ringtrain.train.heal import NoHealing
+from ringtrain.testing import faults
+from ringtrain.train.healing_hooks import NoHealing
 from ringtrain.train.state import TrainState
 from ringtrain.train.parts import TrainParts
 from ringtrain.train.step import GradientStep
@@ -62,46 +67,164 @@ __all__ = ["TrainParts", "Trainer"]  # TrainParts re-exported: builders import i
 
 
 class Trainer:
-    def __init__(self, config: Config, ctx: DistContext, parts: TrainParts, logger: Logger, checkpoints: CheckpointManager):
+    def __init__(self, config: Config, ctx: DistContext, parts: TrainParts, logger: Logger, checkpoints: CheckpointManager,
+                 healing: NoHealing | None = None):
         self.config = config
         self.ctx = ctx
         self.parts = parts
-        self.model = parts.model
-        self.module = parts.strategy.unwrap(parts.model)
-        self.comm_timer = parts.strategy.comm_timer
-        self.logger = logger
+        self.healing: NoHealing = healing or NoHealing()
+        """Under ``[dist] heal``: the seams healing needs (ringtrain/heal/); else nothing."""
+        self.module = parts.module
+        self.logger = self.healing.wrap_logger(logger)
         self.checkpoints = checkpoints
         self.state = TrainState()
         self.clock = StepClock()
-        self.batcher = parts.batcher
         self.precision = parts.precision
-        self.gradient = GradientStep(parts, self.clock, ctx.world_size, ctx.device)
         self.total_steps = parts.total_steps
         self.tokens_seen = 0
         self.last_loss = math.nan
         self.last_eval: dict[str, Any] = {}
-        self.dump_flight = flight_dumper(config.run_dir, ctx.rank, ctx.world_size) if config.dist.flight_recorder else None
-        self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s,
-                                     on_failure=self.dump_flight)
+        self.eval_due = False
+        """An epoch ended and its evaluation has not run yet (a heal in between runs it again)."""
+        self.final_eval_done = False
+        """The last evaluation ran (a heal inside the last summary does not run it again)."""
         self.stop_signal = StopSignal()
-        self.guard = StepGuard(ctx.rank, ctx.world_size, ctx.device,
-                               config.train.max_consecutive_nonfinite_steps, self.stop_signal)
         self.notices: list[dict[str, Any]] = []
         """Records of the resume (warnings, the restart report), logged once training starts."""
         self.previous = PreviousAttempt(starts=1, last_step=None, last_step_time=None)
         self._saved_step = -1
         ckpt = config.checkpoint
         self.sharded: ShardedCheckpointer | None = (
-            ShardedCheckpointer(checkpoints.directory, ctx.rank, ctx.world_size, ckpt.keep_last)
-            if ckpt.sharded or ckpt.async_ else None
+            self._sharded_checkpointer() if ckpt.sharded or ckpt.async_ else None
         )
         """Sharded checkpoints (each rank its shard; train/sharded_state.py), when the config asks for them."""
         self._pending_save: PendingSave | None = None
         self._gradients_checked = False
         self._state_mb = 0.0
         """The largest model state (MB) measured after a step's update, before its gradients are dropped."""
-        self.healing: NoHealing = NoHealing()
-        """Under ``[dist] heal``: regroups the survivors after a lost worker (train/heal.py); else nothing."""
+        self._started: tuple[float, int] | None = None
+        """(perf_counter, samples_seen) when training started."""
+        self._wall_s: float | None = None
+        self._bind_group()
+
+    def _bind_group(self) -> None:
+        """What works through the process group and is made here, not by the builder (the group's rank and size)."""
+        ctx, parts, config = self.ctx, self.parts, self.config
+        self.model = parts.model
+        self.comm_timer = parts.strategy.comm_timer
+        self.batcher = parts.batcher
+        self.gradient = GradientStep(parts, self.clock, ctx.world_size, ctx.device)
+        dump = flight_dumper(config.run_dir, ctx.rank, ctx.world_size) if config.dist.flight_recorder else None
+        self.dump_flight = self.healing.wrap_dump(dump)
+        self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s,
+                                     interval_s=self.healing.beat_s, on_failure=self.dump_flight,
+                                     members=self.healing.members())
+        self.guard = StepGuard(ctx.rank, ctx.world_size, ctx.device,
+                               config.train.max_consecutive_nonfinite_steps, self.stop_signal)
+
+    # --- the group this trainer works in (healing moves it from one group to the next) ------------------
+    def leave_group(self) -> None:
+        """Drop everything that hangs off the current process group (a DDP reducer's hooks would fire on the
+        next backward); the module, optimizer and the rest of the state stay."""
+        strategy = self.parts.strategy
+        if self.parts.model is not self.module:
+            try:
+                strategy.unwrap(self.parts.model, release=True)  # manual: its hooks and buckets go
+            except TypeError:
+                strategy.unwrap(self.parts.model)
+        for param in self.module.parameters():
+            param.grad = None
+        self.parts.model = self.model = self.module
+        self.gradient.model = self.module
+        self.module.train()  # a failure inside evaluation left it in eval mode
+
+    def regroup(self, ctx: DistContext) -> None:
+        """Rebuild what depends on the group, the rank or the world size for the group of ``ctx``: the strategy
+        around the same module, the step loader (the rest of the epoch dealt over the new group), the
+        micro-batch plan, guard and watch, and the writer's files when rank 0 changed hands. The module,
+        optimizer, sampler and counters are kept."""
+        config, parts = self.config, self.parts
+        host_rank, host_world_size = host_placement(ctx.env.bind_addr)
+        ctx = dataclasses.replace(ctx, host_rank=host_rank, host_world_size=host_world_size)
+        was_writer, self.ctx = self.ctx.rank == 0, ctx
+        parts.strategy = build_strategy(config.comm, ctx.device)
+        parts.model = parts.strategy.wrap(self.module)  # DDP broadcasts rank 0's state: the same everywhere already
+        parts.train_loader, parts.eval_loader = parts.loaders(ctx.rank, ctx.world_size)
+        batcher = MicroBatcher(config.train, parts.task, ctx.rank, ctx.world_size, ctx.device)
+        batcher.load_state_dict(parts.batcher.state_dict())
+        parts.batcher = batcher
+        parts.job_store.is_writer = ctx.rank == 0
+        if ctx.rank == 0 and not was_writer:  # rank 0 was lost: this worker takes over the run directory's files
+            logger = build_logger(config, 0, config.run_dir)
+            logger.start(self.total_steps, self.state.step, parts.sampler.steps_per_epoch)
+            self.logger = self.healing.wrap_logger(logger)
+            self.checkpoints = CheckpointManager(self.checkpoints.directory, keep_last=config.checkpoint.keep_last,
+                                                 is_writer=True, fence=self.healing.check_fence)
+            parts.ledger = build_ledger(config.data.ledger, config.run_dir, parts.sampler.num_samples, 0)
+            parts.ledger.start(self.state.step)
+            print(f"ringtrain: a new rank 0 writes the run directory (generation of {ctx.world_size} workers)",
+                  file=sys.stderr, flush=True)
+        self._bind_group()
+
+    def abandon_saves(self) -> None:
+        """The group failed: a background sharded save in flight must not commit any more."""
+        self._pending_save = None
+        if self.sharded is not None:
+            self.sharded.abandon()
+
+    def close(self) -> None:
+        """End this trainer's files and threads; another one goes on instead."""
+        self.parts.ledger.close()
+        self.logger.close()
+        self.end_threads()
+
+    def end_threads(self) -> None:
+        """End the strategy's threads (zero3's communication thread): a finished worker joins every thread."""
+        close = getattr(self.parts.strategy, "close", None)
+        if close is not None:
+            close()
+
+    def carry_over(self, old: Trainer) -> None:
+        """Go on where ``old`` (built for a group that failed) left off: its start, its signals, its restarts."""
+        self.previous, self._started = old.previous, old._started
+        self.stop_signal = old.stop_signal  # installed by whoever drives the training
+        self._bind_group()
+
+    # --- what a transfer between members holds (ringtrain/heal/transfer.py) ----------------------------
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where training stands, for comparing members: (step applied, evaluations of that step done)."""
+        return self.state.step, int(not self.eval_due) + int(self.final_eval_done)
+
+    def transfer_state(self) -> dict[str, Any]:
+        """The state a member that is behind receives (tensors and plain values only)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.parts.optimizer.state_dict(),
+            "sampler": self.parts.sampler.state_dict(),
+            "train_state": self.state.state_dict(),
+            "precision": self.precision.state_dict(),
+            "micro_batch": self.batcher.state_dict(),
+            "progress": {"eval_due": self.eval_due, "final_eval_done": self.final_eval_done,
+                         "last_eval": dict(self.last_eval)},
+        }
+
+    def load_transfer_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        load_optimizer_state(self.parts.optimizer, state["optimizer"])
+        self.parts.sampler.load_state_dict(state["sampler"])
+        self.state.load_state_dict(state["train_state"])
+        position_lr_scheduler(self.parts.scheduler, self.state.step)
+        self.precision.load_state_dict(state["precision"])
+        self.batcher.load_state_dict(state["micro_batch"])
+        self.eval_due = bool(state["progress"]["eval_due"])
+        self.final_eval_done = bool(state["progress"]["final_eval_done"])
+        self.last_eval = dict(state["progress"]["last_eval"])
+
+    def _sharded_checkpointer(self) -> ShardedCheckpointer:
+        return ShardedCheckpointer(self.checkpoints.directory, self.ctx.rank, self.ctx.world_size,
+                                   self.config.checkpoint.keep_last, fence=self.healing.check_fence,
+                                   new_group=self.healing.new_group)
 
     @property
     def finished(self) -> bool:
@@ -208,8 +331,7 @@ class Trainer:
     def _resume_sharded(self, path: Path) -> Path:
         check_same_choice(checkpoint_step_of(path))
         if self.sharded is None:  # saved sharded, resumed by a job that saves full checkpoints: load it anyway
-            self.sharded = ShardedCheckpointer(self.checkpoints.directory, self.ctx.rank, self.ctx.world_size,
-                                               self.config.checkpoint.keep_last)
+            self.sharded = self._sharded_checkpointer()
         try:
             extra = load_sharded(self.sharded, path, self.parts.strategy, self.model, self.parts.optimizer)
         except (RuntimeError, ValueError, KeyError) as err:
@@ -239,50 +361,62 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to ``total_steps``, evaluate, checkpoint, and return the run's summary."""
+        self.start()
+        with self.stop_signal:
+            self.train()
+        return self.finish()
+
+    def start(self) -> None:
+        """Open the run's records (once): loggers, the notices of the resume, the ledger cut back to this step."""
         sampler = self.parts.sampler
         self.logger.start(self.total_steps, self.state.step, sampler.steps_per_epoch)
         self._log_notices()
         # The ledger keeps the history of the weights we resumed: steps redone after a crash appear once.
         self.parts.ledger.start(self.state.step)
-        start = time.perf_counter()
-        start_samples = self.state.samples_seen
+        if self._started is None:  # a trainer rebuilt by a heal goes on with its predecessor's (carry_over)
+            self._started = (time.perf_counter(), self.state.samples_seen)
         self.tokens_seen = 0
         self.clock.flush()  # start the first interval now
-        with self.stop_signal:
+
+    def train(self) -> None:
+        """Train to ``total_steps``. Re-entrant: after a heal (or an admission) it goes on from the step the
+        members agreed on, with a fresh iterator (the rest of the epoch dealt over the new group)."""
+        sampler = self.parts.sampler
+        while not self.finished:
+            if self.eval_due:
+                self._evaluate_epoch()
+            batches = iter(self.parts.train_loader)  # the rest of this epoch, from the sampler's cursor
             while not self.finished:
-                batches = iter(self.parts.train_loader)  # the rest of this epoch, from the sampler's cursor
-                while not self.finished:
-                    if self.healing.admission_due():  # under --heal: a worker joins at this step boundary
-                        self.healing.admit()
-                        break  # a fresh iterator: the rest of the epoch dealt over the larger group
-                    with self.clock.phase("data"):
-                        batch = next(batches, None)
-                    if batch is None:
-                        break
-                    failure = None
-                    try:
-                        self.healing.begin_step()
-                        verdict = self.train_step(batch)
-                        if sampler.epoch_finished:
-                            self._end_epoch()
-                        with self.clock.phase("monitor"):
-                            self.logger.on_step(self.state.step, self.state.epoch)
-                            self._log_restart_once()
-                        self._maybe_log()
-                        self._maybe_checkpoint()
-                    except self.healing.catches as err:  # under --heal: a lost worker (else nothing is caught)
-                        failure = str(err)
-                    if failure is not None:
-                        # Outside the except block: the failure's frames must not keep the broken group alive.
-                        self.healing.heal(failure)
-                        break  # a fresh iterator: the failed step's window, re-dealt over the survivors
-                    if verdict.stop:
-                        self._stop()
-        wall_s = time.perf_counter() - start
-        self.last_eval = self._evaluate()
-        self._save_checkpoint()
+                self.healing.at_boundary()  # under --heal: a worker may join here (it raises to regroup)
+                with self.clock.phase("data"):
+                    batch = next(batches, None)
+                if batch is None:
+                    break
+                self.healing.begin_step()
+                verdict = self.train_step(batch)
+                if sampler.epoch_finished:
+                    self._end_epoch()
+                with self.clock.phase("monitor"):
+                    self.logger.on_step(self.state.step, self.state.epoch)
+                    self._log_restart_once()
+                self._maybe_log()
+                self._maybe_checkpoint()
+                if verdict.stop:
+                    self._stop()
+
+    def finish(self) -> dict[str, Any]:
+        """Evaluate, save the last step, and return the summary. Re-entrant: every member runs it whole again
+        after a heal (the same collectives in the same order); the last save is made once per writer."""
+        if self._wall_s is None:
+            self._wall_s = time.perf_counter() - self._started[0]
+        if not self.final_eval_done:
+            self.last_eval = self._evaluate()
+            self.final_eval_done = True
+        if self._saved_step != self.state.step:
+            self._save_checkpoint()
         self._finish_save()
-        summary = self._summary(wall_s, self.state.samples_seen - start_samples)
+        faults.point("train.finish")
+        summary = self._summary(self._wall_s, self.state.samples_seen - self._started[1])
         self.parts.ledger.close()
         self.logger.finish(summary)
         return summary
@@ -365,8 +499,13 @@ class Trainer:
         self.parts.sampler.set_epoch(self.state.epoch)
         every = self.config.monitor.eval_every_epochs
         if every and self.state.epoch % every == 0 and not self.finished:
-            with self.clock.phase("eval"):
-                self.last_eval = self._evaluate()
+            self.eval_due = True
+            self._evaluate_epoch()
+
+    def _evaluate_epoch(self) -> None:
+        with self.clock.phase("eval"):
+            self.last_eval = self._evaluate()
+        self.eval_due = False
 
     def _maybe_log(self) -> None:
         if self.state.step % self.config.monitor.log_every_steps and not self.finished:
@@ -411,6 +550,10 @@ class Trainer:
         if self.state.step % self.config.checkpoint.every_steps == 0 and not self.finished:
             with self.clock.phase("checkpoint"):
                 self._save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """Checkpoint the step reached now (every rank calls it; the writer writes)."""
+        self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
         self.healing.check_fence()  # a worker cut off from the group writes nothing
@@ -471,6 +614,7 @@ class Trainer:
     def _evaluate(self) -> dict[str, Any]:
         if self.parts.eval_loader is None:
             return {}
+        faults.point("train.evaluate")
         with self.watch.op("all_reduce (evaluation sums)", self.state.step):
             metrics = evaluate(
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,

@@ -28,7 +28,9 @@ class TrainParts:
     """Everything the trainer works on, built beforehand by ``build_trainer``."""
 
     model: nn.Module
-    """The model as wrapped by the strategy."""
+    """The model as wrapped by the strategy (the module itself until a joining worker's group forms)."""
+    module: nn.Module
+    """The model itself, unwrapped."""
     strategy: Strategy
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler

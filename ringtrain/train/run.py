@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import os
 import sys
-import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 from ringtrain.checkpoint.sharded import committed as committed_sharded
 from ringtrain.checkpoint.sharded import verify as verify_sharded
@@ -19,20 +15,20 @@ from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
 from ringtrain.config.schema import RELOADED_STRATEGIES
-from ringtrain.dist.group import DistContext
-from ringtrain.dist.jobstore import connect_job_store
 from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import init_distributed
-from ringtrain.dist.heal import HEAL_BEAT_S, request_join
-from ringtrain.train.heal import receive_state
-from ringtrain.train.heal_reload import fit_with_reloads
+from ringtrain.dist.group import DistContext, leave_default_group, prepare_process
+from ringtrain.dist.jobstore import NullJobStore, connect_job_store
 from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, Heartbeat
+from ringtrain.heal.membership import HEAL_BEAT_S, Generation, Membership, request_join
+from ringtrain.heal.supervisor import Supervisor
 from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
+from ringtrain.train.run_lock import RunDirLock
 from ringtrain.train.user_parts import UserParts
 
 __all__ = ["check_run_dir", "check_resume", "run_training", "run_joined_training", "RunDirLock"]
+
 
 
 def check_run_dir(config: Config, resume: bool) -> None:
@@ -89,17 +85,47 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
     """Build the trainer (on the user's parts, if given), continue from a checkpoint when the plan says so,
     train, return the summary."""
     job_store = connect_job_store(ctx.env, is_writer=ctx.rank == 0)
+    if config.dist.heal:
+        return _run_healing(config, ctx, plan, user, job_store)
     trainer = build_trainer(config, ctx, job_store, user)
     # The heartbeat lets a failed collective name the rank that stopped responding.
     # It is also the watchdog that writes the flight recorder when asked (SIGUSR1 to the launcher).
-    # Under --heal it beats faster, so that the survivors tell a lost worker from a live one within 0.5 s.
-    beat_s = HEAL_BEAT_S if config.dist.heal else HEARTBEAT_INTERVAL_S
-    with _writer_lock(config, ctx.rank), Heartbeat(job_store, ctx.rank, beat_s, on_dump_request=trainer.dump_flight):
+    with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, HEARTBEAT_INTERVAL_S,
+                                              on_dump_request=trainer.dump_flight):
         trainer.resume(plan)
-        # Under --heal with a sharded strategy a lost worker's shards are reloaded from the newest sharded
-        # checkpoint on a trainer built again over the survivors (train/heal_reload.py); else this is fit().
-        return fit_with_reloads(trainer, lambda ctx, membership: build_trainer(config, ctx, job_store, user,
-                                                                              membership=membership))
+        try:
+            return trainer.fit()
+        finally:
+            trainer.end_threads()
+
+
+def _run_healing(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None,
+                 job_store: NullJobStore) -> dict[str, Any]:
+    """``--heal``: the launched workers are generation 0's members (member id = first rank); a supervisor
+    drives the trainer through every failure and admission (ringtrain/heal/supervisor.py)."""
+    generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
+    attempt = f"{ctx.env.master_port}-{ctx.env.restart_count}"  # one rendezvous round: one port
+    membership = Membership(job_store, generation, config.dist.timeout_s, attempt=attempt)
+    membership.register()
+    if ctx.rank == 0:
+        membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
+    supervisor = _supervisor(config, ctx.env, job_store, user, membership)
+    trainer = build_trainer(config, ctx, job_store, user, healing=supervisor)
+    with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, HEAL_BEAT_S,
+                                              on_dump_request=lambda reason: supervisor.dump(reason)):
+        trainer.resume(plan)
+        try:
+            return supervisor.run(trainer)
+        finally:
+            supervisor.trainer.end_threads()
+
+
+def _supervisor(config: Config, env: DistEnv, job_store: NullJobStore, user: UserParts | None,
+                membership: Membership) -> Supervisor:
+    supervisor = Supervisor(membership, env.heal_min_workers or 1, env.heal_max_workers,
+                            rebuild=lambda ctx: build_trainer(config, ctx, job_store, user, healing=supervisor),
+                            reloads=config.comm.strategy in RELOADED_STRATEGIES)
+    return supervisor
 
 
 def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = None) -> dict[str, Any]:
@@ -112,62 +138,36 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
             "it has (grow it with a restart: ringtrain train ... --resume)"
         )
     job_store = connect_job_store(env, is_writer=False)
-    membership, generation = request_join(job_store, config.dist.timeout_s)
-    env = dataclasses.replace(env, rank=generation.rank, world_size=generation.world_size)
-    store = dist.PrefixStore(f"{generation.number}/pg/", membership.store)
-    with init_distributed(env, config.dist, store=store) as ctx:
-        trainer = build_trainer(config, ctx, job_store, user, membership=membership)
-        print(f"ringtrain: joined as rank {ctx.rank} of {ctx.world_size} (generation {generation.number})",
+    beating: list[Heartbeat] = []
+
+    def beat(member: int) -> None:  # from the request on: the members tell a live joiner from a hung one
+        beating.append(Heartbeat(job_store, member, HEAL_BEAT_S).__enter__())
+
+    try:
+        membership, generation = request_join(job_store, config.dist.timeout_s, on_member=beat)
+        env = dataclasses.replace(env, rank=generation.rank, world_size=generation.world_size)
+        backend, device = prepare_process(env, config.dist)
+        # Built before its group forms (no collective: the module is wrapped once it received the state).
+        ctx = DistContext(env, backend, device, host_rank=0, host_world_size=1)
+        supervisor = _supervisor(config, env, job_store, user, membership)
+        trainer = build_trainer(config, ctx, job_store, user, healing=supervisor, joining=True)
+        beating[0].on_dump_request = supervisor.dump
+        print(f"ringtrain: admitted as rank {ctx.rank} of {ctx.world_size} (generation {generation.number})",
               file=sys.stderr, flush=True)
-        with Heartbeat(job_store, generation.member, HEAL_BEAT_S, on_dump_request=trainer.dump_flight):
-            receive_state(trainer)
-            return trainer.fit()
+        try:
+            return supervisor.run(trainer, joining=True)
+        finally:
+            supervisor.trainer.end_threads()
+            leave_default_group()
+    finally:
+        for heartbeat in beating:
+            heartbeat.__exit__(None, None, None)
 
 
-class RunDirLock:
-    """The writer's exclusive lock on a run directory, held while it trains.
-
-    Two groups writing one run directory would interleave checkpoints and ledgers: a user starting the
-    same run twice, or an elastic job split in two by a badly tuned rendezvous. The lock (flock, released
-    by the kernel when the process dies) makes the second writer wait for the first, then fail naming it.
-    """
-
-    def __init__(self, run_dir: str | Path, timeout_s: float = 60.0):
-        self.path = Path(run_dir) / ".lock"
-        self.timeout_s = timeout_s
-        self.fd: int | None = None
-
-    def __enter__(self) -> RunDirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                    os.close(fd)
-                    raise ConfigError(
-                        f"run directory {self.path.parent} is in use by another training process ({holder}) since "
-                        f"{self.timeout_s:g} s; two jobs must not share a run directory: pass --run-dir NEW_DIR"
-                    ) from None
-                time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
-            self.fd = None
-
-
-def _writer_lock(config: Config, rank: int) -> AbstractContextManager:
-    # Only the writer (rank 0) writes the run directory; the other ranks hold nothing.
-    return RunDirLock(config.run_dir) if rank == 0 else nullcontext()
+def _writer_lock(config: Config, ctx: DistContext) -> AbstractContextManager:
+    # Only the writer (rank 0) writes the run directory; the other ranks hold nothing. (Under --heal a worker
+    # that becomes rank 0 takes the lock over once its predecessor's process is gone: heal/supervisor.py.)
+    return RunDirLock(config.run_dir) if ctx.rank == 0 else nullcontext()
 
 
 def _manager(config: Config) -> CheckpointManager:

@@ -39,7 +39,7 @@ class GradientStep:
         self.parts = parts
         self.model = parts.model
         """The model as wrapped by the strategy (its backward synchronises)."""
-        self.module = parts.strategy.unwrap(parts.model)
+        self.module = parts.module
         self.clock = clock
         self.world_size = world_size
         self.device = device

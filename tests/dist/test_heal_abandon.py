@@ -1,8 +1,8 @@
-"""Abandoning a failed group on real Gloo processes (dist/heal.py ``abandon_group``, dist/sockets.py): a rank
+"""Abandoning a failed group on real Gloo processes (heal/groups.py ``abandon_group``, dist/sockets.py): a rank
 leaves the group while its own all-reduce is still in flight on it; the peer, blocked in a collective on that
 live rank, must learn of it at once (its sockets shut down), not after the group's timeout, and the
 abandoning rank's destroy must return at once, leaving nothing of the group for a later garbage collection.
-The group is made the way a heal makes it (``init_generation_group`` in the job store), with Gloo's lazy
+The group is made the way a heal makes it (``Membership.form`` in the job store), with Gloo's lazy
 connection asked for (``TORCH_GLOO_LAZY_INIT=1``): its pairs must still be connected, and recorded, in the init.
 """
 
@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.dist.heal import Generation, Membership, abandon_group, init_generation_group
+from ringtrain.heal.groups import abandon_group
+from ringtrain.heal.membership import Generation, Membership
 from ringtrain.dist.jobstore import JobStore
 from ringtrain.dist.sockets import _socket_fds, group_sockets
 from tests.distributed import run_distributed
@@ -38,7 +39,7 @@ def abandon_in_flight(rank: int, world_size: int, port: int):
     user_socket = _socket_fds()  # what the process held before the group (the job store client among it)
     membership = Membership(job_store, Generation(1, (0, 1), member=rank), timeout_s=GROUP_TIMEOUT_S)
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    init_generation_group(membership, Generation(1, (0, 1), member=rank), GROUP_TIMEOUT_S, "gloo")
+    membership.form("gloo")
     lazy_restored = os.environ.get("TORCH_GLOO_LAZY_INIT") == "1"
     recorded = group_sockets()
     untouched = all(user_socket.get(fd) != name for fd, name in recorded)

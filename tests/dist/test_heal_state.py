@@ -1,5 +1,5 @@
 """Healing's state agreement on real Gloo processes: a collective can complete on one rank and fail on the
-others, so after regrouping one survivor may have applied a step the others have not. ``_agree_on_state``
+others, so after regrouping one survivor may have applied a step the others have not. ``heal.transfer.agree_on_state``
 must bring every rank to that newest state (parameters, optimizer moments, sampler cursor, step), from the
 rank that has it, and leave nothing to copy when all agree already.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ringtrain.train.heal import _agree_on_state, state_digest
+from ringtrain.heal.transfer import agree_on_state, state_digest
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
 from tests.trainers import build_test_trainer
@@ -26,6 +26,11 @@ def optimizer_digest(optimizer: torch.optim.Optimizer) -> str:
             digest.update(f"{index}/{name}".encode())
             digest.update(torch.as_tensor(value).reshape(-1).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _agree_on_state(trainer):
+    return agree_on_state(trainer.position, state_digest(trainer.module), trainer.transfer_state,
+                          trainer.load_transfer_state)
 
 
 def roll_forward(rank: int, world_size: int, run_dir: str, ahead_rank: int | None):
@@ -66,16 +71,18 @@ def test_nothing_is_copied_when_every_survivor_is_at_the_same_step(tmp_path):
 
 
 def roll_forward_through_a_corrupting_wire(rank: int, world_size: int, run_dir: str):
-    """As roll_forward, with one byte of the state flipped in transit on the first send (a test hook)."""
-    import ringtrain.train.heal as heal
+    """As roll_forward, with one byte of the state flipped in transit on the first send (fault point heal.transfer)."""
+    from types import SimpleNamespace
+
+    import ringtrain.heal.transfer as transfer
 
     sends: list[int] = []
 
-    def flip_first(data: bytes, attempt: int) -> bytes:
+    def flip_first(name: str, data: bytes, attempt: int) -> bytes:
         sends.append(attempt)
         return data if attempt > 1 else data[:100] + bytes([data[100] ^ 0xFF]) + data[101:]
 
-    heal.transit_hook = flip_first
+    transfer.faults = SimpleNamespace(alter=flip_first)  # TODO(faults): arm the heal.transfer point instead
     result = roll_forward(rank, world_size, run_dir, ahead_rank=1)
     return sends, result
 

@@ -174,3 +174,53 @@ def test_the_export_command_writes_safetensors_from_a_run_directory(tmp_path, ca
     assert torch.equal(load_file(tmp_path / "w.safetensors")["w"], torch.full((64, 32), 10.0))
     assert main(["export", str(tmp_path / "nothing-here")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_a_writer_cut_off_while_it_saves_commits_nothing_and_its_prune_spares_a_live_writers_files(tmp_path):
+    """Issue 21: after its fence check a writer can be stopped, a heal make another worker the writer, and the
+    stopped one resume. Its save checks the fence again right before each file takes its name, so nothing it
+    wrote becomes a checkpoint; and its prune removes only its own leftovers or a dead process's, never the
+    temp files of a save in progress by the live writer."""
+    import os
+    import subprocess
+    import sys
+
+    from ringtrain.checkpoint.manifest import manifest_path
+    from ringtrain.errors import RingtrainError
+
+    class Fenced(RingtrainError):
+        pass
+
+    cut_off = {"after": None}
+
+    def fence() -> None:
+        if cut_off["after"] is not None:
+            cut_off["after"] -= 1
+            if cut_off["after"] < 0:
+                raise Fenced("cut off")
+
+    directory = tmp_path / "checkpoints"
+    old_writer = CheckpointManager(directory, keep_last=1, fence=fence)
+    old_writer.save(1, {"step": 1})
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        in_progress = directory / f".step_00000003.pt.tmp-{live.pid}"  # the new writer's save, under way
+        leftover = directory / f".step_00000002.pt.tmp-{dead.pid}"  # a crashed writer's
+        in_progress.write_bytes(b"new writer")
+        leftover.write_bytes(b"crashed")
+        old_writer.save(2, {"step": 2})  # not cut off yet: commits, and prunes
+        assert in_progress.exists() and not leftover.exists()
+        # The next save passes its first check, then the heal happens while the writer is stopped inside it.
+        cut_off["after"] = 1
+        with pytest.raises(Fenced):
+            old_writer.save(4, {"step": 4})
+        assert not (directory / "step_00000004.pt").exists() and not manifest_path(directory / "step_00000004.pt").exists()
+        assert in_progress.exists()
+        assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == [
+            "step_00000002.manifest.json", "step_00000002.pt"]
+        assert not any(p.name.endswith(f"tmp-{os.getpid()}") for p in directory.iterdir())
+    finally:
+        live.kill()
+        live.wait()

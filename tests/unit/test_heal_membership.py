@@ -1,4 +1,4 @@
-"""dist/heal.py's agreement on a real TCPStore: the survivors agree on the same next generation, a silent
+"""heal/membership.py's agreement on a real TCPStore: the survivors agree on the same next generation, a silent
 member is left out, and a member that comes back after the decision is fenced (it must write nothing)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ringtrain.dist.heal import Fenced, Generation, Membership
+from ringtrain.heal.membership import Fenced, Generation, Membership
 from ringtrain.dist.jobstore import JobStore
 
 
@@ -45,9 +45,9 @@ def test_survivors_agree_a_silent_member_is_left_out_and_fenced_when_it_returns(
 
     def survivor(member: int) -> None:
         membership = Membership(connect(job_store_port), Generation(0, members, member), timeout_s=10,
-                                silent_after_s=0.3)
+                                hang_after_s=0.3)
         membership.publish_failure(step=7)
-        results[member] = membership.agree(applied_step=6 + member % 2)
+        results[member], _ = membership.agree(applied_step=6 + member % 2)
 
     threads = [threading.Thread(target=survivor, args=(m,)) for m in (0, 1)]
     for thread in threads:
@@ -120,3 +120,90 @@ def test_a_new_writer_takes_the_run_files_over_so_an_old_writers_open_handle_wri
     assert (tmp_path / "metrics.csv").read_text().count("\n") == 3
     for logger in (old_run, old_csv, new_run, new_csv):
         logger.close()
+
+
+def registered(store: JobStore, member: int, pid: int) -> None:
+    """Register ``member`` as process ``pid`` of this host (its start time read as a member reads its own)."""
+    import psutil
+
+    from ringtrain.heal.liveness import Registration
+    from ringtrain.comm.groups import host_id
+
+    registration = Registration(host_id(), pid, psutil.Process(pid).create_time())
+    dist.PrefixStore("heal/0/", store.store).set(f"who/{member}", registration.to_json())
+
+
+def test_a_live_member_whose_heartbeat_is_starved_is_waited_for_and_a_dead_one_is_not(job_store_port):
+    """Issue 21 item 10: a heartbeat that stands still is no proof of death. Member 1 is alive (a process of
+    this host) but its heartbeat thread is starved for 1.5 s, three times the old 0.5 s rule: the survivors
+    wait for it, and it is in the next generation when it arrives. Member 2 beat a moment ago, but its process
+    has exited: it is left out at once, without waiting for any silence."""
+    import subprocess
+    import sys
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_pid = dead.pid
+    try:
+        registered(connect(job_store_port), 1, alive.pid)
+        registered(connect(job_store_port), 2, dead_pid)
+        dead.wait()
+        connect(job_store_port).beat(1, 1)  # then nothing for 1.5 s: the thread is starved, not dead
+        connect(job_store_port).beat(2, 1)
+        results: dict[int, Generation] = {}
+        members = (0, 1, 2)
+
+        def arrive(member: int, after_s: float) -> None:
+            time.sleep(after_s)
+            membership = Membership(connect(job_store_port), Generation(0, members, member), timeout_s=20)
+            results[member], _ = membership.agree(applied_step=5)
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=arrive, args=(0, 0.0)), threading.Thread(target=arrive, args=(1, 1.5))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        alive.kill()
+        alive.wait()
+    print(f"agreed in {took:.2f} s: {results}")
+    assert results[0] == Generation(1, (0, 1), member=0) and results[1] == Generation(1, (0, 1), member=1)
+    assert took < 10, took  # the dead member cost no hang_after_s (20 s) of waiting
+
+
+def test_a_hung_member_is_left_out_after_hang_after_s_and_a_withdrawn_joiner_at_once(job_store_port):
+    """Silence still ends a hang: a member whose heartbeat stood still hang_after_s is taken for lost. A joiner
+    that withdrew its request (it left) is lost at once."""
+    members = (0, 1, 1001)
+    store = connect(job_store_port)
+    store.beat(1, 1)
+    dist.PrefixStore("heal/0/", store.store).set("join/withdrawn/1001", "1")
+    started = time.monotonic()
+    membership = Membership(connect(job_store_port), Generation(0, members, 0), timeout_s=20, hang_after_s=1.0)
+    generation, finished = membership.agree(applied_step=3)
+    took = time.monotonic() - started
+    assert generation == Generation(1, (0,), member=0) and not finished
+    assert 0.9 <= took < 10, took
+
+
+def test_after_a_heal_the_watch_reads_each_ranks_heartbeat_and_host_under_its_member_id(job_store_port):
+    """Under --heal every worker beats and records its host under its member id (its first rank, or 1000 + n);
+    after a heal ranks and ids differ (here members 0, 2 and 1001 are ranks 0, 1, 2). The watch must read
+    rank 1's host and heartbeat under id 2, not under id 1 (a worker lost long ago)."""
+    from ringtrain.dist.watch import CollectiveWatch
+
+    store = connect(job_store_port)
+    for member, address in ((0, "198.18.0.1"), (1, "198.18.0.9"), (2, "198.18.0.2"), (1001, "198.18.0.3")):
+        store.set_host(member, address)
+    watch = CollectiveWatch(store, rank=0, world_size=3, timeout_s=5, interval_s=0.05, members=[0, 2, 1001])
+    assert watch._hosts() == {0: "198.18.0.1", 1: "198.18.0.2", 2: "198.18.0.3"}
+    store.beat(0, 1), store.beat(2, 1), store.beat(1001, 1)
+    stop = threading.Event()
+    beater = threading.Thread(target=beat_while, args=(connect(job_store_port), 1001, stop), daemon=True)
+    beater.start()
+    try:
+        assert watch.silent_ranks() == [1]  # member 2 (rank 1) stood still; member 1001 (rank 2) beats
+    finally:
+        stop.set()

@@ -1,0 +1,37 @@
+"""Leaving a generation's process group: at once when it failed, the ordinary way at an admission."""
+
+from __future__ import annotations
+
+import gc
+
+import torch.distributed as dist
+
+from ringtrain.comm import shm_group
+from ringtrain.dist.sockets import forget_group_sockets, shutdown_group_sockets
+
+__all__ = ["abandon_group"]
+
+
+def abandon_group(failed: bool = True) -> None:
+    """Leave the default group (and every group made from it) without waiting on it. A ``failed`` group's
+    collectives failed, so nothing of it is waited for again: its TCP sockets are shut down first
+    (``dist/sockets.py``: the default group's and those of the groups ringtrain made beside it, such as
+    sharded checkpoints' own), which tells a peer still blocked in one of its collectives (on a live rank) that
+    the group is gone at once, not after timeout_s, and makes a collective of this rank still in flight on it
+    fail, so the destroy returns at once instead of waiting for it until timeout_s. (``failed=False``: a
+    healthy group left at a step boundary to admit a joiner, with nothing in flight: closed the ordinary way.)
+
+    Objects that hung off the group (a DDP wrapper's reducer, whose autograd hooks would otherwise fire on
+    the next backward) must be dropped by the caller first; the collection here frees them, so the group is
+    destroyed here, never later in a garbage collection. Its shared-memory workspace
+    (``comm.algorithm = "shm"``) goes too, with any segment a dead peer left named in /dev/shm."""
+    if failed:
+        shutdown_group_sockets()
+    forget_group_sockets()
+    gc.collect()
+    if dist.is_initialized():
+        shm_group.destroy(dist.group.WORLD)
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):
+            pass  # already half torn down by the failure: nothing left to close

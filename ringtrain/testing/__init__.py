@@ -1,0 +1,1 @@
+"""Test facilities that ship with ringtrain (armed only by a test harness)."""

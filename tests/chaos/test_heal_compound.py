@@ -1,0 +1,202 @@
+"""Chaos: failures that overlap (issue 21). The heal is one state machine (ringtrain/heal/supervisor.py): a
+failure at any moment, in a step, inside a heal, in an admission, in a sharded save, in an evaluation or the
+last summary, is a failure of the current generation, and the survivors heal again from wherever they are.
+
+Each job here is placed with fault points (ringtrain/testing/faults.py) where a kill from outside could not
+land reliably, and each checks what a user relies on: exit 0 while --min-nproc workers live, every sample
+exactly once (the ledger), equal parameters on every rank, a record for every heal, and a launcher that
+returns.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ringtrain.data.ledger import check_ledger
+from tests.chaos.jobs import Job, ledger_steps, records
+from tests.faults import Fault, fault_plan
+
+# Jobs of 3-4 workers with dist.timeout_s of a few seconds: run alone, as the other chaos modules.
+pytestmark = pytest.mark.exclusive
+
+STEPS_PER_EPOCH = 15  # 1,437 training samples, 96 a step
+
+
+def sets(epochs: int, timeout_s: float = 20, **more: str) -> list[str]:
+    overrides = {"train.global_batch_size": "96", "train.local_batch_size": "16", "train.lr_schedule": "constant",
+                 "data.ledger": "true", "monitor.log_every_steps": "1", "monitor.progress": "false",
+                 "dist.timeout_s": str(timeout_s), "checkpoint.every_steps": "1000", "train.epochs": str(epochs),
+                 **more}
+    return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_exactly_once(run_dir: Path, epochs: int) -> None:
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    assert len(reports) == epochs and all(r.exactly_once and r.complete for r in reports), reports
+    steps = [r["step"] for r in ledger_steps(run_dir)]
+    assert steps == list(range(1, epochs * STEPS_PER_EPOCH + 1)), "a step missing or redone in the ledger"
+
+
+def test_a_second_and_a_third_worker_lost_during_heals_are_healed_again(tmp_path):
+    """4 workers, --min-nproc 1. Rank 3 is killed mid-epoch; while the survivors heal, member 2 dies after the
+    decision, before the new group forms (heal.form of generation 1); in the next heal member 1 dies once the
+    group formed, before the state comparison (heal.settle of generation 2). Member 0 goes on alone."""
+    run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, Fault("heal.form", member=2, generation=1), Fault("heal.settle", member=1, generation=2))
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "4", "--min-nproc", "1", "--heal", "--run-dir",
+             str(run_dir), *sets(epochs=2), env=plan.env) as job:
+        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 8, what="step 8")
+        job.worker(3).kill()
+        code = job.finish(timeout=240)
+    heals = records(run_dir, "heal")
+    print(f"heals: {[(h['generation'], h['lost_ranks'], h['world_size'], h.get('recovery_s')) for h in heals]}; "
+          f"faults fired: {plan.fired_points()}")
+    assert code == 0, job.stderr
+    assert plan.fired_points() == ["heal.form", "heal.settle"]
+    # Three heals, each with its own record (a heal that fails in turn keeps its record), all going on from the
+    # same step: the failed one is redone once by whoever is left.
+    assert [h["generation"] for h in heals] == [1, 2, 3], heals
+    assert [h["world_size"] for h in heals] == [3, 2, 1] and all(len(h["lost_ranks"]) == 1 for h in heals), heals
+    assert len({h["from_step"] for h in heals}) == 1 and len({h["recovery_s"] for h in heals}) == 1, heals
+    done = summary(run_dir)
+    assert done["heals"] == 3 and done["world_size"] == 1 and done["steps"] == 2 * STEPS_PER_EPOCH
+    assert_exactly_once(run_dir, epochs=2)
+    sizes = [r["world_size"] for r in ledger_steps(run_dir)]
+    assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [4, 1]
+
+
+def test_a_worker_lost_inside_a_sharded_save_is_healed_by_reloading_the_last_checkpoint(tmp_path):
+    """zero2 under --heal: member 1 dies as the sharded save of step 10 starts; the others fail inside DCP's own
+    collectives (its Gloo group, beside training's), which is a failure of the generation like any other: they
+    reload step 5's checkpoint and redo 5 steps."""
+    run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, Fault("checkpoint.sharded.enter", member=1, step=10))
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), *sets(epochs=2, **{"comm.strategy": "zero2", "checkpoint.sharded": "true",
+                                              "checkpoint.every_steps": "5"}), env=plan.env) as job:
+        code = job.finish(timeout=240)
+    heals = records(run_dir, "heal")
+    print(f"heal: {heals}")
+    assert code == 0, job.stderr
+    assert plan.fired_points() == ["checkpoint.sharded.enter"]
+    assert len(heals) == 1 and heals[0]["reloaded"] == "step_00000005.dcp" and heals[0]["steps_lost"] == 5, heals
+    assert summary(run_dir)["steps"] == 2 * STEPS_PER_EPOCH and summary(run_dir)["world_size"] == 2
+    assert_exactly_once(run_dir, epochs=2)
+
+
+def _worker_of(joiner: Job) -> psutil.Process:
+    found = joiner.wait_for(lambda: [p for p in joiner.tree()[1:] if "ringtrain.worker" in " ".join(p.cmdline())],
+                            what="the joining worker")
+    return found[0]
+
+
+def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finishes(tmp_path):
+    """The job is full (3 of 3); two workers ask to join and leave before they are admitted: one by Ctrl-C (it
+    withdraws its request), one SIGKILLed (it cannot: its death is seen). Then a worker is lost: the group has
+    room, and neither of them may be put into the next generation (forming it would wait for them)."""
+    run_dir = tmp_path / "run"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), *sets(epochs=3)) as job:
+        job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
+        polite, killed = Job("join", str(run_dir)).__enter__(), Job("join", str(run_dir)).__enter__()
+        try:
+            for joiner in (polite, killed):
+                joiner.wait_for_line("asked to join")
+            for proc in polite.tree():  # Ctrl-C in its terminal: the whole foreground group gets SIGINT
+                proc.send_signal(signal.SIGINT)
+            _worker_of(killed).kill()
+            assert polite.finish(timeout=60) != 0 and killed.finish(timeout=60) != 0
+            job.wait_for(lambda: len(ledger_steps(run_dir)) >= 10, what="step 10")
+            job.worker(1).kill()
+            code = job.finish(timeout=180)
+        finally:
+            for joiner in (polite, killed):
+                joiner.__exit__(None, None, None)
+    assert code == 0, job.stderr + polite.stderr + killed.stderr
+    assert len(records(run_dir, "heal")) == 1 and not records(run_dir, "join")
+    done = summary(run_dir)
+    assert done["world_size"] == 2 and done["steps"] == 3 * STEPS_PER_EPOCH
+    assert_exactly_once(run_dir, epochs=3)
+
+
+def test_an_admission_cut_short_by_a_heal_is_scheduled_again_by_the_next_writer(tmp_path):
+    """One worker was lost (3 -> 2); a joiner asks; rank 0 (the writer) schedules its admission and dies right
+    after (heal.planned). The survivor that becomes rank 0 must find the request again and admit it."""
+    run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, Fault("heal.planned", member=0))
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "1", "--heal", "--run-dir",
+             str(run_dir), *sets(epochs=3), env=plan.env) as job:
+        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 5, what="step 5")
+        job.worker(2).kill()
+        job.wait_for(lambda: records(run_dir, "heal"), what="the first heal")
+        joiner = Job("join", str(run_dir)).__enter__()
+        try:
+            code = job.finish(timeout=240)
+            join_code = joiner.finish(timeout=60)
+        finally:
+            joiner.__exit__(None, None, None)
+    heals, joins = records(run_dir, "heal"), records(run_dir, "join")
+    print(f"heals {[(h['step'], h['lost_ranks']) for h in heals]}, joins {joins}, faults {plan.fired_points()}")
+    assert code == 0 and join_code == 0, job.stderr + joiner.stderr
+    assert plan.fired_points() == ["heal.planned"]
+    assert len(heals) == 2 and heals[1]["lost_ranks"] == [0] and len(joins) == 1, (heals, joins)
+    assert joins[0]["world_size"] == 2 and summary(run_dir)["world_size"] == 2
+    assert len(set(summary(run_dir)["param_sha256"])) == 1
+    assert_exactly_once(run_dir, epochs=3)
+    # The run directory's lock went to the new writer once the old one was gone.
+    assert (run_dir / ".lock").read_text().startswith("pid ")
+    assert str(job.process.pid) not in (run_dir / ".lock").read_text()
+
+
+def test_a_cut_off_worker_that_stays_stopped_does_not_keep_the_launcher_waiting(tmp_path):
+    """Rank 2 is SIGSTOPped and never continued: the others heal without it (after dist.timeout_s, 3 s) and
+    finish; the launcher must return (it stops the agent of the cut-off worker) instead of waiting for ever."""
+    run_dir = tmp_path / "run"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), *sets(epochs=2, timeout_s=3)) as job:
+        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 5, what="step 5")
+        stopped = job.worker(2)
+        stopped.suspend()
+        job.wait_for(lambda: (run_dir / "summary.json").exists(), timeout=120, what="the survivors to finish")
+        finished_at = time.monotonic()
+        code = job.finish(timeout=120)
+        waited_s = time.monotonic() - finished_at
+    print(f"the launcher returned {waited_s:.1f} s after summary.json was written")
+    assert code == 0, job.stderr
+    assert "its worker was cut off from the job; stopping it" in job.stderr
+    assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE
+    heal = records(run_dir, "heal")[0]
+    assert heal["lost_ranks"] == [2] and summary(run_dir)["world_size"] == 2
+    assert_exactly_once(run_dir, epochs=2)
+
+
+def test_workers_lost_in_an_evaluation_and_in_the_last_summary_are_healed(tmp_path):
+    """Member 2 dies inside the evaluation at the end of epoch 1 (train.evaluate, step 15), member 1 inside the
+    last summary's collectives (train.finish): both are failures of the generation; member 0 evaluates and
+    summarises again with whoever is left, and the job ends with exit 0 and its summary."""
+    run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, Fault("train.evaluate", member=2, step=15),
+                      Fault("train.finish", member=1, step=2 * STEPS_PER_EPOCH))
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), *sets(epochs=2, **{"monitor.eval_every_epochs": "1"}), env=plan.env) as job:
+        code = job.finish(timeout=240)
+    heals = records(run_dir, "heal")
+    print(f"heals {[(h['step'], h['lost_ranks'], h['world_size']) for h in heals]}, faults {plan.fired_points()}")
+    assert code == 0, job.stderr
+    assert sorted(plan.fired_points()) == ["train.evaluate", "train.finish"]
+    assert len(heals) == 2 and heals[-1]["world_size"] == 1, heals
+    done = summary(run_dir)
+    assert done["steps"] == 2 * STEPS_PER_EPOCH and done["world_size"] == 1 and done["eval"]["accuracy"] > 0.5
+    evals = records(run_dir, "eval")
+    assert [e["step"] for e in evals] == [15, 30], evals  # the epoch's evaluation once, the last one once
+    assert_exactly_once(run_dir, epochs=2)
