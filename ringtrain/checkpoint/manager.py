@@ -34,6 +34,7 @@ from ringtrain.checkpoint.manifest import (
     write_manifest,
 )
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
+from ringtrain.testing import faults
 
 __all__ = ["CheckpointManager", "ALLOWED_GLOBALS", "load_checkpoint_file"]
 
@@ -82,6 +83,7 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict[str, Any], **manifest_fields: Any) -> Path | None:
         """Write ``state`` as the checkpoint of ``step`` and commit it (writer rank only; others: None)."""
+        faults.point("checkpoint.save.enter", step=step)
         if not self.is_writer:
             return None
         make_dirs(self.directory)
@@ -90,6 +92,7 @@ class CheckpointManager:
         # the old manifest vouching for the new bytes.
         manifest_path(final).unlink(missing_ok=True)
         digest = write_atomic(final, lambda f: _save_hashed(state, f))
+        faults.point("checkpoint.save.commit", step=step)
         write_manifest(final, digest, step=step, **manifest_fields)
         self._prune()
         return final

@@ -11,6 +11,7 @@ from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
+from ringtrain.dist.env import forget_fault_plan
 from ringtrain.dist.group import DistContext
 from ringtrain.dist.heal import HEAL_BEAT_S, Generation, Membership
 from ringtrain.dist.jobstore import NullJobStore
@@ -19,15 +20,15 @@ from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.heal import Healing
-from ringtrain.train.kill_hooks import arm_kill_hooks, prepare_kill_hooks
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
 from ringtrain.errors import ConfigError
 from ringtrain.train.tasks import build_task
+from ringtrain.testing import faults
 from ringtrain.train.user_parts import UserParts
 
-__all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0"]
+__all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0", "arm_fault_plan"]
 
 
 def build_trainer(
@@ -39,8 +40,8 @@ def build_trainer(
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     validate_for_backend(config, ctx.backend)
-    if ctx.env.kill_in_collective:  # a test hook (chaos tests): nothing when unset
-        prepare_kill_hooks(ctx.env, ctx.rank)
+    if ctx.env.fault_plan:  # a test harness's fault plan: nothing in a user's run
+        arm_fault_plan(ctx, membership)
     if user is None and config.user_parts:
         user = UserParts.from_config(config)
     if user is None:
@@ -125,9 +126,17 @@ def build_trainer(
                 membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
         trainer.healing = Healing(trainer, membership, ctx.env.heal_min_workers or 1, ctx.env.heal_max_workers)
         trainer.watch.interval_s = HEAL_BEAT_S
-    if ctx.env.kill_in_collective or ctx.env.kill_in_save:  # test hooks (chaos tests): nothing when unset
-        arm_kill_hooks(trainer, ctx.env)
     return trainer
+
+
+def arm_fault_plan(ctx: DistContext, membership: Membership | None) -> None:
+    """Arm the test's fault plan (ringtrain/testing/faults.py) in this worker, before anything is built (shm
+    picks its path by it), as the rank it was launched as (its member id); then drop it from the environment,
+    so that no process this worker starts is armed."""
+    generation = membership.generation if membership is not None else None
+    faults.arm(ctx.env.fault_plan, rank=ctx.rank, member=generation.member if generation else ctx.rank,
+               generation=generation.number if generation else 0)
+    forget_fault_plan()
 
 
 def broadcast_from_rank0(model: torch.nn.Module) -> None:
