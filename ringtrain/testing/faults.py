@@ -23,9 +23,10 @@ reach within that step; unset: its first matching reach). The trainer says where
 ``context(step=..., rank=...)`` once per step; a point may add its own (``point("checkpoint.save.commit",
 step=step)``). Actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP: the test sends SIGCONT), ``exit``
 (``os._exit(code)``), ``raise`` (``error``, a class by its dotted name such as ``"torch.OutOfMemoryError"``,
-with ``message``), ``observe`` (record only: once per process, and it keeps the point armed). Any other fault
-fires at most once per job: a marker beside the plan, created with O_EXCL, so a worker its agent restarted
-does not fire it again.
+with ``message``), ``observe`` (record only: once per process, and it keeps the point armed), ``flip`` (at a
+point a value passes, ``data = faults.through(name, data)``: byte ``offset`` inverted, a corrupted wire). Any
+other fault fires at most once per job: a marker beside the plan, created with O_EXCL, so a worker its agent
+restarted does not fire it again.
 
 Beside the plan the armed processes append ``<plan>.reached.jsonl`` (each point's first reach per process:
 point, rank, member, generation, step, hit, pid) and ``<plan>.fired.jsonl`` (every fault fired, before its
@@ -57,7 +58,7 @@ from typing import Any
 
 from ringtrain.errors import RingtrainError
 
-__all__ = ["POINTS", "ACTIONS", "Fault", "FaultPlanError", "point", "context", "armed_at", "arm", "disarm",
+__all__ = ["POINTS", "ACTIONS", "Fault", "FaultPlanError", "point", "through", "context", "armed_at", "arm", "disarm",
            "write_plan", "reached", "fired"]
 
 POINTS: dict[str, str] = {
@@ -79,7 +80,7 @@ POINTS: dict[str, str] = {
 }
 """Every fault point: its name and where it sits. One line of code per point: ``faults.point(name)``."""
 
-ACTIONS = ("kill", "stop", "exit", "raise", "observe")
+ACTIONS = ("kill", "stop", "exit", "raise", "observe", "flip")
 WHERE = ("rank", "member", "generation", "step")
 """What a fault may match besides its point and hit; ``context`` and ``point`` keywords set them."""
 
@@ -107,6 +108,8 @@ class Fault:
     """``raise``: the exception's message."""
     code: int = 1
     """``exit``: the exit code."""
+    offset: int = 0
+    """``flip``: the byte of the value passed through the point (``through``) that is inverted."""
 
     def check(self, where: str) -> None:
         """Raise FaultPlanError (one line naming the fix) unless every name in this fault exists."""
@@ -153,6 +156,14 @@ def point(name: str, **where: int) -> None:
     a checkpoint save belongs to). Unarmed, returns at once."""
     if _armed is not None:
         _armed.reach(name, where)
+
+
+def through(name: str, data: bytes) -> bytes:
+    """The fault point ``name`` on bytes in transit: returns ``data``, or a copy with one byte inverted where a
+    ``flip`` fault fires (a corrupted wire). Unarmed, returns ``data`` at once."""
+    if _armed is None:
+        return data
+    return _armed.reach(name, {}, data)
 
 
 def context(**where: int) -> None:
@@ -240,9 +251,9 @@ class _Armed:
     def marker(self, index: int) -> Path:
         return Path(f"{self.path}.fired-{index}")
 
-    def reach(self, name: str, where: dict[str, int]) -> None:
+    def reach(self, name: str, where: dict[str, int], data: bytes | None = None) -> bytes | None:
         if os.getpid() != self.pid:
-            return
+            return data
         if name not in POINTS:
             raise FaultPlanError(f"fault point {name!r} is not declared in ringtrain/testing/faults.py POINTS")
         with self.lock:
@@ -254,8 +265,13 @@ class _Armed:
                 _append(Path(f"{self.path}.reached.jsonl"), {"point": name, **at, "hit": hit, "pid": self.pid})
             due = [(index, fault) for index, fault in self.by_point.get(name, ()) if fault.matches(at, hit)]
         for index, fault in due:
+            if fault.action == "flip" and (data is None or not 0 <= fault.offset < len(data)):
+                passes = "no value" if data is None else f"{len(data)} bytes"
+                raise FaultPlanError(f"fault {index} flips byte {fault.offset} at {name}, which passes {passes} "
+                                     "(flip needs a point placed as faults.through)")
             if self._claim(index, fault):
-                self._fire(index, fault, at, hit)
+                data = self._fire(index, fault, at, hit, data)
+        return data
 
     def _claim(self, index: int, fault: Fault) -> bool:
         """True for the one process of the job that gets to fire fault ``index`` (O_EXCL on its marker); an
@@ -270,11 +286,13 @@ class _Armed:
             return False
         return True
 
-    def _fire(self, index: int, fault: Fault, at: dict[str, Any], hit: int) -> None:
+    def _fire(self, index: int, fault: Fault, at: dict[str, Any], hit: int, data: bytes | None) -> bytes | None:
         _append(Path(f"{self.path}.fired.jsonl"),
                 {"index": index, "point": fault.point, "action": fault.action, **at, "hit": hit, "pid": self.pid})
         if fault.action == "observe":
-            return
+            return data
+        if fault.action == "flip":
+            return data[:fault.offset] + bytes([data[fault.offset] ^ 0xFF]) + data[fault.offset + 1:]
         print(f"ringtrain: fault plan: {fault.action} at {fault.point} (hit {hit} of step {at['step']}, rank "
               f"{at['rank']}, member {at['member']})", file=sys.stderr, flush=True)
         if fault.action == "kill":
@@ -283,7 +301,7 @@ class _Armed:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.action == "exit":
             os._exit(fault.code)
-        else:
+        elif fault.action == "raise":
             raise _error_class(fault.error, fault.point)(fault.message or f"fault plan: {fault.point}")
 
 

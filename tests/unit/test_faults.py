@@ -122,8 +122,21 @@ def test_an_unknown_point_action_or_error_is_one_line_when_written_and_when_arme
         faults.point("ring.stepp")
 
 
+def test_a_flip_corrupts_bytes_passing_through_a_point_once_and_needs_such_a_point(tmp_path):
+    data = bytes(range(8))
+    assert faults.through("ring.step", data) is data  # unarmed
+    plan = fault_plan(tmp_path, Fault("ring.step", action="flip", offset=2, rank=1))
+    faults.arm(plan.path, rank=1)
+    assert faults.through("ring.step", data) == bytes([0, 1, 2 ^ 0xFF, 3, 4, 5, 6, 7])
+    assert faults.through("ring.step", data) == data  # once per job: the next send goes through whole
+    assert [(f["point"], f["action"], f["hit"]) for f in plan.fired()] == [("ring.step", "flip", 1)]
+    faults.arm(fault_plan(tmp_path, Fault("shm.arrive", action="flip"), name="plain.json").path, rank=0)
+    with pytest.raises(FaultPlanError, match="flip needs a point placed as faults.through"):
+        faults.point("shm.arrive")  # a plain point passes no value
+
+
 def test_every_point_in_the_code_is_declared_and_every_declared_point_is_placed_once():
-    pattern = re.compile(r"""faults\.point\(\s*["']([^"']+)["']""")
+    pattern = re.compile(r"""faults\.(?:point|through)\(\s*["']([^"']+)["']""")
     placed: dict[str, list[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         if path.name == "faults.py" and path.parent.name == "testing":
