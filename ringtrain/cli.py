@@ -340,7 +340,7 @@ def _join(args: argparse.Namespace) -> int:
 
         join_healing_job(spec, args.local_addr)  # admitted at a step boundary, no rendezvous
         return 0
-    join_job(spec, args.local_addr)
+    join_job(spec, args.local_addr, launched_agent=args.spec is not None)
     return 0
 
 

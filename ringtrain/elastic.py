@@ -35,7 +35,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
+from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR, forget_fault_plan
 from ringtrain.dist.jobstore import JobStore
 from ringtrain.errors import LaunchError
 from ringtrain.heal.liveness import ExitReporter, exit_key
@@ -146,6 +146,7 @@ def join_healing_job(spec: JobSpec, local_addr: str | None = None) -> None:
     env = {**os.environ, **dict(spec.program.env), JOB_STORE_VAR: spec.rdzv_endpoint, HEAL_JOIN_VAR: "1",
            HEAL_VAR: f"{spec.min_workers}:{spec.max_workers}", LAUNCHER_VAR: "1", "TORCHELASTIC_RUN_ID": spec.run_id,
            BIND_ADDR_VAR: local_addr or host}
+    forget_fault_plan(env)  # a joiner is never armed by a test's fault plan (ringtrain/testing/faults.py)
     host_, port = split_endpoint(spec.rdzv_endpoint)
     reports = JobStore(host_, port, f"ringtrain/{spec.run_id}/", is_writer=False)
     # This process is the worker's parent: it records the worker's exit for members on other hosts.
@@ -164,8 +165,12 @@ def join_healing_job(spec: JobSpec, local_addr: str | None = None) -> None:
         raise WorkerFailed(f"the joining worker exited with code {code}")
 
 
-def join_job(spec: JobSpec, local_addr: str | None = None) -> None:
-    """Run one agent (for ``spec.nproc`` workers) that joins the job's rendezvous (``ringtrain join``)."""
+def join_job(spec: JobSpec, local_addr: str | None = None, launched_agent: bool = False) -> None:
+    """Run one agent (for ``spec.nproc`` workers) that joins the job's rendezvous (``ringtrain join``).
+    ``launched_agent``: one of the launcher's own agents (``join --spec``), whose workers are the launched job's
+    and keep a test's fault plan; any other joiner's workers never get it."""
+    if not launched_agent:
+        forget_fault_plan()  # the agent passes this environment on to its workers
     _check_running(spec)
     options = LaunchOptions(
         nproc=spec.nproc,

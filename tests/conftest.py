@@ -34,11 +34,12 @@ def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None, env: dict
     )
 
 
-def run_clis(*commands: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Several independent ``python -m ringtrain ARGS`` at once, as ``run_cli`` runs one; the finished
-    processes, in the order given. On 2 cores two small jobs overlap well: much of each is its processes
-    starting and waiting on each other (10.9 s for two `ringtrain run` jobs at once, 8.3 s for one alone)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def run_clis(*commands: list[str], timeout: float = 240, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Several independent ``python -m ringtrain ARGS`` at once, as ``run_cli`` runs one (``env`` added to every
+    one's environment); the finished processes, in the order given. On 2 cores two small jobs overlap well:
+    much of each is its processes starting and waiting on each other (10.9 s for two `ringtrain run` jobs at
+    once, 8.3 s for one alone)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     # Output to files, not pipes: a job must not block on a full pipe while another one is waited for.
     outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
     started = [subprocess.Popen([sys.executable, "-m", "ringtrain", *args], cwd=REPO, env=full_env, text=True,

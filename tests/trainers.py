@@ -32,14 +32,17 @@ __all__ = ["REPO", "build_test_trainer", "count_gradient_syncs", "flat_params", 
 
 
 def build_test_trainer(
-    rank: int, world_size: int, config: str | Path, overrides: list[str], run_dir: str | Path
+    rank: int, world_size: int, config: str | Path, overrides: list[str], run_dir: str | Path,
+    fault_plan: str | Path | None = None,
 ) -> Trainer:
-    """The trainer `ringtrain train` would build, on this harness's Gloo group (no progress bar)."""
+    """The trainer `ringtrain train` would build, on this harness's Gloo group (no progress bar); armed with the
+    test's ``fault_plan`` (tests/faults.py) as a launched worker would be, if given (it stays armed in this
+    process: its faults fire once per plan)."""
     config = load_config(REPO / config, [*overrides, "monitor.progress=false"], run_dir=str(run_dir))
     validate_for_world_size(config, world_size)
-    ctx = DistContext(
-        DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size), "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size
-    )
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+                  fault_plan=None if fault_plan is None else str(fault_plan))
+    ctx = DistContext(env, "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size)
     return build_trainer(config, ctx)
 
 

@@ -35,6 +35,7 @@ from ringtrain.checkpoint.manifest import (
     write_manifest,
 )
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
+from ringtrain.testing import faults
 
 __all__ = ["CheckpointManager", "ALLOWED_GLOBALS", "load_checkpoint_file"]
 
@@ -87,6 +88,7 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict[str, Any], **manifest_fields: Any) -> Path | None:
         """Write ``state`` as the checkpoint of ``step`` and commit it (writer rank only; others: None)."""
+        faults.point("checkpoint.save.enter", step=step)
         if not self.is_writer:
             return None
         make_dirs(self.directory)
@@ -97,6 +99,7 @@ class CheckpointManager:
             self.fence()
         manifest_path(final).unlink(missing_ok=True)
         digest = write_atomic(final, lambda f: _save_hashed(state, f), self.fence)
+        faults.point("checkpoint.save.commit", step=step)
         write_manifest(final, digest, self.fence, step=step, **manifest_fields)
         self._prune()
         return final

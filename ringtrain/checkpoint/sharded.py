@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ringtrain.checkpoint.manifest import FORMAT, fsync_dir, make_dirs, write_atomic
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
+from ringtrain.testing import faults
 
 __all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "SafeFileSystemReader", "checkpoint_step_of", "committed"]
 
@@ -127,6 +128,7 @@ class ShardedCheckpointer:
         (waited for here), so at most one is in flight. ``extra`` (rank 0's: counters, the sampler, the
         config; tensors, numbers, strings and containers) goes beside the shards as ``extra.pt``, read back
         weights-only (``load_extra``) and covered by the same manifest."""
+        faults.point("checkpoint.sharded.enter", step=step)
         self.wait()
         path = self.path_for(step)
         if self.rank == 0:
@@ -210,6 +212,7 @@ class ShardedCheckpointer:
         manifest = {"format": FORMAT, "kind": "sharded", "folder": path.name, "step": step, "world_size": self.world_size,
                     "files": {name: {"bytes": size, "sha256": sha} for name, (sha, size) in sorted(files.items())},
                     **fields}
+        faults.point("checkpoint.sharded.commit", step=step)
         write_atomic(manifest_of(path), lambda f: f.write(json.dumps(manifest, indent=1).encode() + b"\n"), self.fence)
         self._prune()
 

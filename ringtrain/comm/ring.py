@@ -29,6 +29,7 @@ from ringtrain.comm.errors import CollectiveError, PeerDiedError, PeerTimeoutErr
 from ringtrain.comm.groups import global_rank, group_rank, group_size
 from ringtrain.comm.scratch import scratch
 from ringtrain.comm.shards import tensor_shards
+from ringtrain.testing import faults
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "reduce_scatter_order", "all_gather_order", "RingPeers", "MAX_MESSAGE_BYTES",
@@ -124,6 +125,7 @@ class RingPeers:
             self.wait(work, self.left, step, steps)
         for work in send_works:
             self.wait(work, self.right, step, steps)
+        faults.point("ring.step")
 
 
 def _first_sentence(message: str) -> str:

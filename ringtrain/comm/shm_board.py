@@ -31,6 +31,7 @@ import time
 import torch
 
 from ringtrain.comm.errors import CollectiveError, MismatchError, PeerDiedError, PeerTimeoutError
+from ringtrain.testing import faults
 
 __all__ = ["FlagBoard", "header_bytes", "require_tso", "describe_call", "encode_call"]
 
@@ -129,6 +130,7 @@ class FlagBoard:
             flags[base], flags[base + 1], flags[base + 2] = desc
         # Last: on x86 (TSO) a peer that sees the new count also sees everything written before it.
         flags[self.mine] = count
+        faults.point("shm.arrive")
         return count
 
     def wait_all(self, count: int, what: str, step: int, steps: int, timeout_s: float) -> None:

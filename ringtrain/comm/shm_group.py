@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ringtrain.comm.groups import global_rank, group_rank, group_size, group_timeout_s, host_id
 from ringtrain.comm.shm_board import FlagBoard, encode_call, header_bytes, require_tso
 from ringtrain.comm.shm_segment import Segment, segment_name, sweep_dead, sweep_stale, unlink
+from ringtrain.testing import faults
 
 __all__ = [
     "ShmGroup", "Arena", "get_shm_group", "set_up", "set_up_group", "fast_path", "cgroup_cpu_limit", "SMALL_BYTES", "PIECE_BYTES", "MIN_PIECE_BYTES",
@@ -279,7 +280,9 @@ class ShmGroup:
         mine = hosts[group_rank(group)] if hosts is not None else host_id()
         from ringtrain.comm import shm_native  # here: `python -m ringtrain.comm.shm_native` must run it first
 
-        native = shm_native.load()
+        # A test's fault plan stops a worker between shm barriers: the native path is one C++ call, so it takes
+        # the Python path (the host's ranks agree on one path below, so its whole group does).
+        native = None if faults.armed_at("shm.arrive") else shm_native.load()
         gathered: list = [None] * size
         dist.all_gather_object(gathered, (mine, sorted(_affinity()), native is not None), group=group)
         shm_group = cls(group, [str(host) for host, _, _ in gathered], small_bytes, piece_bytes)

@@ -224,13 +224,6 @@ class TrainConfig(Section):
     (needs auto_micro_batch). Leave room beyond activations: with bf16 the CPU also keeps compiled
     kernels per tensor shape (megabytes each). Unset: no budget."""
 
-    inject_oom_at_step: int | None = Field(default=None, gt=0)
-    """Fault injection for tests and drills: raise an out-of-memory error in this optimizer step
-    (counted from 1, as in metrics.jsonl; first attempt only) on rank inject_oom_rank. Unset: none."""
-
-    inject_oom_rank: int = Field(default=0, ge=0)
-    """The rank that inject_oom_at_step fails."""
-
 
 HEALABLE_STRATEGIES = ("ddp", "manual")
 """Strategies dist.heal supports: every worker holds the whole model, so any survivor can hand it on."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtrain.checkpoint.manifest import write_atomic
+from ringtrain.testing import faults
 
 __all__ = ["Ledger", "NullLedger", "EpochReport", "read_ledger", "check_ledger", "build_ledger"]
 
@@ -60,7 +61,9 @@ class Ledger(NullLedger):
 
     def record(self, step: int, epoch: int, ids: list[int], skipped: bool) -> None:
         """One committed step; every rank calls it (a gather to rank 0)."""
-        self.write(step, epoch, _gather_to_writer(ids, self.is_writer), skipped)
+        gathered = _gather_to_writer(ids, self.is_writer)
+        faults.point("ledger.gathered")
+        self.write(step, epoch, gathered, skipped)
 
     def write(self, step: int, epoch: int, gathered: list[list[int]], skipped: bool) -> None:
         """The writer's line for one step, every rank's ids given (``record`` gathers them)."""

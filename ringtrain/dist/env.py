@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 __all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR",
-           "HEAL_VAR", "HEAL_JOIN_VAR", "KILL_IN_COLLECTIVE_VAR", "KILL_IN_SAVE_VAR"]
+           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "forget_fault_plan"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -26,13 +26,10 @@ HEAL_VAR = "RINGTRAIN_HEAL_MIN_WORKERS"
 HEAL_JOIN_VAR = "RINGTRAIN_HEAL_JOIN"
 """Set by `ringtrain join RUN_DIR` for a --heal job: this worker asks to be admitted at a step boundary."""
 
-# Test hooks (chaos tests, drills): a worker SIGKILLs itself at a precise point (train/kill_hooks.py).
-KILL_IN_COLLECTIVE_VAR = "RINGTRAIN_TEST_KILL_IN_COLLECTIVE"
-"""Test hook, 'STEP:RANK:PIECE': the worker launched as RANK dies in step STEP after its PIECE-th piece of
-ringtrain's collectives (a ring step, an shm barrier)."""
-KILL_IN_SAVE_VAR = "RINGTRAIN_TEST_KILL_IN_SAVE"
-"""Test hook, 'STEP:RANK:POINT': the worker launched as RANK dies in the checkpoint save of step STEP, at
-POINT 'enter' or 'commit' (the writer: its data file in place, no manifest yet)."""
+# Set by a test harness only (ringtrain/testing/faults.py), for the job it launches; never inherited further.
+FAULT_PLAN_VAR = "RINGTRAIN_FAULT_PLAN"
+"""The path of a test's fault plan: the worker arms it (train/build.py) and drops the variable from its own
+environment; `ringtrain join` drops it too, so a joiner is never armed."""
 
 # Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user).
 SET_VAR = "RINGTRAIN_SET"
@@ -76,10 +73,8 @@ class DistEnv:
     """`--heal`: the most workers the job admits (``ringtrain join`` brings it back up to this)."""
     heal_join: bool = False
     """`ringtrain join` of a --heal job: admitted by the running workers, no rendezvous (dist/heal.py)."""
-    kill_in_collective: str | None = None
-    """Test hook (KILL_IN_COLLECTIVE_VAR): where this job's chosen worker SIGKILLs itself inside a collective."""
-    kill_in_save: str | None = None
-    """Test hook (KILL_IN_SAVE_VAR): where this job's chosen worker SIGKILLs itself inside a checkpoint save."""
+    fault_plan: str | None = None
+    """A test harness's fault plan (FAULT_PLAN_VAR), armed by build_trainer; None in every user's run."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -91,8 +86,7 @@ class DistEnv:
             "heal_min_workers": int(env[HEAL_VAR].split(":")[0]) if env.get(HEAL_VAR) else None,
             "heal_max_workers": int(env[HEAL_VAR].split(":")[-1]) if env.get(HEAL_VAR) else None,
             "heal_join": HEAL_JOIN_VAR in env,
-            "kill_in_collective": env.get(KILL_IN_COLLECTIVE_VAR) or None,
-            "kill_in_save": env.get(KILL_IN_SAVE_VAR) or None,
+            "fault_plan": env.get(FAULT_PLAN_VAR) or None,
         }
         if "RANK" not in env:
             # A worker joining a --heal job gets its rank when admitted; it reaches the job store now.
@@ -122,6 +116,12 @@ class DistEnv:
     def is_restart(self) -> bool:
         """The elastic agent restarted the workers: the run must resume from its last checkpoint."""
         return self.restart_count > 0
+
+
+def forget_fault_plan(environ: MutableMapping[str, str] | None = None) -> None:
+    """Take the fault plan out of ``environ`` (default: this process's environment), so that no process
+    started from it is armed: the armed worker's children, a `ringtrain join` worker."""
+    (os.environ if environ is None else environ).pop(FAULT_PLAN_VAR, None)
 
 
 def _agent_store(env: Mapping[str, str]) -> str | None:

@@ -193,6 +193,10 @@ class Supervisor(NoHealing):
     def members(self) -> list[int]:
         return list(self.membership.generation.members)
 
+    def where(self) -> dict[str, int]:
+        generation = self.membership.generation
+        return {"member": generation.member, "generation": generation.number}
+
     def wrap_logger(self, logger: Logger) -> Logger:
         return FencedLogger(logger, self)
 

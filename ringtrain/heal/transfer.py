@@ -99,7 +99,7 @@ def _all_gather_positions(position: tuple[int, int], digest: bytes, world_size: 
 
 def _broadcast_bytes(payload: bytes | None, source: int, attempt: int) -> tuple[bytes, bytes]:
     """``payload`` (the source's) on every rank, with the source's sha256 of it. The fault point
-    ``heal.transfer`` may alter the bytes on the wire (the sha256 is of what the source meant to send)."""
+    ``heal.transfer`` may flip a byte on the wire (the sha256 is of what the source meant to send)."""
     header = torch.zeros(33, dtype=torch.int64)  # length, then the sha256's 32 bytes
     if payload is not None:
         header[0] = len(payload)
@@ -107,7 +107,7 @@ def _broadcast_bytes(payload: bytes | None, source: int, attempt: int) -> tuple[
     dist.broadcast(header, src=source)
     length, sha = int(header[0]), bytes(header[1:].tolist())
     if payload is not None:
-        wire = faults.alter("heal.transfer", payload, attempt=attempt)
+        wire = faults.through("heal.transfer", payload)
         body = torch.frombuffer(bytearray(wire.ljust(length, b"\0")[:length]), dtype=torch.uint8)
     else:
         body = torch.empty(length, dtype=torch.uint8)

@@ -8,9 +8,9 @@ token's loss is divided by it, so gradients equal the full batch's however token
 micro-batch count (ranks with fewer micro-batches run empty ones first, so all run alike).
 
 With ``auto_micro_batch`` a step can be redone. An out-of-memory error (a CUDA OOM, the resident set
-above ``memory_budget_mb``, or one injected for tests) on any rank makes *every* rank drop the
-attempt's gradients, halve ``micro_batch_size`` (and ``max_tokens``) and run the step again with
-twice the accumulation: the global batch and the samples in it do not change. The ranks learn of each
+above ``memory_budget_mb``, or one a test's fault plan raises at the point ``step.micro_batch``) on any
+rank makes *every* rank drop the attempt's gradients, halve ``micro_batch_size`` (and ``max_tokens``)
+and run the step again with twice the accumulation: the global batch and the samples in it do not change. The ranks learn of each
 other's failure from one all-reduce after the micro-batches (``failed_ranks``); nothing before it may be
 a collective, or a rank that stopped early would leave the others waiting in one. The loop arranges
 that (see ``Trainer._forward_backward``).
@@ -33,6 +33,7 @@ from torch import nn
 from ringtrain.config import TrainConfig
 from ringtrain.data.loader import StepBatch
 from ringtrain.errors import RingtrainError
+from ringtrain.testing import faults
 from ringtrain.train.tasks import Task
 
 __all__ = ["OUT_OF_MEMORY", "MemoryBudgetExceeded", "MicroBatcher", "StepPlan", "BufferSnapshot"]
@@ -67,7 +68,6 @@ class MicroBatcher:
         self.world_size = world_size
         self.device = device
         self.memory_budget_bytes = None if train.memory_budget_mb is None else int(train.memory_budget_mb * 2**20)
-        self.inject_at_step = train.inject_oom_at_step if rank == train.inject_oom_rank else None
         self.shrinks = 0
         self._process = psutil.Process()
 
@@ -94,11 +94,7 @@ class MicroBatcher:
     def after_forward(self, step: int, is_last: bool) -> None:
         """Called where memory peaks (activations held) in ``step`` (counted from 1). Raises like an
         out-of-memory would."""
-        if is_last and step == self.inject_at_step:
-            self.inject_at_step = None  # first attempt only: the redone step must succeed
-            raise torch.OutOfMemoryError(
-                f"injected out-of-memory on rank {self.rank} at step {step} (train.inject_oom_at_step)"
-            )
+        faults.point("step.micro_batch")  # a test's fault plan raises torch.OutOfMemoryError here
         self.check_budget()
 
     def check_budget(self) -> None:

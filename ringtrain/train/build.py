@@ -11,6 +11,7 @@ from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
+from ringtrain.dist.env import forget_fault_plan
 from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import NullJobStore
 from ringtrain.models import build_model
@@ -18,15 +19,15 @@ from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.healing_hooks import NoHealing
-from ringtrain.train.kill_hooks import arm_kill_hooks, prepare_kill_hooks
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
 from ringtrain.errors import ConfigError
 from ringtrain.train.tasks import build_task
+from ringtrain.testing import faults
 from ringtrain.train.user_parts import UserParts
 
-__all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0"]
+__all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0", "arm_fault_plan"]
 
 
 def build_trainer(
@@ -40,8 +41,8 @@ def build_trainer(
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     validate_for_backend(config, ctx.backend)
-    if ctx.env.kill_in_collective:  # a test hook (chaos tests): nothing when unset
-        prepare_kill_hooks(ctx.env, ctx.rank)
+    if ctx.env.fault_plan and not faults.is_armed():  # a test harness's fault plan: nothing in a user's run
+        arm_fault_plan(ctx, healing)
     if user is None and config.user_parts:
         user = UserParts.from_config(config)
     if user is None:
@@ -118,9 +119,16 @@ def build_trainer(
         run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0, fence=fence
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints, healing)
-    if ctx.env.kill_in_collective or ctx.env.kill_in_save:  # test hooks (chaos tests): nothing when unset
-        arm_kill_hooks(trainer, ctx.env)
     return trainer
+
+
+def arm_fault_plan(ctx: DistContext, healing: NoHealing | None) -> None:
+    """Arm the test's fault plan (ringtrain/testing/faults.py) in this worker, once, before anything is built
+    (shm picks its path by it), as the rank it was launched as (its member id); then drop it from the
+    environment, so that no process this worker starts is armed."""
+    where = healing.where() if healing is not None else {}
+    faults.arm(ctx.env.fault_plan, **{"rank": ctx.rank, "member": ctx.rank, "generation": 0, **where})
+    forget_fault_plan()
 
 
 def broadcast_from_rank0(model: torch.nn.Module) -> None:

@@ -39,6 +39,10 @@ class NoHealing:
     new_group: Callable[[], object] | None = None
     """How the trainer's side groups (a sharded checkpoint's) are made; None: ``dist.new_group``."""
 
+    def where(self) -> dict[str, int]:
+        """This worker's member id and generation, for the test facility's fault plans (nothing: its rank)."""
+        return {}
+
     def members(self) -> list[int] | None:
         """The id each rank's heartbeat beats under (None: its rank)."""
         return None

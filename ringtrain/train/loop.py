@@ -40,6 +40,7 @@ from ringtrain.monitor.loggers import Logger, build_logger
 from ringtrain.monitor.memory import memory_mb
 from ringtrain.monitor.metrics import StepClock, model_flops_utilization
 from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
+from ringtrain.testing import faults
 from ringtrain.train.evaluate import evaluate
 from ringtrain.train.comm_state import gather_rank_states
 from ringtrain.data.ledger import build_ledger
@@ -425,6 +426,7 @@ class Trainer:
         """One optimizer step on this rank's share of the next window (skipped on every rank when any
         rank's loss or gradient is not finite)."""
         step = self.state.step + 1
+        faults.context(step=step, rank=self.ctx.rank)  # where a test's fault plan is matched (nothing unarmed)
         window = self.parts.sampler.next_window_size()
         # The model's randomness (dropout) from (seed, step, rank): distinct per rank, and the same after a
         # resume, without carrying generator state.

@@ -1,20 +1,22 @@
 """Chaos: heal in place when a worker dies *inside* something (issue 12): inside ringtrain's ring all-reduce,
 inside the shm all-reduce, inside a checkpoint save.
 
-The kills are placed by the test hooks of ``ringtrain/train/kill_hooks.py`` (a worker SIGKILLs itself at a
-precise point, as a breakpoint would), in two runs of the digits MLP (hidden sizes 256, 256: one gradient
+The kills are placed by a fault plan (``ringtrain/testing/faults.py``, ``tests/faults.py``: a worker SIGKILLs
+itself at a named fault point, as a breakpoint would), in two runs of the digits MLP (hidden sizes 256, 256: one gradient
 bucket of about 340 KB; global_batch_size 96, 2 epochs = 30 steps, a checkpoint every 10), 3 workers,
 ``--min-nproc 1``, comm.strategy = "manual":
 
-- ring: rank 2 dies in step 1's gradient all-reduce after 3 of its 4 ring steps (the reduce-scatter done and
-  one all-gather step: the survivors hold partially reduced gradients); then the writer, rank 0, dies in the
-  save of step 20 with the data file in place but its manifest unwritten. 3 -> 2 -> 1 workers; the last one
+- ring: rank 2 dies in step 1's gradient all-reduce after 3 of its 4 ring steps (``ring.step``, hit 3: the
+  reduce-scatter done and one all-gather step: the survivors hold partially reduced gradients); then the writer,
+  rank 0, dies in the save of step 20 with the data file in place but its manifest unwritten
+  (``checkpoint.save.commit``). 3 -> 2 -> 1 workers; the last one
   takes over the run directory.
-- shm: rank 1 dies in step 1 after the first of the three barriers of the all-reduce in place (its bucket in
-  shared memory, published to the peers, which sum their shards from it and then wait for it in vain). The
-  hook puts the victim, hence its whole first group, on shm's Python path (the native one is one C++ call);
-  the survivors' new group takes the native path, which the second heal tears down in turn. Then the
-  non-writer (the launched rank 2) dies as the save of step 20 starts, while rank 0 writes. 3 -> 2 -> 1.
+- shm: rank 1 dies in step 1 after the first of the three barriers of the all-reduce in place (``shm.arrive``:
+  its bucket in shared memory, published to the peers, which sum their shards from it and then wait for it in
+  vain). A plan armed at ``shm.arrive`` puts the victim, hence its whole first group, on shm's Python path (the
+  native one is one C++ call); the survivors' new group takes the native path, which the second heal tears
+  down in turn. Then the non-writer (the launched rank 2) dies as the save of step 20 starts, while rank 0
+  writes (``checkpoint.save.enter``). 3 -> 2 -> 1.
 
 Both must exit 0 with two heals, 0 steps lost and every sample once, and apply no partial gradient: every
 committed checkpoint (10, 20, 30) is bit-identical to the one of a reference that trained with 2 workers
@@ -43,6 +45,7 @@ from ringtrain.errors import CorruptCheckpoint
 from ringtrain.train.resume import ResumePlan
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.distributed import run_distributed
+from tests.faults import Fault, Plan, fault_plan
 from tests.trainers import build_test_trainer
 
 # Under --heal a member whose heartbeat stood still 0.5 s is taken for lost; beside another test's jobs on
@@ -71,10 +74,10 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
-def heal(run_dir: Path, algorithm: str, in_collective: str, in_save: str, *sets: str) -> tuple[int, Job, list, dict]:
-    """Run the job with the two kills; return its exit code, the job, the workers' pids, and the shm segments
+def heal(run_dir: Path, algorithm: str, plan: Plan, *sets: str) -> tuple[int, Job, list, dict]:
+    """Run the job with the plan's kills; return its exit code, the job, the workers' pids, and the shm segments
     a survivor (rank 0) mapped once the first heal was done."""
-    env = {"RINGTRAIN_TEST_KILL_IN_COLLECTIVE": in_collective, "RINGTRAIN_TEST_KILL_IN_SAVE": in_save}
+    env = plan.env
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "1", "--heal", "--run-dir",
              str(run_dir), *SETS, "--set", "comm.strategy=manual", "--set", f"comm.algorithm={algorithm}", *sets,
              env=env) as job:
@@ -130,9 +133,11 @@ def assert_same_model(mine: dict, theirs: dict, what: str) -> None:
 def test_kills_inside_the_ring_all_reduce_and_inside_the_writers_save_are_healed_with_no_partial_state(
         tmp_path, reference):
     run_dir = tmp_path / "ring"
-    code, job, _, _ = heal(run_dir, "ring", "1:2:3", "20:0:commit")
-    assert "SIGKILL launched rank 2 in step 1 after piece 3 of its collectives (a ring step)" in job.stderr, job.stderr
-    assert "SIGKILL launched rank 0 in the checkpoint save of step 20, its data file in place" in job.stderr
+    plan = fault_plan(tmp_path, Fault("ring.step", member=2, step=1, hit=3),
+                      Fault("checkpoint.save.commit", member=0, step=20))
+    code, job, _, _ = heal(run_dir, "ring", plan)
+    fired = [(f["point"], f["member"], f["step"], f["hit"]) for f in plan.fired()]
+    assert fired == [("ring.step", 2, 1, 3), ("checkpoint.save.commit", 0, 20, 1)], (fired, job.stderr)
     check_healed(run_dir, job, code, lost=[[2], [0]])
     assert "is now rank 0 and writes the run directory" in job.stderr
 
@@ -161,9 +166,9 @@ def test_the_writer_lost_after_a_steps_ledger_gather_leaves_no_hole_in_the_ledge
     """Rank 0 dies after step 5's ledger gather (every rank committed step 5) and before it writes the line:
     the new writer records step 5's window as it was dealt, so every sample is still used exactly once."""
     run_dir = tmp_path / "ledger"
-    code, job, _, _ = heal(run_dir, "ring", "5:0:ledger", "")
-    assert "SIGKILL launched rank 0 in step 5 after the step's ledger gather, before its line" in job.stderr, \
-        job.stderr
+    plan = fault_plan(tmp_path, Fault("ledger.gathered", member=0, step=5))
+    code, job, _, _ = heal(run_dir, "ring", plan)
+    assert [(f["point"], f["member"], f["step"]) for f in plan.fired()] == [("ledger.gathered", 0, 5)], job.stderr
     assert code == 0, job.stderr
     (heal_record,) = records(run_dir, "heal")
     assert heal_record["lost_ranks"] == [0] and heal_record["from_step"] == 5 and heal_record["steps_lost"] == 0
@@ -177,9 +182,11 @@ def test_the_writer_lost_after_a_steps_ledger_gather_leaves_no_hole_in_the_ledge
 def test_kills_inside_the_shm_all_reduce_and_during_a_save_are_healed_leaving_nothing_in_dev_shm(
         tmp_path, reference):
     run_dir = tmp_path / "shm"
-    code, job, pids, mapped = heal(run_dir, "shm", "1:1:1", "20:2:enter")
-    assert "SIGKILL launched rank 1 in step 1 after piece 1 of its collectives (an shm barrier)" in job.stderr, job.stderr
-    assert "SIGKILL launched rank 2 in the checkpoint save of step 20, as it starts" in job.stderr
+    plan = fault_plan(tmp_path, Fault("shm.arrive", member=1, step=1, hit=1),
+                      Fault("checkpoint.save.enter", member=2, step=20))
+    code, job, pids, mapped = heal(run_dir, "shm", plan)
+    fired = [(f["point"], f["member"], f["step"], f["hit"]) for f in plan.fired()]
+    assert fired == [("shm.arrive", 1, 1, 1), ("checkpoint.save.enter", 2, 20, 1)], (fired, job.stderr)
     check_healed(run_dir, job, code, lost=[[1], [1]])  # the second: launched rank 2, rank 1 of generation 1
 
     # After the first heal rank 0 maps the new generation's workspace, named for it, and nothing of the old.
@@ -196,11 +203,9 @@ def test_kills_inside_the_shm_all_reduce_and_during_a_save_are_healed_leaving_no
     print("shm: checkpoints 10, 20 and 30 bit-identical to the reference; nothing left in /dev/shm")
 
 
-def test_heal_takes_shm_refuses_powersgd_and_the_kill_hooks_refuse_a_bad_value_in_one_line():
+def test_heal_takes_shm_and_refuses_powersgd_in_one_line():
     from ringtrain.config import load_config
-    from ringtrain.dist.env import DistEnv
     from ringtrain.errors import ConfigError
-    from ringtrain.train.kill_hooks import arm_kill_hooks
 
     for strategy in ("manual", "ddp"):
         config = load_config("configs/digits_mlp.toml", ["dist.heal=true", f"comm.strategy={strategy}", "comm.algorithm=shm"])
@@ -209,9 +214,3 @@ def test_heal_takes_shm_refuses_powersgd_and_the_kill_hooks_refuse_a_bad_value_i
         load_config("configs/digits_mlp.toml", ["dist.heal=true", "comm.algorithm=powersgd"])
     assert "dist.heal = true does not work with comm.algorithm = 'powersgd'" in str(refused.value)
     assert "\n" not in str(refused.value)
-    for env, fragment in ((DistEnv(kill_in_collective="1:2"), "expected STEP:RANK:PIECE"),
-                          (DistEnv(kill_in_collective="1:2:x"), "PIECE must be a whole number"),
-                          (DistEnv(kill_in_save="20:0:later"), "POINT must be one of enter, commit")):
-        with pytest.raises(ConfigError, match=fragment) as bad:
-            arm_kill_hooks(None, env)  # refused before any trainer is touched
-        assert "\n" not in str(bad.value)

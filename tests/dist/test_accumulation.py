@@ -22,6 +22,7 @@ from ringtrain.data.text import IGNORE_INDEX, pad_collate
 from ringtrain.models import build_model
 from ringtrain.train.optim import lr_factor
 from tests.distributed import run_distributed
+from tests.faults import fault_plan, oom_at
 from tests.trainers import REPO, build_test_trainer, count_gradient_syncs, flat_params
 
 PLAIN_SGD = ["train.optimizer=sgd", "train.lr=1.0", "train.momentum=0.0", "train.lr_schedule=constant",
@@ -103,10 +104,10 @@ def test_accumulated_gradient_equals_the_full_batch_gradient(world_size, tmp_pat
     assert per_rank[0]["ragged_tokens"]["micro_batches"] > 1
 
 
-def syncs_per_run(rank: int, world_size: int, run_dir: str, overrides: list[str]) -> dict:
+def syncs_per_run(rank: int, world_size: int, run_dir: str, overrides: list[str], plan: str | None) -> dict:
     job = ["train.global_batch_size=64", "train.local_batch_size=8", "train.max_steps=6", "train.warmup_steps=2",
            "train.lr_schedule=cosine", "monitor.log_every_steps=1", *overrides]
-    trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", job, run_dir)
+    trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", job, run_dir, fault_plan=plan)
     counter = count_gradient_syncs(trainer)
     trainer.fit()
     return {"syncs": counter.syncs, "steps": trainer.state.step, "scheduler_steps": trainer.parts.scheduler.last_epoch,
@@ -114,17 +115,20 @@ def syncs_per_run(rank: int, world_size: int, run_dir: str, overrides: list[str]
 
 
 @pytest.mark.parametrize(
-    "overrides,micro_batch_size",
+    "overrides,oom,micro_batch_size",
     [
-        ([], 8),
-        (["train.auto_micro_batch=true"], 8),
-        (["train.auto_micro_batch=true", "train.inject_oom_at_step=2", "train.inject_oom_rank=1"], 4),
+        ([], False, 8),
+        (["train.auto_micro_batch=true"], False, 8),
+        (["train.auto_micro_batch=true"], True, 4),
     ],
     ids=["ddp_no_sync", "recoverable", "recoverable_with_oom"],
 )
-def test_one_gradient_all_reduce_and_one_lr_step_per_optimizer_step(tmp_path, overrides, micro_batch_size):
+def test_one_gradient_all_reduce_and_one_lr_step_per_optimizer_step(tmp_path, overrides, oom, micro_batch_size):
     run_dir = tmp_path / "run"
-    results = run_distributed(syncs_per_run, 2, str(run_dir), overrides, timeout_s=120)
+    plan = fault_plan(tmp_path, oom_at(step=2, member=1)) if oom else None
+    results = run_distributed(syncs_per_run, 2, str(run_dir), overrides, plan and str(plan.path), timeout_s=120)
+    if plan is not None:
+        assert plan.fired_points() == ["step.micro_batch"]
     for result in results:
         # 64 = 8 x 4 micro-batches x 2 workers: 4 backward passes per step, one all-reduce.
         assert result["steps"] == 6

@@ -1,8 +1,7 @@
 """Automatic micro-batch sizing across real Gloo workers: out of memory on one rank, all ranks shrink.
 
-Two real triggers, no mocks: the fault-injection setting a user can put in a config
-(``train.inject_oom_at_step``) raises torch's own OutOfMemoryError on one rank, and a CPU memory budget
-below what the configured micro-batch needs.
+Two real triggers, no mocks: a test's fault plan (tests/faults.py, at the point ``step.micro_batch``) raises
+torch's own OutOfMemoryError on one rank, and a CPU memory budget below what the configured micro-batch needs.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import numpy as np
 import psutil
 
 from tests.distributed import run_distributed
+from tests.faults import fault_plan, oom_at
 from ringtrain.train.resume import ResumePlan
 from tests.trainers import build_test_trainer, count_gradient_syncs, flat_params
 
@@ -20,14 +20,10 @@ MLP_JOB = ["train.global_batch_size=96", "train.local_batch_size=16", "train.max
            "train.lr_schedule=constant", "monitor.log_every_steps=1"]
 
 
-def with_and_without_oom(rank: int, world_size: int, run_root: str) -> dict:
+def with_and_without_oom(rank: int, world_size: int, run_root: str, plan: str) -> dict:
     plain = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", MLP_JOB, f"{run_root}/plain")
     plain.fit()
-    oom_rank = world_size - 1
-    hit = build_test_trainer(
-        rank, world_size, "configs/debug_mlp.toml",
-        [*MLP_JOB, "train.inject_oom_at_step=2", f"train.inject_oom_rank={oom_rank}"], f"{run_root}/oom",
-    )
+    hit = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", MLP_JOB, f"{run_root}/oom", fault_plan=plan)
     counter = count_gradient_syncs(hit)
     hit.fit()
     resumed = build_test_trainer(
@@ -46,7 +42,9 @@ def with_and_without_oom(rank: int, world_size: int, run_root: str) -> dict:
 
 
 def test_oom_on_one_rank_shrinks_every_rank_and_redoes_the_step(tmp_path):
-    results = run_distributed(with_and_without_oom, 3, str(tmp_path), timeout_s=120)
+    plan = fault_plan(tmp_path, oom_at(step=2, member=2))
+    results = run_distributed(with_and_without_oom, 3, str(tmp_path), str(plan.path), timeout_s=120)
+    assert [(f["point"], f["member"], f["step"]) for f in plan.fired()] == [("step.micro_batch", 2, 2)]
     for rank, result in enumerate(results):
         assert result["micro_batch_size"] == (16, 8), f"rank {rank} did not halve with the others"
         assert result["samples_seen"] == (5 * 96, 5 * 96), "the global batch changed"

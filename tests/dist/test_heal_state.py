@@ -14,6 +14,7 @@ import torch
 from ringtrain.heal.transfer import agree_on_state, state_digest
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
+from tests.faults import Fault, fault_plan
 from tests.trainers import build_test_trainer
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
@@ -33,8 +34,9 @@ def _agree_on_state(trainer):
                           trainer.load_transfer_state)
 
 
-def roll_forward(rank: int, world_size: int, run_dir: str, ahead_rank: int | None):
-    trainer = build_test_trainer(rank, world_size, str(DEBUG), ["train.momentum=0.9", "train.global_batch_size=96"], f"{run_dir}/{rank}")
+def roll_forward(rank: int, world_size: int, run_dir: str, ahead_rank: int | None, fault_plan: str | None = None):
+    trainer = build_test_trainer(rank, world_size, str(DEBUG), ["train.momentum=0.9", "train.global_batch_size=96"],
+                                 f"{run_dir}/{rank}", fault_plan=fault_plan)
     trainer.resume(ResumePlan())
     batches = iter(trainer.parts.train_loader)
     for _ in range(2):
@@ -70,25 +72,12 @@ def test_nothing_is_copied_when_every_survivor_is_at_the_same_step(tmp_path):
     assert all(r[1] is None for r in results) and len({r[2:] for r in results}) == 1
 
 
-def roll_forward_through_a_corrupting_wire(rank: int, world_size: int, run_dir: str):
-    """As roll_forward, with one byte of the state flipped in transit on the first send (fault point heal.transfer)."""
-    from types import SimpleNamespace
-
-    import ringtrain.heal.transfer as transfer
-
-    sends: list[int] = []
-
-    def flip_first(name: str, data: bytes, attempt: int) -> bytes:
-        sends.append(attempt)
-        return data if attempt > 1 else data[:100] + bytes([data[100] ^ 0xFF]) + data[101:]
-
-    transfer.faults = SimpleNamespace(alter=flip_first)  # TODO(faults): arm the heal.transfer point instead
-    result = roll_forward(rank, world_size, run_dir, ahead_rank=1)
-    return sends, result
-
-
 def test_a_state_corrupted_in_transit_is_refused_and_sent_again(tmp_path):
-    results = run_distributed(roll_forward_through_a_corrupting_wire, 3, str(tmp_path))
-    assert results[1][0] == [1, 2] and results[0][0] == results[2][0] == []  # rank 1 sent twice
-    assert len({r[1][2:] for r in results}) == 1  # and every rank ended at its state
-    assert results[0][1][2] == 3
+    """The sender's bytes get one byte flipped on the wire on the first send (fault point heal.transfer, once per
+    job): every receiver's sha256 check refuses it before reading it, and the second send goes through whole."""
+    plan = fault_plan(tmp_path, Fault("heal.transfer", action="flip", offset=100, rank=1))
+    results = run_distributed(roll_forward, 3, str(tmp_path), 1, str(plan.path))
+    assert [(f["point"], f["rank"]) for f in plan.fired()] == [("heal.transfer", 1)]  # rank 1, the one ahead, sent
+    assert all(r[1] == 1 for r in results)
+    assert len({r[2:] for r in results}) == 1  # and every rank ended at its state
+    assert results[0][2] == 3

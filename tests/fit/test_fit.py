@@ -20,6 +20,7 @@ import pytest
 
 from tests.chaos.jobs import Job, last_step, records
 from tests.conftest import REPO, run_cli, run_clis, run_main
+from tests.faults import fault_plan, oom_at
 
 SCRIPT = "tests/fit/user_code.py"
 # configs/debug_mlp.toml is the same job as user_code.CONFIG; its model is user_code.digits_mlp.
@@ -39,8 +40,9 @@ def script_args(*args: str, case: str = "oracle", config: dict | None = None) ->
     return ["run", SCRIPT, *args, "--", "--case", case, *(["--config", json.dumps(config)] if config else [])]
 
 
-def run_script(*args: str, case: str = "oracle", config: dict | None = None, timeout: float = 240):
-    return run_cli(*script_args(*args, case=case, config=config), timeout=timeout)
+def run_script(*args: str, case: str = "oracle", config: dict | None = None, timeout: float = 240,
+               env: dict | None = None):
+    return run_cli(*script_args(*args, case=case, config=config), timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -249,11 +251,13 @@ def test_bench_train_measures_a_factory_config_against_bare_ddp_on_the_same_part
 
 def test_every_feature_on_a_user_model_manual_shm_bf16_oom_shrink_export_report(tmp_path):
     run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, oom_at(step=3, member=1))
     result = run_script("--nproc", "2", "--run-dir", str(run_dir), "--set", "comm.strategy=manual",
                         "--set", "comm.algorithm=shm", "--set", "train.precision=bf16",
-                        "--set", "train.auto_micro_batch=true", "--set", "train.inject_oom_at_step=3",
-                        "--set", "train.inject_oom_rank=1", "--set", "train.epochs=1", case="dict_inputs")
+                        "--set", "train.auto_micro_batch=true", "--set", "train.epochs=1", case="dict_inputs",
+                        env=plan.env)
     assert result.returncode == 0, result.stderr
+    assert plan.fired_points() == ["step.micro_batch"]
     [shrunk] = records(run_dir, "micro_batch")
     assert shrunk["step"] == 3 and shrunk["failed_ranks"] == [1] and shrunk["micro_batch_size"] == 8
     got = summary(run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.conftest import run_cli
+from tests.faults import fault_plan, oom_at
 
 
 def read_run(run_dir) -> tuple[dict, list[dict]]:
@@ -31,9 +32,10 @@ def test_debug_resnet_learns_the_digits(tmp_path):
 
 def test_debug_lm_learns_below_unigram_entropy_through_an_injected_oom(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_cli("train", "configs/debug_lm.toml", "--nproc", "2", "--run-dir", str(run_dir),
-                     "--set", "train.inject_oom_at_step=3", "--set", "train.inject_oom_rank=1")
+    plan = fault_plan(tmp_path, oom_at(step=3, member=1))
+    result = run_cli("train", "configs/debug_lm.toml", "--nproc", "2", "--run-dir", str(run_dir), env=plan.env)
     assert result.returncode == 0, result.stderr
+    assert plan.fired_points() == ["step.micro_batch"]
     summary, records = read_run(run_dir)
     entropy = summary["data"]["unigram_entropy_nats"]
     print(f"debug_lm: val loss {summary['eval']['loss']:.3f} nats/byte vs unigram entropy {entropy:.3f}, "

@@ -1,0 +1,53 @@
+"""Fault plans for the tests (ringtrain/testing/faults.py): write one, hand its path to a job in the one
+variable a worker reads, and read back what fired and which points were reached.
+
+    plan = fault_plan(tmp_path, Fault("ring.step", member=2, step=1, hit=3))
+    run_cli("train", ..., env=plan.env)                          # a launched job
+    run_distributed(fn, 2, str(plan.path))                       # in-process: build_test_trainer(..., fault_plan=)
+    assert plan.fired_points() == ["ring.step"]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ringtrain.dist.env import FAULT_PLAN_VAR
+from ringtrain.testing import faults
+from ringtrain.testing.faults import Fault
+
+__all__ = ["Fault", "Plan", "fault_plan", "oom_at"]
+
+
+class Plan:
+    """A fault plan written to ``path``: the environment that arms a launched job, and its records."""
+
+    def __init__(self, path: Path, fault_list: list[Fault]):
+        self.path = faults.write_plan(path, fault_list)
+        self.faults = fault_list
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a launched job (``run_cli``, ``Job``) needs in its environment to be armed."""
+        return {FAULT_PLAN_VAR: str(self.path)}
+
+    def fired(self) -> list[dict[str, Any]]:
+        return faults.fired(self.path)
+
+    def fired_points(self) -> list[str]:
+        return [record["point"] for record in self.fired()]
+
+    def reached(self) -> list[dict[str, Any]]:
+        return faults.reached(self.path)
+
+
+def fault_plan(folder: str | Path, *fault_list: Fault, name: str = "faults.json") -> Plan:
+    """A plan of ``fault_list`` in ``folder`` (a test's tmp_path)."""
+    return Plan(Path(folder) / name, list(fault_list))
+
+
+def oom_at(step: int, member: int) -> Fault:
+    """torch's out-of-memory error in the first micro-batch forward of ``step`` on the worker launched as
+    ``member`` (once per job: the redone step fits)."""
+    return Fault("step.micro_batch", action="raise", error="torch.OutOfMemoryError", member=member, step=step,
+                 message=f"injected out-of-memory (test fault plan) at step {step}")
