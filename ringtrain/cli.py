@@ -154,7 +154,7 @@ def _launch_options(args: argparse.Namespace):
 
 def _train(args: argparse.Namespace) -> int:
     # Imported here so `ringtrain --help` stays fast.
-    from ringtrain.config import load_config, validate_for_backend, validate_for_world_size
+    from ringtrain.config import load_config, validate_for_backend, validate_for_world_sizes
     from ringtrain.dist.group import resolve_backend
     from ringtrain.launch import Program
     from ringtrain.train.run import check_resume
@@ -170,9 +170,8 @@ def _train(args: argparse.Namespace) -> int:
     if config.dist.heal and not options.heal:  # the config asks for healing: the launcher must know too
         options = replace(options, heal=True)
         options.validate()
-    min_workers, max_workers = options.world_size_range()
-    for world_size in range(min_workers, max_workers + 1):
-        validate_for_world_size(config, world_size)
+    # Every world size the job may run with (an elastic job shrinks and grows within the range).
+    validate_for_world_sizes(config, *options.world_size_range())
     validate_for_backend(config, resolve_backend(config.dist.backend))
     check_resume(config, args.resume, args.resume_from)
 

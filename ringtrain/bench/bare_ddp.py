@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import statistics
 import time
@@ -28,6 +27,7 @@ from torch.utils.data import default_collate
 
 from ringtrain.config import load_config
 from ringtrain.data import build_datasets
+from ringtrain.data.sampler import grad_accum_steps_for_window
 from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.models import build_model
 from ringtrain.train.user_parts import UserParts
@@ -76,8 +76,8 @@ def main() -> None:
     while step < args.steps:
         window = order[cursor : cursor + train.global_batch_size]
         inputs, targets = collate([dataset[i] for i in window[rank::world_size].tolist()])
-        # ringtrain's rule: a short last window of an epoch needs fewer micro-batches.
-        count = math.ceil(math.ceil(len(window) / world_size) / train.local_batch_size)
+        # ringtrain's rule: as many as the largest share needs (a short last window of an epoch needs fewer).
+        count = grad_accum_steps_for_window(len(window), world_size, train.local_batch_size)
         micro = list(zip(torch.tensor_split(inputs, count), torch.tensor_split(targets, count)))
         for index, (x, y) in enumerate(micro):
             # Forward and backward both inside no_sync: DDP decides in forward whether backward syncs.

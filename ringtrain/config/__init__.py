@@ -9,14 +9,19 @@ Validation happens in the launching process, before any worker starts or any por
 line that names the field, the value and the fix::
 
     unknown key 'train.lrate' in configs/x.toml; did you mean 'train.lr'?
-    train.global_batch_size (96) must be divisible by train.local_batch_size (16) * world_size (4)
+    train.global_batch_size (2) is below world_size (3): ...; try global_batch_size = 6 (it works at every world_size from 2 to 3)
 
 - ``schema.py``: the sections and their fields;
 - ``checks.py``: rules that span fields, or depend on the world size or the backend;
 - ``loading.py``: TOML, ``--set`` overrides, and pydantic's errors turned into one line.
 """
 
-from ringtrain.config.checks import grad_accum_steps_for, validate_for_backend, validate_for_world_size
+from ringtrain.config.checks import (
+    grad_accum_steps_for,
+    validate_for_backend,
+    validate_for_world_size,
+    validate_for_world_sizes,
+)
 from ringtrain.config.loading import load_config, load_config_dict, parse_override
 from ringtrain.config.schema import (
     CheckpointConfig,
@@ -46,4 +51,5 @@ __all__ = [
     "parse_override",
     "validate_for_backend",
     "validate_for_world_size",
+    "validate_for_world_sizes",
 ]

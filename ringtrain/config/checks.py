@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,31 +11,80 @@ from ringtrain.errors import ConfigError
 if TYPE_CHECKING:
     from ringtrain.config.schema import Config, TrainConfig
 
-__all__ = ["check_workload", "grad_accum_steps_for", "validate_for_backend", "validate_for_world_size"]
+__all__ = ["check_workload", "grad_accum_steps_for", "validate_for_backend", "validate_for_world_size",
+           "validate_for_world_sizes"]
 
 
 def grad_accum_steps_for(train: TrainConfig, world_size: int) -> int:
-    """Micro-batches per optimizer step at this world size (validated by validate_for_world_size)."""
-    return train.global_batch_size // (train.local_batch_size * world_size)
+    """Micro-batches per optimizer step at this world size: ceil(global / (local * world_size)), what the
+    largest share of a full window needs in micro-batches of at most local_batch_size samples."""
+    from ringtrain.data.sampler import grad_accum_steps_for_window  # here: the data package imports this module
+
+    return grad_accum_steps_for_window(train.global_batch_size, world_size, train.local_batch_size)
+
+
+def validate_for_world_sizes(config: Config, min_world_size: int, max_world_size: int) -> None:
+    """The launcher's check: the job may run with any number of workers from ``min_world_size`` to
+    ``max_world_size`` (--min-nproc to --nproc, times the nodes); ConfigError naming the numbers and a value
+    that works at every one of them.
+
+    The global batch need not divide: a window is dealt round robin and every rank runs as many micro-batches
+    as the largest share needs, so a config valid at the most workers is valid at fewer. ``grad_accum_steps``
+    (if set) states the count at the most workers; at fewer it is derived (more micro-batches).
+    """
+    train = config.train
+    _check_every_worker_gets_samples(train, max_world_size, (min_world_size, max_world_size))
+    if train.grad_accum_steps is not None:
+        derived = grad_accum_steps_for(train, max_world_size)
+        if train.grad_accum_steps != derived:
+            fewer = "" if min_world_size == max_world_size else (
+                f" (at fewer workers the count is derived: {grad_accum_steps_for(train, min_world_size)} at "
+                f"{min_world_size})")
+            raise ConfigError(
+                f"train.grad_accum_steps ({train.grad_accum_steps}) disagrees with ceil(global_batch_size "
+                f"({train.global_batch_size}) / (local_batch_size ({train.local_batch_size}) * world_size "
+                f"({max_world_size}))) = {derived}; set it to {derived} or leave it unset{fewer}"
+            )
+    for world_size in range(min_world_size, max_world_size + 1):
+        validate_for_world_size(config, world_size)
 
 
 def validate_for_world_size(config: Config, world_size: int) -> None:
-    """Check what depends on the number of workers; raise ConfigError naming the numbers and the fix."""
+    """Check what depends on the number of workers, ``world_size`` now (a worker's check: the job's range
+    is not known here, see ``validate_for_world_sizes``); raise ConfigError naming the numbers and the fix."""
     train = config.train
-    per_step = train.local_batch_size * world_size
-    if train.global_batch_size % per_step:
+    _check_every_worker_gets_samples(train, world_size, (world_size, world_size))
+    # grad_accum_steps is the count at the job's most workers, which may be more than now (an elastic job that
+    # lost some): at most this size's count, as the count only grows when workers are lost.
+    derived = None if train.grad_accum_steps is None else grad_accum_steps_for(train, world_size)
+    if derived is not None and train.grad_accum_steps > derived:
         raise ConfigError(
-            f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
-            f"train.local_batch_size ({train.local_batch_size}) * world_size ({world_size}); "
-            f"try global_batch_size = {max(1, round(train.global_batch_size / per_step)) * per_step}"
+            f"train.grad_accum_steps ({train.grad_accum_steps}) is more micro-batches than a step takes at "
+            f"world_size ({world_size}): ceil(global_batch_size ({train.global_batch_size}) / (local_batch_size "
+            f"({train.local_batch_size}) * {world_size})) = {derived}; set it to {derived} (or to the count at the "
+            "job's most workers) or leave it unset"
         )
-    derived = train.global_batch_size // per_step
-    if train.grad_accum_steps is not None and train.grad_accum_steps != derived:
+
+
+def _check_every_worker_gets_samples(train: TrainConfig, world_size: int, job_range: tuple[int, int]) -> None:
+    """Fewer samples than workers would leave a worker without a sample in every step: correct (it runs
+    forwards of 0 rows) but idle, so refused, with a value that deals at least one to each of the most workers."""
+    if train.global_batch_size < world_size:
+        low, high = job_range
+        sizes = f"world_size {high}" if low == high else f"every world_size from {low} to {high}"
         raise ConfigError(
-            f"train.grad_accum_steps ({train.grad_accum_steps}) disagrees with global_batch_size "
-            f"({train.global_batch_size}) / (local_batch_size ({train.local_batch_size}) * world_size "
-            f"({world_size})) = {derived}; set it to {derived} or leave it unset"
+            f"train.global_batch_size ({train.global_batch_size}) is below world_size ({world_size}): a worker "
+            f"would get no sample in any step; try global_batch_size = {_suggest(train, job_range)} "
+            f"(it works at {sizes})"
         )
+
+
+def _suggest(train: TrainConfig, job_range: tuple[int, int]) -> int:
+    """A global batch that gives every worker a sample at every world size of the range: the smallest that
+    also divides evenly by each of them when that fits one micro-batch per worker, else the most workers."""
+    low, high = job_range
+    even = math.lcm(*range(low, high + 1))
+    return even if even <= train.local_batch_size * high else high
 
 
 _DATASETS_FOR_MODEL = {

@@ -169,13 +169,19 @@ class TrainConfig(Section):
     """Stop after this many optimizer steps, even mid-epoch (unset: run all epochs)."""
 
     global_batch_size: int = Field(default=64, gt=0)
-    """Samples per optimizer step across all workers: local_batch_size * grad_accum_steps * world_size."""
+    """Samples per optimizer step across all workers, dealt round robin: it need not divide by the world
+    size (shares then differ by one sample); at least one sample per worker. The gradient is the whole
+    batch's at any world size, so an elastic job keeps it as workers come and go."""
 
     local_batch_size: int = Field(default=32, gt=0)
-    """Samples per micro-batch on one worker (one forward/backward)."""
+    """Most samples per micro-batch on one worker (one forward/backward). Every worker runs
+    ceil(global_batch_size / (local_batch_size * world_size)) micro-batches a step, smaller ones (even of
+    0 samples) where its share is smaller."""
 
     grad_accum_steps: int | None = Field(default=None, gt=0)
-    """Micro-batches per optimizer step; unset: derived as global / (local * world_size)."""
+    """Micro-batches per optimizer step at the job's most workers, a check of the sizes above:
+    ceil(global_batch_size / (local_batch_size * world_size)). Unset: derived. At fewer workers (an elastic
+    job that lost some) the count is derived from local_batch_size."""
 
     optimizer: Literal["sgd", "adamw"] = "sgd"
     """Optimizer: 'sgd' (with momentum) or 'adamw'."""

@@ -4,7 +4,9 @@ The order of an epoch depends only on ``(seed, epoch)``. A ``cursor`` counts the
 consumed by committed optimizer steps. Each step takes the next ``global_batch_size`` samples of the order
 (the *window*; the last window of an epoch may be shorter) and deals them round robin across the workers
 that exist *now*. So when the number of workers changes, the rest of the epoch, ``order[cursor:]``, is
-re-dealt across the new set and no sample is used twice or skipped.
+re-dealt across the new set and no sample is used twice or skipped. The window need not divide by the
+number of workers: shares then differ by one sample, and every rank runs the same number of micro-batches,
+``grad_accum_steps_for_window`` (smaller ones, possibly of 0 rows, where its share is smaller).
 
     sampler = ResumableSampler(num_samples=1437, global_batch_size=64, seed=0)
     for indices in sampler.iter_shards(rank, world_size):   # this rank's share of each step
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ResumableSampler", "eval_shard"]
+__all__ = ["ResumableSampler", "eval_shard", "grad_accum_steps_for_window"]
 
 
 class ResumableSampler:
@@ -116,6 +118,21 @@ class ResumableSampler:
             raise ValueError(f"sampler cursor {state['cursor']} outside 0..{self.num_samples}")
         self.epoch = state["epoch"]
         self.cursor = state["cursor"]
+
+
+def grad_accum_steps_for_window(window: int, world_size: int, micro_batch_size: int) -> int:
+    """Micro-batches every rank runs in a step of ``window`` samples dealt round robin over ``world_size``
+    ranks: as many as the largest share, ``ceil(window / world_size)``, needs in pieces of at most
+    ``micro_batch_size``; at least one. Every rank derives the same count without talking, which the
+    collectives of a step need (the gradient all-reduce on the last backward, zero3's gathers per forward).
+
+        >>> grad_accum_steps_for_window(96, 2, 32), grad_accum_steps_for_window(96, 3, 32)   # shares of 48, of 32
+        (2, 1)
+    """
+    if window < 0 or world_size <= 0 or micro_batch_size <= 0:
+        raise ValueError(f"need window >= 0 and positive world_size and micro_batch_size, got {window}, "
+                         f"{world_size}, {micro_batch_size}")
+    return max(1, math.ceil(math.ceil(window / world_size) / micro_batch_size))
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> list[int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from torch import nn
 
 from ringtrain.config import TrainConfig
 from ringtrain.data.loader import StepBatch
+from ringtrain.data.sampler import grad_accum_steps_for_window
 from ringtrain.errors import RingtrainError
 from ringtrain.testing import faults
 from ringtrain.train.tasks import Task
@@ -77,8 +77,9 @@ class MicroBatcher:
         if self.max_tokens is not None:
             micro = batch.token_micro_batches(self.max_tokens, self.micro_batch_size)
         else:
-            largest_share = math.ceil(window / self.world_size)
-            micro = batch.micro_batches(max(1, math.ceil(largest_share / self.micro_batch_size)))
+            # The same count on every rank, from the window: a rank with a smaller share (the window need not
+            # divide by the world size) runs smaller micro-batches, possibly of 0 rows.
+            micro = batch.micro_batches(grad_accum_steps_for_window(window, self.world_size, self.micro_batch_size))
         if self.task.items_are_samples:
             return StepPlan(micro, window)
         # One small all-reduce: slot 0 sums the step's items, slot 1 + r holds rank r's micro-batch count.

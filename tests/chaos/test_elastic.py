@@ -128,3 +128,27 @@ def test_scale_up_one_to_two_mid_epoch_exactly_once_and_identical_parameters(sce
 def test_an_elastic_run_listens_on_loopback_only(scenario):
     """Chaos 11 for the elastic launcher: its rendezvous store, the agents and the workers."""
     assert_loopback_only(scenario.listening, "elastic run")
+
+
+def test_shrink_three_to_two_with_a_global_batch_that_divides_by_neither(tmp_path):
+    """Issue 21: 97 samples a step are 33 + 32 + 32 at 3 workers and 49 + 48 at 2; the job loses an agent
+    mid-epoch, re-forms with 2 workers and trains on, every sample of every epoch used exactly once."""
+    run_dir = tmp_path / "run"
+    args = ["configs/debug_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--max-restarts", "3",
+            "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+            "--set", "train.global_batch_size=97", "--set", "train.local_batch_size=16", "--set", "data.ledger=true",
+            "--set", "train.epochs=2", "--set", "checkpoint.every_steps=3", "--set", "monitor.log_every_steps=1"]
+    with Job("train", *args, "--run-dir", str(run_dir)) as job:
+        job.wait_for(lambda: last_step(run_dir) >= 4, what="step 4")
+        job.agent_of(2).kill()
+        code = job.finish()
+    assert code == 0, job.stderr
+    steps = ledger_steps(run_dir)
+    shares = {r["world_size"]: sorted(len(ids) for ids in r["ids"]) for r in steps if sum(map(len, r["ids"])) == 97}
+    assert shares == {3: [32, 32, 33], 2: [48, 49]}, shares
+    shrink = records(run_dir, "resume")[0]
+    assert shrink["world_size"] == 2 and shrink["step"] % 15 != 0, shrink  # 15 steps an epoch: mid-epoch
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    assert [r.world_sizes for r in reports] == [(3, 2), (2,)]
+    assert all(r.exactly_once and r.complete and r.used == 1437 for r in reports), reports
+    assert run_main("ledger", str(run_dir)).returncode == 0

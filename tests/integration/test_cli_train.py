@@ -7,8 +7,9 @@ import socket
 import subprocess
 import sys
 
+from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, assert_loopback_only
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_clis
 from tests.distributed import run_distributed
 from tests.trainers import train_uninterrupted
 
@@ -93,3 +94,25 @@ def test_corrupt_newest_checkpoint_is_skipped_on_resume_with_a_warning_naming_it
     assert str(newest) in warning and "step_00000030.pt" in warning, warning
     assert "resumed from step_00000030.pt (step 30)" in result.stderr
     assert summary(run_dir)["steps"] == 46
+
+
+def test_a_global_batch_that_does_not_divide_trains_at_every_world_size_of_the_range(tmp_path):
+    """Issue 21: refused before ("must be divisible by local_batch_size (32) * world_size (2)"), both jobs now
+    train, each step's window dealt unevenly where it does not divide, every sample once."""
+    elastic, fixed = tmp_path / "elastic", tmp_path / "fixed"
+    one_epoch = ["--set", "train.epochs=1", "--set", "data.ledger=true", "--set", "monitor.eval_every_epochs=0"]
+    results = run_clis(
+        ["train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--set", "train.global_batch_size=96",
+         *one_epoch, "--run-dir", str(elastic)],
+        ["train", "configs/digits_mlp.toml", "--nproc", "3", "--set", "train.global_batch_size=128", *one_epoch,
+         "--run-dir", str(fixed)],
+    )
+    for run_dir, result, global_batch in ((elastic, results[0], 96), (fixed, results[1], 128)):
+        assert result.returncode == 0, result.stderr
+        got = summary(run_dir)
+        assert got["world_size"] == 3 and got["steps"] == -(-1437 // global_batch)
+        [epoch] = check_ledger(run_dir / "ledger.jsonl")
+        assert epoch.exactly_once and epoch.complete and epoch.missing == 0 and epoch.world_sizes == (3,)
+        steps = [r for r in map(json.loads, (run_dir / "ledger.jsonl").read_text().splitlines()) if "ids" in r]
+        shares = [len(ids) for ids in steps[0]["ids"]]
+        assert shares == ([32, 32, 32] if global_batch == 96 else [43, 43, 42]), shares

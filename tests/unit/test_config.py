@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from ringtrain.cli import main
-from ringtrain.config import Config, load_config, parse_override, validate_for_world_size
+from ringtrain.config import (
+    Config,
+    grad_accum_steps_for,
+    load_config,
+    parse_override,
+    validate_for_world_size,
+    validate_for_world_sizes,
+)
 from ringtrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,8 +76,8 @@ BAD_CONFIGS = [
     ("[train]\nlocal_batch_size = 0\n", [], [], ["train.local_batch_size", "greater than 0"]),
     ("[train]\nglobal_batch_size = -4\n", [], [], ["train.global_batch_size", "greater than 0"]),
     ("[train]\nlr = nan\n", [], [], ["train.lr", "nan", "finite"]),
-    ("[train]\nglobal_batch_size = 96\nlocal_batch_size = 20\n", [], [],
-     ["global_batch_size (96)", "local_batch_size (20)", "world_size (2)"]),
+    ("[train]\nglobal_batch_size = 1\n", [], [],
+     ["global_batch_size (1)", "below world_size (2)", "try global_batch_size = 2"]),
     ("[train]\nglobal_batch_size = 64\nlocal_batch_size = 16\ngrad_accum_steps = 3\n", [], [],
      ["grad_accum_steps (3)", "set it to 2"]),
     ("[model]\nname = \"transformer9\"\n", [], [], ["model.name", "'transformer9'", "'mlp'"]),
@@ -87,8 +95,10 @@ BAD_CONFIGS = [
     # Fault tolerance (chaos 12): elastic ranges, resume flags, guards, rendezvous timing.
     (None, [], ["--min-nproc", "3"], ["--min-nproc (3)", "--nproc (2)", "cannot exceed"]),
     (None, [], ["--min-nproc", "0"], ["--min-nproc (0)", "between 1"]),
-    ("[train]\nglobal_batch_size = 64\nlocal_batch_size = 16\n", [], ["--nproc", "3", "--min-nproc", "2"],
-     ["global_batch_size (64)", "world_size (3)"]),
+    ("[train]\nglobal_batch_size = 2\n", [], ["--nproc", "3", "--min-nproc", "2"],
+     ["global_batch_size (2)", "world_size (3)", "try global_batch_size = 6", "every world_size from 2 to 3"]),
+    ("[train]\nglobal_batch_size = 96\nlocal_batch_size = 32\ngrad_accum_steps = 2\n", [],
+     ["--nproc", "3", "--min-nproc", "2"], ["grad_accum_steps (2)", "world_size (3)", "set it to 1"]),
     ("[train]\nmax_consecutive_nonfinite_steps = 0\n", [], [], ["train.max_consecutive_nonfinite_steps", "greater than 0"]),
     (None, [], ["--rdzv-conf", "last_call_timeout=0"], ["--rdzv-conf", "last_call_timeout", "at least 1"]),
     (None, [], ["--rdzv-conf", "keep_alive_max_attempt=2"], ["keep_alive_max_attempt=2", "use 3 or more"]),
@@ -146,3 +156,42 @@ def test_config_command_prints_fields_and_resolved_config(capsys):
     assert "train.global_batch_size" in fields and "Samples per optimizer step" in fields
     assert main(["config", str(DEFAULT), "--set", "train.lr=0.5"]) == 0
     assert "lr = 0.5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("global_batch,local_batch,sizes", [
+    (96, 32, (2, 3)),    # the issue's: 48 + 48 at 2 workers, 32 x 3 at 3
+    (128, 32, (3, 3)),   # 43 + 43 + 42
+    (100, 16, (1, 4)),
+    (5, 32, (2, 5)),     # one sample per worker at 5
+])
+def test_a_global_batch_that_does_not_divide_is_valid_at_every_world_size_of_the_range(global_batch, local_batch, sizes):
+    config = load_config(DEFAULT, [f"train.global_batch_size={global_batch}", f"train.local_batch_size={local_batch}"])
+    validate_for_world_sizes(config, *sizes)
+    for world_size in range(sizes[0], sizes[1] + 1):
+        validate_for_world_size(config, world_size)  # what each worker checks
+        assert grad_accum_steps_for(config.train, world_size) == -(-global_batch // (local_batch * world_size))
+
+
+def test_grad_accum_steps_is_the_count_at_the_most_workers_and_derived_at_fewer():
+    config = load_config(DEFAULT, ["train.global_batch_size=96", "train.local_batch_size=32", "train.grad_accum_steps=1"])
+    validate_for_world_sizes(config, 2, 3)  # 1 micro-batch of 32 at 3 workers; 2 of 24 at 2, derived
+    validate_for_world_size(config, 2)      # a worker of that job after it shrank to 2
+    assert grad_accum_steps_for(config.train, 2) == 2
+    with pytest.raises(ConfigError, match=r"grad_accum_steps \(1\) disagrees .* world_size \(2\)\)\) = 2; set it to 2"):
+        validate_for_world_sizes(config, 1, 2)
+    with pytest.raises(ConfigError, match=r"grad_accum_steps \(3\) is more micro-batches .* world_size \(2\)"):
+        validate_for_world_size(config.model_copy(update={"train": config.train.model_copy(
+            update={"grad_accum_steps": 3})}), 2)
+
+
+@pytest.mark.parametrize("global_batch,local_batch,sizes", [(2, 32, (2, 3)), (1, 1, (1, 4)), (3, 2, (4, 8)),
+                                                            (7, 1, (1, 12))])
+def test_a_refused_global_batch_comes_with_one_that_works_at_every_world_size(global_batch, local_batch, sizes):
+    config = load_config(DEFAULT, [f"train.global_batch_size={global_batch}", f"train.local_batch_size={local_batch}"])
+    with pytest.raises(ConfigError) as refused:
+        validate_for_world_sizes(config, *sizes)
+    message = str(refused.value)
+    assert f"global_batch_size ({global_batch})" in message and "\n" not in message
+    suggested = int(re.search(r"try global_batch_size = (\d+)", message).group(1))
+    validate_for_world_sizes(load_config(DEFAULT, [f"train.global_batch_size={suggested}",
+                                                   f"train.local_batch_size={local_batch}"]), *sizes)

@@ -6,8 +6,11 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
+from torch.utils.data import TensorDataset
 
-from ringtrain.data.sampler import ResumableSampler, eval_shard
+from ringtrain.data.loader import build_train_loader
+from ringtrain.data.sampler import ResumableSampler, eval_shard, grad_accum_steps_for_window
 
 
 def epoch_shards(sampler: ResumableSampler, world_size: int, steps: int | None = None) -> list[list[list[int]]]:
@@ -83,3 +86,36 @@ def test_load_rejects_state_of_another_dataset():
 def test_eval_shards_cover_each_sample_once(world_size):
     shards = [eval_shard(10, rank, world_size) for rank in range(world_size)]
     assert sorted(i for shard in shards for i in shard) == list(range(10))
+
+
+@pytest.mark.parametrize("num_samples,global_batch,local_batch,world_size,rows", [
+    (300, 96, 32, 2, [[24, 24], [24, 24]]),        # the global batch at 2 workers: 48 each
+    (300, 96, 32, 3, [[32], [32], [32]]),
+    (300, 97, 16, 2, [[13, 12, 12, 12], [12, 12, 12, 12]]),   # 49 + 48: 48 alone would need 3
+    (300, 100, 16, 3, [[12, 11, 11], [11, 11, 11], [11, 11, 11]]),
+    (300, 4, 1, 3, [[1, 1], [1, 0], [1, 0]]),     # 2 + 1 + 1: 0-row micro-batches in a full window
+    (5, 4, 1, 3, [[1, 1], [1, 0], [1, 0]]),       # ... and the epoch's short last window (1 + 0 + 0) next
+])
+def test_an_uneven_window_is_dealt_with_one_micro_batch_count_on_every_rank(
+        num_samples, global_batch, local_batch, world_size, rows):
+    dataset = TensorDataset(torch.arange(num_samples).float().unsqueeze(1), torch.arange(num_samples))
+    sampler = ResumableSampler(num_samples, global_batch, seed=1)
+    loaders = [iter(build_train_loader(dataset, sampler, rank, world_size)) for rank in range(world_size)]
+    first = True
+    while not sampler.epoch_finished:
+        window = sampler.next_window_size()
+        count = grad_accum_steps_for_window(window, world_size, local_batch)
+        micro = [next(loader).micro_batches(count) for loader in loaders]
+        if first:
+            assert [[len(targets) for _, targets in m] for m in micro] == rows
+            first = False
+        for share in micro:
+            assert len(share) == count and all(len(targets) <= local_batch for _, targets in share)
+        # The fewest pieces of at most local_batch samples that hold the largest share.
+        largest = max(sum(len(targets) for _, targets in share) for share in micro)
+        assert (count - 1) * local_batch < largest <= count * local_batch or (largest == 0 and count == 1)
+        ids = [int(i) for share in micro for inputs, targets in share for i in targets]
+        assert all(torch.equal(inputs[:, 0].long(), targets) for share in micro for inputs, targets in share)
+        assert len(ids) == len(set(ids)) == window, "a sample lost or dealt twice"
+        assert sorted(ids) == sorted(sampler.order(sampler.epoch)[sampler.cursor : sampler.cursor + window].tolist())
+        sampler.advance()
