@@ -128,9 +128,10 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
 
 
 def _bind_collectives_to(address: str) -> None:
-    # NCCL picks its interface from this variable; Gloo groups made by torch outside its backend registry
-    # (bind_gloo_groups), e.g. the checker of TORCH_DISTRIBUTED_DEBUG=DETAIL, from the other. Without them
-    # those bind to whatever the host name resolves to, which can be a public interface.
+    # NCCL picks its interface from NCCL_SOCKET_IFNAME; Gloo groups that torch makes outside its backend
+    # registry (see bind_gloo_groups), e.g. the checker of TORCH_DISTRIBUTED_DEBUG=DETAIL, from
+    # GLOO_SOCKET_IFNAME. Without them those bind to whatever the host name resolves to, which can be a
+    # public interface.
     interface = interface_for_address(address)
     os.environ["GLOO_SOCKET_IFNAME"] = interface
     os.environ["NCCL_SOCKET_IFNAME"] = interface

@@ -39,33 +39,18 @@ def _launchers(hosts: Hosts, nproc: int, run_dir: Path, *extra: str) -> list[Job
 
 
 class _Listeners(threading.Thread):
-    """Every (address, port) anything listened on in each job's host while the jobs ran (sampled every 10 ms)."""
+    """Every (address, port) anything listened on in each job's host while the jobs ran (``seen``), and each
+    worker process on its own, by (job index, rank) (``by_worker``); sampled every 10 ms."""
 
     def __init__(self, jobs: list[Job]):
         super().__init__(daemon=True)
         self.jobs, self.seen = jobs, [set() for _ in jobs]
-
-    def run(self) -> None:
-        while any(job.process.poll() is None for job in self.jobs):
-            for job, seen in zip(self.jobs, self.seen):
-                seen |= listening_sockets(job.process.pid)
-            time.sleep(0.01)
-
-
-class _WorkerListeners(threading.Thread):
-    """Every (address, port) each worker process listened on while the jobs ran, by (job index, rank), and
-    everything anything listened on in each job's host (sampled every 10 ms)."""
-
-    def __init__(self, jobs: list[Job]):
-        super().__init__(daemon=True)
-        self.jobs = jobs
         self.by_worker: dict[tuple[int, int], set] = {}
-        self.by_host: list[set] = [set() for _ in jobs]
 
     def run(self) -> None:
         while any(job.process.poll() is None for job in self.jobs):
             for i, job in enumerate(self.jobs):
-                self.by_host[i] |= listening_sockets(job.process.pid)
+                self.seen[i] |= listening_sockets(job.process.pid)
                 for rank, worker in job.workers().items():
                     self.by_worker.setdefault((i, rank), set()).update(listening_sockets(worker.pid, own=True))
             time.sleep(0.01)
@@ -123,17 +108,17 @@ def test_an_interface_with_two_addresses_listens_on_the_jobs(make_hosts, tmp_pat
             *SHORT, "--set", "checkpoint.sharded=true", prefix=hosts.exec_prefix(i))
         for i in range(hosts.count)
     ]
-    listeners = _WorkerListeners(jobs)
+    listeners = _Listeners(jobs)
     listeners.start()
     _finish(jobs)
     listeners.join()
-    print(f"listening: by worker {listeners.by_worker}, by host {listeners.by_host}")
+    print(f"listening: by worker {listeners.by_worker}, by host {listeners.seen}")
     assert sorted(rank for _, rank in listeners.by_worker) == [0, 1], listeners.by_worker
     for (i, rank), sockets in listeners.by_worker.items():
         # At least the two Gloo groups' listeners: a sample that missed them proves nothing.
         assert len(sockets) >= 2, (i, rank, sockets)
         assert {ip for ip, _ in sockets} == {job_addr[i]}, (i, rank, sockets)
-    for i, sockets in enumerate(listeners.by_host):
+    for i, sockets in enumerate(listeners.seen):
         assert {ip for ip, _ in sockets} == {job_addr[i]}, (i, sockets)
 
 
