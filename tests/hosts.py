@@ -112,6 +112,11 @@ class Hosts:
         """Address of host i: 198.18.0.(i+1)."""
         return f"{SUBNET}.{i + 1}"
 
+    def add_address(self, i: int, address: str) -> None:
+        """Give host i's interface one more address (/24), listed after the ones it has: an interface's first
+        address is what a choice by interface name (GLOO_SOCKET_IFNAME) gets."""
+        _ip("-n", self.ns(i), "addr", "add", f"{address}/24", "dev", INTERFACE)
+
     def exec_prefix(self, i: int) -> list[str]:
         """Put this in front of a command to run it on host i."""
         return ["ip", "netns", "exec", self.ns(i)]
@@ -203,9 +208,14 @@ class Hosts:
         return subprocess.run([*self.exec_prefix(i), *command], **kwargs)
 
 
-def listening_sockets(pid: int) -> set[tuple[str, int]]:
+def listening_sockets(pid: int, own: bool = False) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket listening in the network namespace of process ``pid`` (any
-    process's: a test host's stack holds only the sockets of what runs there). Empty if the process is gone."""
+    process's: a test host's stack holds only the sockets of what runs there). Empty if the process is gone.
+
+    ``own``: only the sockets process ``pid`` holds open (its descriptors' socket inodes). Read from
+    ``/proc/<pid>``, the process's own view of its namespace, so it works from outside the namespace, where
+    psutil's ``net_connections`` (which reads the caller's ``/proc/net``) sees none of them."""
+    inodes = _socket_inodes(pid) if own else None
     found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
@@ -213,8 +223,11 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
         except OSError:
             continue
         for line in lines:
-            local, state = line.split()[1], line.split()[3]
+            fields = line.split()
+            local, state = fields[1], fields[3]
             if state != "0A":  # LISTEN
+                continue
+            if inodes is not None and fields[9] not in inodes:
                 continue
             hex_addr, hex_port = local.split(":")
             raw = bytes.fromhex(hex_addr)
@@ -222,6 +235,23 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
             raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             found.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
     return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes (as /proc/net prints them) of the sockets process ``pid`` holds open."""
+    inodes = set()
+    try:
+        entries = list(os.scandir(f"/proc/{pid}/fd"))
+    except OSError:
+        return inodes
+    for entry in entries:
+        try:
+            target = os.readlink(entry.path)
+        except OSError:
+            continue  # closed while listing
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
 
 
 def _rate_bytes_per_s(rate: str) -> int:

@@ -10,6 +10,8 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm.shm_segment import SHM_DIR
+
 __all__ = ["resolve_group", "group_size", "group_rank", "global_rank", "group_timeout_s", "host_id"]
 
 _FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
@@ -52,17 +54,21 @@ def group_timeout_s(group: dist.ProcessGroup, device: torch.device | None = None
 
 @cache
 def host_id() -> str:
-    """Which host this process is on, as ranks that share memory see it: ``name/boot id/net namespace``.
+    """Which host this process is on, as ranks that share memory see it:
+    ``name/boot id/net namespace/shm mount``.
 
     The host name alone is fooled by network namespaces (and containers) on one machine: they share the
-    host name, yet their ranks talk over different network stacks and must be told apart (on one machine
-    they also share ``/dev/shm``). The kernel's boot id (random at every boot) tells machines apart even
-    with equal names; the inode of this process's network namespace tells namespaces apart. Two
-    processes get the same id only if they run on the same boot of the same kernel, in one network
-    namespace::
+    host name, yet their ranks talk over different network stacks and must be told apart. The kernel's
+    boot id (random at every boot) tells machines apart even with equal names; the inode of this process's
+    network namespace tells namespaces apart. And the device of ``/dev/shm``: containers that share a
+    network namespace (a pod's) may each have a ``/dev/shm`` of their own, where one cannot open the
+    segment another made; every tmpfs mount has a device number of its own, while one mount seen from two
+    mount namespaces (or bind-mounted twice) keeps its number, as it keeps its files. Two processes get the
+    same id only if they run on the same boot of the same kernel, in one network namespace, with one
+    ``/dev/shm``::
 
         >>> host_id()
-        'node7/b335b17e/net:4026531833'
+        'node7/b335b17e/net:4026531833/shm:26'
     """
     name = socket.gethostname()
     try:
@@ -71,4 +77,8 @@ def host_id() -> str:
         netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:  # not Linux: the host name is all there is
         return name
-    return f"{name}/{boot}/net:{netns}"
+    try:
+        shm = f"/shm:{os.stat(SHM_DIR).st_dev}"
+    except OSError:  # no /dev/shm: nothing is shared through it either
+        shm = ""
+    return f"{name}/{boot}/net:{netns}{shm}"

@@ -53,6 +53,10 @@ __all__ = [
 ]
 
 
+MAX_BUFFER_KB = 1 << 20
+"""The largest small or staging buffer ``init_shm`` takes (1 GB; the workspace holds two of each per rank)."""
+
+
 def init_shm(
     group: dist.ProcessGroup | None = None,
     hosts: Sequence[str] | None = None,
@@ -63,8 +67,19 @@ def init_shm(
 
     ``hosts``: one host name per group rank; ranks with the same name share memory, the others are
     reached through a ring between host leaders. Default: the machines' host names.
+    ``small_kb``, ``piece_kb``: the sizes of each rank's small and staging buffers, 1 KB to 1 GB (the
+    workspace holds two of each per rank); checked here, before anything reaches the native code, which
+    cannot work with an empty buffer (``piece_kb=0`` made it write past its staging buffers).
     """
+    for name, value in (("small_kb", small_kb), ("piece_kb", piece_kb)):
+        _check_size(f"init_shm: {name}", value, 1, MAX_BUFFER_KB)
     return set_up(resolve_group(group), hosts, small_kb << 10, piece_kb << 10)
+
+
+def _check_size(what: str, value: object, lowest: int, highest: int) -> None:
+    """ValueError, in one line naming ``what``, unless ``value`` is a whole number in [lowest, highest]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= highest:
+        raise ValueError(f"{what} must be a whole number in [{lowest}, {highest}], got {value!r}")
 
 
 def shared_empty(numel: int, dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -73,6 +88,7 @@ def shared_empty(numel: int, dtype: torch.dtype = torch.float32, group: dist.Pro
     >>> bucket = shm.shared_empty(1 << 20)          # same call, same order, on every rank of the group
     >>> comm.all_reduce(bucket, algorithm="shm")    # peers read it in place
     """
+    _check_size("shared_empty: numel", numel, 0, 1 << 40)
     return get_shm_group(resolve_group(group)).shared_empty(numel, dtype)
 
 

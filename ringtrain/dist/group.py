@@ -1,4 +1,5 @@
-"""Process-group lifetime: backend choice, loopback-bound store, thread count, core pinning.
+"""Process-group lifetime: backend choice, loopback-bound store, Gloo bound to the job's address, thread count,
+core pinning.
 
 ``init_distributed`` is a context manager so the group is destroyed even when training raises.
 """
@@ -28,7 +29,7 @@ from ringtrain.dist.sockets import forget_group_sockets, recording_group_sockets
 from ringtrain.errors import LaunchError
 
 __all__ = ["DistContext", "init_distributed", "prepare_process", "leave_default_group", "resolve_backend",
-           "interface_for_address", "cores_for_worker", "host_placement"]
+           "interface_for_address", "bind_gloo_groups", "cores_for_worker", "host_placement"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ def prepare_process(env: DistEnv, config: DistConfig) -> tuple[str, torch.device
         keep_freed_memory()  # before the model and data allocate anything
     if env.bind_addr:
         _bind_collectives_to(env.bind_addr)
+    bind_gloo_groups(env.bind_addr)  # every Gloo group of this worker: the default one, new_group's, a heal's
     # The flight recorder: ringtrain's collectives, and torch's record of the group's (read at creation).
     flight.torch_recorder_env(config.flight_recorder)
     flight.enable(config.flight_recorder)
@@ -139,11 +141,55 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
 
 
 def _bind_collectives_to(address: str) -> None:
-    # Gloo and NCCL pick their interface from these variables; without them Gloo binds to whatever
-    # the host name resolves to, which can be a public interface.
+    # NCCL picks its interface from NCCL_SOCKET_IFNAME; Gloo groups that torch makes outside its backend
+    # registry (see bind_gloo_groups), e.g. the checker of TORCH_DISTRIBUTED_DEBUG=DETAIL, from
+    # GLOO_SOCKET_IFNAME. Without them those bind to whatever the host name resolves to, which can be a
+    # public interface.
     interface = interface_for_address(address)
     os.environ["GLOO_SOCKET_IFNAME"] = interface
     os.environ["NCCL_SOCKET_IFNAME"] = interface
+
+
+_gloo_address: str | None = None
+"""The address every Gloo group this process makes listens on (``bind_gloo_groups``); None: torch's choice."""
+
+
+def bind_gloo_groups(address: str | None) -> None:
+    """Make every Gloo group this process creates from now on (``init_process_group``, ``new_group``, a heal's
+    next generation) listen on, and connect from, ``address``; None: torch's own choice again.
+
+    Torch chooses a Gloo group's address itself: the first address of the interface ``GLOO_SOCKET_IFNAME``
+    names, else the one the host name resolves to. On an interface with two addresses (198.18.7.1, and the
+    job's 198.18.7.101) every worker listened on the first. Gloo takes an address when its device is made
+    (``ProcessGroupGloo.create_device(hostname=...)``), but torch 2.14 drops the options that would carry
+    the device (``pg_options``) for Gloo; so the device is made where torch makes every Gloo backend, the
+    creator registered for "gloo", here replaced by one that adds it. One switch for the whole process,
+    like the environment variable it replaces: no call site can forget it.
+    """
+    global _gloo_address
+    _gloo_address = address
+    if address is not None:
+        dist.Backend.register_backend("gloo", _create_gloo_backend, extended_api=True,
+                                      devices=dist.Backend.backend_capability["gloo"],
+                                      _backend_type=dist.ProcessGroup.BackendType.GLOO)
+
+
+def _create_gloo_backend(opts, backend_options: object | None) -> dist.ProcessGroupGloo:
+    """torch's Gloo creator (``_create_gloo_process_group``), with a device on ``_gloo_address`` if one is set."""
+    from torch.distributed.distributed_c10d import _create_gloo_process_group
+
+    address = _gloo_address
+    if address is None:
+        return _create_gloo_process_group(opts, backend_options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = opts.timeout
+    # Lazy or not as torch's own would be: TORCH_GLOO_LAZY_INIT, read now (dist/sockets.py lifts it in an init).
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    options.enable_reconfigure = opts.enable_reconfigure
+    backend = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
+    backend.options.global_ranks_in_group = opts.global_ranks_in_group
+    backend.options.group_name = opts.group_id
+    return backend
 
 
 def _build_store(env: DistEnv, timeout: timedelta) -> dist.Store:

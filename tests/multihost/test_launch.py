@@ -21,7 +21,7 @@ import pytest
 from tests.chaos.jobs import Job
 from tests.conftest import REPO
 from tests.distributed import run_distributed
-from tests.hosts import INTERFACE, Hosts, listening_sockets
+from tests.hosts import INTERFACE, SUBNET, Hosts, listening_sockets
 from tests.trainers import train_run
 
 PORT = 29400
@@ -39,16 +39,20 @@ def _launchers(hosts: Hosts, nproc: int, run_dir: Path, *extra: str) -> list[Job
 
 
 class _Listeners(threading.Thread):
-    """Every (address, port) anything listened on in each job's host while the jobs ran (sampled every 10 ms)."""
+    """Every (address, port) anything listened on in each job's host while the jobs ran (``seen``), and each
+    worker process on its own, by (job index, rank) (``by_worker``); sampled every 10 ms."""
 
     def __init__(self, jobs: list[Job]):
         super().__init__(daemon=True)
         self.jobs, self.seen = jobs, [set() for _ in jobs]
+        self.by_worker: dict[tuple[int, int], set] = {}
 
     def run(self) -> None:
         while any(job.process.poll() is None for job in self.jobs):
-            for job, seen in zip(self.jobs, self.seen):
-                seen |= listening_sockets(job.process.pid)
+            for i, job in enumerate(self.jobs):
+                self.seen[i] |= listening_sockets(job.process.pid)
+                for rank, worker in job.workers().items():
+                    self.by_worker.setdefault((i, rank), set()).update(listening_sockets(worker.pid, own=True))
             time.sleep(0.01)
 
 
@@ -87,6 +91,35 @@ def test_two_hosts_one_worker_each_train_as_on_one_host(make_hosts, tmp_path):
     # was bound to that host's address: none to loopback, none to every interface.
     assert {ip for ip, _ in listeners.seen[0]} == {hosts.addr(0)}, listeners.seen  # node 0 hosts the stores
     assert {ip for ip, _ in listeners.seen[1]} <= {hosts.addr(1)}, listeners.seen
+
+
+def test_an_interface_with_two_addresses_listens_on_the_jobs(make_hosts, tmp_path):
+    """Each host's one interface holds two addresses, the job's second (198.18.0.1 and .101 on host 0): a
+    choice by interface (GLOO_SOCKET_IFNAME) took the first. Every socket every worker listens on (its store,
+    the default group's Gloo device, the sharded checkpoints' own Gloo group) is on the job's address, and so
+    is everything else that listens in the host."""
+    hosts = make_hosts(2)
+    job_addr = [f"{SUBNET}.{101 + i}" for i in range(hosts.count)]
+    for i, address in enumerate(job_addr):
+        hosts.add_address(i, address)
+    jobs = [
+        Job("train", CONFIG, "--nproc", "1", "--nnodes", "2", "--node-rank", str(i),
+            "--rdzv-endpoint", f"{job_addr[0]}:{PORT}", "--local-addr", job_addr[i], "--run-dir", str(tmp_path),
+            *SHORT, "--set", "checkpoint.sharded=true", prefix=hosts.exec_prefix(i))
+        for i in range(hosts.count)
+    ]
+    listeners = _Listeners(jobs)
+    listeners.start()
+    _finish(jobs)
+    listeners.join()
+    print(f"listening: by worker {listeners.by_worker}, by host {listeners.seen}")
+    assert sorted(rank for _, rank in listeners.by_worker) == [0, 1], listeners.by_worker
+    for (i, rank), sockets in listeners.by_worker.items():
+        # At least the two Gloo groups' listeners: a sample that missed them proves nothing.
+        assert len(sockets) >= 2, (i, rank, sockets)
+        assert {ip for ip, _ in sockets} == {job_addr[i]}, (i, rank, sockets)
+    for i, sockets in enumerate(listeners.seen):
+        assert {ip for ip, _ in sockets} == {job_addr[i]}, (i, sockets)
 
 
 def test_two_hosts_two_workers_shm_goes_hierarchical(make_hosts, tmp_path):

@@ -46,6 +46,8 @@ constexpr int64_t DIED = 1, TIMEOUT = 2, MISMATCH = 3, ABORTED = 4;  // ABORTED:
 constexpr int64_t STEP_MAX = (int64_t(1) << 24) - 1;
 constexpr double LIVENESS_EVERY_S = 0.02;
 constexpr int64_t BLOCK = 512;  // elements summed per block: the partial sums stay in L1
+constexpr int MAX_RANKS = 64;   // local ranks a workspace serves (the algorithms keep per-rank arrays of this size)
+constexpr int64_t MAX_ELEMENT = 8;  // bytes of the widest dtype reduced here
 
 double now_s() {
     timespec ts;
@@ -210,6 +212,21 @@ class Workspace {
           small_turn_(0),
           staging_turn_(0),
           spin_s_(spin ? OWN_CORE_SPIN_S : SHARED_CORE_SPIN_S) {
+        // Every buffer the algorithms write lies inside the mapped workspace (shm_group.py's layout): checked
+        // once here, so that the calls need only O(1) checks of what they are given (``check_call``).
+        TORCH_CHECK(base != 0, "shm_native: Workspace needs the address of a mapped workspace, got 0");
+        TORCH_CHECK(local_size >= 1 && local_size <= MAX_RANKS, "shm_native: local_size must be in [1, ", MAX_RANKS,
+                    "], got ", local_size);
+        TORCH_CHECK(local_rank >= 0 && local_rank < local_size, "shm_native: local_rank must be in [0, ", local_size,
+                    "), got ", local_rank);
+        TORCH_CHECK(header_bytes >= int64_t(local_size + 1) * LINE * int64_t(sizeof(int64_t)),
+                    "shm_native: header_bytes ", header_bytes, " cannot hold ", local_size + 1, " flag lines");
+        TORCH_CHECK(small_bytes >= 0, "shm_native: small_bytes must be >= 0, got ", small_bytes);
+        // A staged piece carries at least one element of every rank's shard: n of the widest dtype.
+        TORCH_CHECK(piece_bytes >= local_size * MAX_ELEMENT, "shm_native: piece_bytes must be >= ",
+                    local_size * MAX_ELEMENT, " (one 8-byte element per local rank), got ", piece_bytes);
+        TORCH_CHECK(region_bytes >= 2 * small_bytes + 2 * piece_bytes, "shm_native: region_bytes ", region_bytes,
+                    " cannot hold two small buffers of ", small_bytes, " and two staging buffers of ", piece_bytes);
         for (auto& code : codes_) code[0] = code[1] = -1;
         for (int r = 0; r < n_; ++r) pids_.push_back(int64_t(flags_[r * LINE + PID]));
     }
@@ -254,6 +271,7 @@ class Workspace {
 
     // The code of an all_reduce of ``dtype`` (shm_board.encode_call): sum, avg.
     void set_code(torch::ScalarType dtype, int64_t sum_code, int64_t avg_code) {
+        TORCH_CHECK(int(dtype) >= 0 && int(dtype) < 64, "shm_native: dtype ", dtype, " out of the code table");
         codes_[int(dtype)][0] = sum_code;
         codes_[int(dtype)][1] = avg_code;
     }
@@ -262,7 +280,7 @@ class Workspace {
     // reduces (``dtypes()``), floating-point to average.
     bool takes(const torch::Tensor& t, bool average) const {
         if (!t.device().is_cpu() || t.layout() != torch::kStrided || !t.is_contiguous() || t.numel() == 0) return false;
-        if (codes_[int(t.scalar_type())][0] < 0) return false;
+        if (int(t.scalar_type()) >= 64 || codes_[int(t.scalar_type())][0] < 0) return false;
         return !average || t.is_floating_point();
     }
 
@@ -286,6 +304,7 @@ class Workspace {
     // true on failure; ``failure()`` then says what happened.
     bool all_reduce(const torch::Tensor& flat, bool average, int64_t divide_by, double timeout_s, int64_t arena,
                     int64_t stride, int64_t offset) {
+        check_call(flat, divide_by, arena, stride, offset);
         const int64_t code = codes_[int(flat.scalar_type())][average ? 1 : 0];
         TORCH_CHECK(code >= 0, "shm_native: unsupported dtype ", flat.scalar_type());
         count_ = flags_[me_ * LINE];  // this rank's barrier count: its own flag line
@@ -322,6 +341,25 @@ class Workspace {
     }
 
    private:
+    // What a call may touch, before it touches anything or meets a peer (O(1)): the tensor's bytes are the
+    // ``numel * element_size`` from its data pointer, the turns pick one of two buffers, and an arena copy
+    // lies inside its rank's region. A refused call is a RuntimeError and changes nothing.
+    void check_call(const torch::Tensor& flat, int64_t divide_by, int64_t arena, int64_t stride, int64_t offset) const {
+        TORCH_CHECK(flat.device().is_cpu() && flat.layout() == torch::kStrided && flat.is_contiguous(),
+                    "shm_native: all_reduce needs a contiguous dense CPU tensor");
+        TORCH_CHECK(int(flat.scalar_type()) >= 0 && int(flat.scalar_type()) < 64, "shm_native: unsupported dtype ",
+                    flat.scalar_type());
+        TORCH_CHECK(divide_by >= 1 && divide_by <= INT_MAX, "shm_native: divide_by must be in [1, ", INT_MAX, "], got ",
+                    divide_by);
+        TORCH_CHECK((small_turn_ | staging_turn_) >= 0 && (small_turn_ | staging_turn_) <= 1,
+                    "shm_native: small_turn and staging_turn must be 0 or 1, got ", small_turn_, " and ", staging_turn_);
+        if (arena > 0) {
+            const int64_t nbytes = flat.numel() * int64_t(flat.element_size());
+            TORCH_CHECK(stride > 0 && offset >= 0 && offset <= stride && nbytes <= stride - offset, "shm_native: ",
+                        nbytes, " bytes at offset ", offset, " do not fit a rank's arena region of ", stride, " bytes");
+        }
+    }
+
     static constexpr int64_t RELEASE_GIL_BYTES = 64 << 10;
     // Polling before a sleep: 2 ms when every rank has a core of its own (a peer in step arrives within
     // microseconds, and a futex wake costs several); a few microseconds when ranks share cores, where the
@@ -539,6 +577,8 @@ class Workspace {
     // --- the algorithms (shm.py's _direct, _pipelined, _in_place) --------------------------------------
     template <typename T>
     bool direct(T* flat, int64_t numel, int div, const int64_t* desc) {
+        TORCH_CHECK(numel * int64_t(sizeof(T)) <= small_bytes_, "shm_native: ", numel * int64_t(sizeof(T)),
+                    " bytes do not fit the small buffer of ", small_bytes_);
         small_turn_ ^= 1;
         T* src[64];
         for (int j = 0; j < n_; ++j) src[j] = reinterpret_cast<T*>(small_buffer(j, small_turn_));
@@ -575,6 +615,9 @@ class Workspace {
         const int64_t piece = std::min(piece_bytes_, pipe_piece_bytes_);
         const int64_t q = std::max<int64_t>(1, piece / int64_t(sizeof(T)) / n);  // elements of each shard per piece
         const int64_t pieces = std::max<int64_t>(1, (per_shard + q - 1) / q);
+        // Piece k writes q elements of each of the n shards into a staging buffer: they must fit it.
+        TORCH_CHECK(q * n * int64_t(sizeof(T)) <= piece_bytes_, "shm_native: pieces of ", q, " x ", n, " elements do not ",
+                    "fit the staging buffer of ", piece_bytes_, " bytes");
         const int size_class = 63 - __builtin_clzll(uint64_t(nbytes));
         const int stores = choose_stores(size_class);
         const bool stream = stores == STREAM;
