@@ -466,11 +466,11 @@ class Config(Section):
             return self
         strategy, algorithm = self.comm.strategy, self.comm.algorithm
         if strategy in RELOADED_STRATEGIES:
-            if not self.checkpoint.sharded or self.checkpoint.async_:
+            if not (self.checkpoint.sharded or self.checkpoint.async_):
                 raise ValueError(
                     f"dist.heal = true with comm.strategy = '{strategy}' reloads the lost worker's shards from the "
-                    "newest sharded checkpoint: set checkpoint.sharded = true (and checkpoint.async = false), or "
-                    "use strategy 'ddp' or 'manual' (healed without a reload)"
+                    "newest sharded checkpoint: set checkpoint.sharded = true (or checkpoint.async = true, saved in "
+                    "the background), or use strategy 'ddp' or 'manual' (healed without a reload)"
                 )
         elif strategy not in HEALABLE_STRATEGIES:
             raise ValueError(
