@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtrain.checkpoint.manifest import write_atomic
+from ringtrain.comm.objects import gather_ints
 
 __all__ = ["Ledger", "NullLedger", "EpochReport", "read_ledger", "check_ledger", "build_ledger"]
 
@@ -143,6 +144,5 @@ def check_ledger(path: str | Path) -> list[EpochReport]:
 def _gather_to_writer(ids: list[int], is_writer: bool) -> list[list[int]]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [ids]
-    gathered: list[Any] | None = [None] * dist.get_world_size() if is_writer else None
-    dist.gather_object(ids, gathered, dst=0)
+    gathered = gather_ints(ids, dst=0)  # int64s, not pickle: no peer's bytes are unpickled
     return gathered or []

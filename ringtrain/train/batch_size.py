@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.comm.objects import all_gather_json
 from ringtrain.config import TrainConfig
 from ringtrain.data.loader import StepBatch
 from ringtrain.errors import RingtrainError
@@ -123,8 +124,7 @@ class MicroBatcher:
         dist.all_reduce(flags)
         if not flags.any():
             return {}
-        messages: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(messages, error)
+        messages = all_gather_json(error)
         return {rank: messages[rank] for rank, flag in enumerate(flags.tolist()) if flag}
 
     def shrink(self, step: int, failed: dict[int, str]) -> dict[str, Any]:
