@@ -77,8 +77,22 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
+        """JSON only (a planted file unpickles nothing), every field of its type, else ValueError naming it.
+        What it describes still runs: ``ringtrain join`` starts the program it names (README: threat model)."""
         values = json.loads(text)
-        return cls(**{**values, "program": Program.from_json(values["program"])})
+        if not isinstance(values, dict):
+            raise ValueError(f"a JSON {type(values).__name__}, not an object")
+        for name, kind in _FIELD_TYPES.items():
+            if name in values and type(values[name]) is not kind:
+                raise ValueError(f"{name} is {values[name]!r}, not a {kind.__name__}")
+        program = values.get("program")
+        if not (isinstance(program, dict) and isinstance(program.get("args"), list)
+                and all(isinstance(a, str) for a in program["args"])
+                and isinstance(program.get("env", {}), dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in program.get("env", {}).items())
+                and isinstance(program.get("cwd"), (str, type(None)))):
+            raise ValueError("program is not {args: [strings], env: {string: string}, cwd: string or null}")
+        return cls(**{**values, "program": Program.from_json(program)})
 
     @classmethod
     def read(cls, run_dir: str | Path) -> JobSpec:
@@ -91,6 +105,10 @@ class JobSpec:
             ) from None
         except (ValueError, TypeError, KeyError) as err:
             raise LaunchError(f"{path} is not a ringtrain job description ({err})") from None
+
+
+_FIELD_TYPES = {"rdzv_endpoint": str, "run_id": str, "min_workers": int, "max_workers": int, "max_restarts": int,
+                "rdzv_conf": str, "log_dir": str, "nproc": int, "heal": bool}
 
 
 def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str, log_dir: str) -> None:

@@ -1,22 +1,24 @@
 """The parts of sharded checkpoints that subclass ``torch.distributed.checkpoint`` (DCP): staging into kept
-buffers, and a reader whose ``.metadata`` goes through a restricted unpickler. Kept apart from
+buffers, and a reader and planner that load tensors and nothing else (``.metadata`` through
+``dcp_metadata``'s allow-list and checks; no read of a pickled object). Kept apart from
 ``checkpoint/sharded.py`` so that importing the trainer does not import DCP (about half a second per worker)."""
 
 from __future__ import annotations
 
 import io
-import pickle
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from ringtrain.errors import CorruptCheckpoint, UnsafeCheckpoint
+from ringtrain.errors import UnsafeCheckpoint
 
-__all__ = ["ReusedStager", "SafeFileSystemReader"]
+__all__ = ["ReusedStager", "SafeFileSystemReader", "TensorsOnlyLoadPlanner"]
 
 
 class ReusedStager(BlockingAsyncStager):
@@ -47,53 +49,59 @@ def _unshared(state: Any) -> Any:
     return state
 
 
-# --- metadata without arbitrary unpickling -------------------------------------------------------------
-def _allowed() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    names = ["Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
-             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"]
-    allowed = {("torch.distributed.checkpoint.metadata", n): getattr(metadata, n) for n in names if hasattr(metadata, n)}
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("pathlib", "PosixPath")] = Path("x").__class__
-    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    allowed: dict[tuple[str, str], Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.allowed:
-            return self.allowed[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
-            return getattr(torch, name)
-        raise UnsafeCheckpoint(f"checkpoint metadata refers to {module}.{name}, which a DCP metadata file never holds; "
-                               "it was not loaded (refusing to run code from a checkpoint)")
-
-
+# --- loading that cannot unpickle an object ------------------------------------------------------------
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader, with ``.metadata`` read by a restricted unpickler (DCP's own uses ``pickle.load``)."""
+    """DCP's reader for a ringtrain checkpoint: ``.metadata`` through ``dcp_metadata.read_metadata`` (an
+    allow-list, then every entry checked) before any shard is opened, read once and kept (what DCP plans
+    from is what was checked); rank-local metadata refused (ringtrain never writes it); and a read of a
+    pickled object (DCP's ``load_bytes``: ``torch.load(weights_only=False)``) refused before its bytes are
+    read, should a plan ever hold one. Tensors are read by DCP with ``torch.load(weights_only=True)``.
+
+    ``listed``: the files of the checkpoint's manifest; storage outside them is refused."""
+
+    def __init__(self, path: str | Path, listed: set[str] | None = None):
+        super().__init__(path)
+        self.listed = listed
+        self._metadata = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        super().reset(checkpoint_id)
+        self._metadata = None
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            raw = stream.read()
-        if not _MetadataUnpickler.allowed:
-            _MetadataUnpickler.allowed = _allowed()
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-        except UnsafeCheckpoint:
-            raise
-        except Exception as err:  # noqa: BLE001 - any unpickling failure is a corrupt file
-            raise CorruptCheckpoint(f"checkpoint metadata {path} is unreadable ({err})") from None
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+        from ringtrain.checkpoint.dcp_metadata import read_metadata
+        from torch.distributed.checkpoint.metadata import StorageMeta
 
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpoint(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        folder = Path(self.path)
+        if kwargs.get("rank") is not None:
+            raise UnsafeCheckpoint(f"checkpoint {folder.name}: DCP asked for rank-local metadata "
+                                   f"__{kwargs['rank']}.metadata, which ringtrain never writes; refused")
+        if self._metadata is None:
+            with self.fs.create_stream(self._get_metadata_path(), "rb") as stream:
+                raw = stream.read()
+            metadata = read_metadata(raw, folder, self.listed)
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._metadata = metadata
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR:
+                raise _bytes_read_refused(Path(self.path), item)
+        return super().read_data(plan, planner)
+
+
+class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner without ``load_bytes`` (``torch.load(weights_only=False)`` of a stored object):
+    the second lock on the same door as ``SafeFileSystemReader.read_data``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise _bytes_read_refused(None, read_item)
+
+
+def _bytes_read_refused(folder: Path | None, item: ReadItem) -> UnsafeCheckpoint:
+    where = f"checkpoint {folder.name}" if folder is not None else "sharded checkpoint"
+    return UnsafeCheckpoint(f"{where}: entry {item.dest_index.fqn!r} would be read as a pickled object "
+                            "(torch.load(weights_only=False)), which ringtrain never stores; refused")

@@ -156,7 +156,7 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
             state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpoint(
-            f"checkpoint {path} holds {_forbidden_global(err)}, which ringtrain never stores; refusing to "
+            f"checkpoint {path} holds {forbidden_global(err)}, which ringtrain never stores; refusing to "
             "unpickle it (it was not written by ringtrain, or it was tampered with)"
         ) from None
     except Exception as err:  # noqa: BLE001 - torch raises several types for files that are not checkpoints
@@ -198,6 +198,7 @@ def _step_of(path: Path) -> int:
     return int(_NAME.match(path.name).group(1))
 
 
-def _forbidden_global(err: Exception) -> str:
+def forbidden_global(err: Exception) -> str:
+    """What torch's weights-only unpickler refused, in a few words (its own message runs to many lines)."""
     match = re.search(r"GLOBAL ([\w.]+)", str(err))
     return f"a pickled reference to {match.group(1)}" if match else "pickle instructions outside the weights-only subset"

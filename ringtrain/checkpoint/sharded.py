@@ -14,10 +14,13 @@ This needs no collective after the write, so a background save (``async_save=Tru
 memory and writes from a thread) commits from that thread while training goes on; DCP's own collectives
 run on a Gloo group of their own, beside the training's.
 
-Loading verifies the manifest first (size and sha256 of every file), then reads ``.metadata`` with a
-restricted unpickler that admits DCP's metadata classes only (DCP itself uses ``pickle.load``), and only
-tensors are stored through DCP, so nothing in a checkpoint can run code. DCP reshards on load: a state
-saved by N ranks loads into M ranks' layout (DTensors of another mesh, or plain full tensors).
+Loading verifies the manifest first (size and sha256 of every file: corruption, not tampering, since
+whoever can write the folder can rewrite the manifest), then reads ``.metadata`` with an unpickler that
+admits the classes ringtrain's saves write and checks every entry (tensor storage in the folder's
+``__R_I.distcp`` files only; ``checkpoint/dcp_metadata.py``) before DCP opens any shard; the reader and
+planner refuse a read of a pickled object (``dcp_io``), and ``extra.pt`` is read weights-only, so nothing
+in a checkpoint can run code. DCP reshards on load: a state saved by N ranks loads into M ranks' layout
+(DTensors of another mesh, or plain full tensors).
 
     ckpt = ShardedCheckpointer(run_dir / "checkpoints", rank, world_size)
     pending = ckpt.save(40, {"model": model_sd, "optim": optim_sd}, async_save=True)   # returns at once
@@ -36,6 +39,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -45,11 +49,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.checkpoint.manager import forbidden_global
 from ringtrain.checkpoint.manifest import FORMAT, fsync_dir, make_dirs, write_atomic
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 from ringtrain.testing import faults
 
-__all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "SafeFileSystemReader", "checkpoint_step_of", "committed"]
+__all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "check_loadable", "SafeFileSystemReader", "checkpoint_step_of", "committed"]
 
 _NAME = re.compile(r"^step_(\d{8})\.dcp$")
 _DONE = ".done-rank-{rank}.json"
@@ -227,12 +232,12 @@ class ShardedCheckpointer:
         """Verify ``path`` and load it into ``state`` in place (its tensors' layout decides the resharding);
         returns the manifest. Every rank calls it."""
         path = Path(path)
-        manifest = verify(path)
+        manifest = verify(path)  # corruption (torn, truncated, bit rot); not tampering: see dcp_metadata
         dcp, dcp_io = _dcp()
-        reader = dcp_io.SafeFileSystemReader(path)
-        reader.read_metadata()  # UnsafeCheckpoint here, in one line, rather than wrapped inside DCP's errors
+        reader = dcp_io.SafeFileSystemReader(path, listed=set(manifest["files"]))
+        reader.read_metadata()  # UnsafeCheckpoint here, in one line, before DCP opens any shard
         target = _only_tensors(state)
-        dcp.load(target, storage_reader=reader, process_group=self.group)
+        dcp.load(target, storage_reader=reader, planner=dcp_io.TensorsOnlyLoadPlanner(), process_group=self.group)
         _copy_back(target, state)
         return manifest
 
@@ -241,17 +246,43 @@ class ShardedCheckpointer:
         """Rank 0's ``extra`` of a verified checkpoint (weights-only: no object can be unpickled)."""
         path = Path(path)
         verify(path)
-        try:
-            return torch.load(path / EXTRA_FILE, weights_only=True)
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"checkpoint {path.name} has no {EXTRA_FILE}") from None
-        except pickle.UnpicklingError as err:
-            raise UnsafeCheckpoint(f"checkpoint {path.name}/{EXTRA_FILE} holds objects ringtrain never stores ({err}); "
-                                   "it was not loaded") from None
+        return _read_extra(path)
 
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+
+def check_loadable(path: str | Path) -> dict[str, Any]:
+    """``verify`` (corruption), then what a load reads before any shard, refused in one line if it is not what
+    ringtrain writes: ``.metadata`` (allow-list and entry checks) and ``extra.pt`` (weights-only). The
+    launcher's check under --resume, so that a tampered checkpoint stops the job before any worker starts.
+    Returns the manifest."""
+    path = Path(path)
+    manifest = verify(path)
+    _, dcp_io = _dcp()
+    dcp_io.SafeFileSystemReader(path, listed=set(manifest["files"])).read_metadata()
+    if EXTRA_FILE in manifest["files"]:
+        _read_extra(path)
+    return manifest
+
+
+def _read_extra(path: Path) -> dict[str, Any]:
+    try:
+        with warnings.catch_warnings():  # torch's warning about foreign pickles: the refusal says it better
+            warnings.simplefilter("ignore")
+            extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"checkpoint {path.name} has no {EXTRA_FILE}") from None
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpoint(f"checkpoint {path.name}/{EXTRA_FILE} holds {forbidden_global(err)}, which ringtrain "
+                               "never stores; it was not loaded (not written by ringtrain, or tampered with)") from None
+    except Exception as err:  # noqa: BLE001 - torch raises several types for files that are not its own
+        raise CorruptCheckpoint(f"checkpoint {path.name}/{EXTRA_FILE} matches its manifest but cannot be read "
+                                f"({type(err).__name__})") from None
+    if not isinstance(extra, dict):
+        raise CorruptCheckpoint(f"checkpoint {path.name}/{EXTRA_FILE} does not hold a state dictionary")
+    return extra
 
 
 def committed(directory: str | Path) -> list[Path]:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CollectiveError", "PeerDiedError", "PeerTimeoutError", "MismatchError"]
+__all__ = ["CollectiveError", "PeerDiedError", "PeerTimeoutError", "MismatchError", "PeerDataError"]
 
 
 class CollectiveError(RuntimeError):
@@ -28,3 +28,8 @@ class PeerTimeoutError(CollectiveError):
 
 class MismatchError(CollectiveError):
     """Ranks called different collectives, or passed different sizes, dtypes or ops."""
+
+
+class PeerDataError(CollectiveError):
+    """A peer sent bytes that are not what the exchange carries (not JSON, not whole int64s): refused
+    without decoding them (``comm/objects.py``)."""

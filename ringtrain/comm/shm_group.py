@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.comm.groups import global_rank, group_rank, group_size, group_timeout_s, host_id
+from ringtrain.comm.objects import all_gather_json
 from ringtrain.comm.shm_board import FlagBoard, encode_call, header_bytes, require_tso
 from ringtrain.comm.shm_segment import Segment, segment_name, sweep_dead, sweep_stale, unlink
 from ringtrain.testing import faults
@@ -283,8 +284,7 @@ class ShmGroup:
         # A test's fault plan stops a worker between shm barriers: the native path is one C++ call, so it takes
         # the Python path (the host's ranks agree on one path below, so its whole group does).
         native = None if faults.armed_at("shm.arrive") else shm_native.load()
-        gathered: list = [None] * size
-        dist.all_gather_object(gathered, (mine, sorted(_affinity()), native is not None), group=group)
+        gathered = all_gather_json([mine, sorted(_affinity()), native is not None], group=group)
         shm_group = cls(group, [str(host) for host, _, _ in gathered], small_bytes, piece_bytes)
         total = shm_group.header_bytes + shm_group.local_size * shm_group.region_bytes
         shm_group.segment = shm_group.share_segment(total, "workspace")
@@ -342,8 +342,7 @@ class ShmGroup:
         Every rank learns the outcome of every step, so a failure (a full /dev/shm, a host name that two
         machines share) is reported on all ranks in one line instead of leaving some waiting.
         """
-        infos: list = [None] * self.size
-        dist.all_gather_object(infos, (os.getpid(), os.urandom(6).hex()), group=self.group)
+        infos = all_gather_json([os.getpid(), os.urandom(6).hex()], group=self.group)
         leader_pid, token = infos[self.local[0]]
         name = segment_name(leader_pid, f"{token}-{_name_scope}{purpose}")
         segment = None
@@ -376,8 +375,7 @@ class ShmGroup:
                 unlink(name)
 
     def _all_ok(self, status: str) -> None:
-        statuses: list = [None] * self.size
-        dist.all_gather_object(statuses, status, group=self.group)
+        statuses = all_gather_json(status, group=self.group)
         failed = [s for s in statuses if s != "ok"]
         if failed:
             raise RuntimeError(f"shm set-up failed: {failed[0]}")

@@ -22,9 +22,11 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtrain.checkpoint.manifest import write_atomic
+from ringtrain.comm.objects import gather_ints
+from ringtrain.errors import RingtrainError
 from ringtrain.testing import faults
 
-__all__ = ["Ledger", "NullLedger", "EpochReport", "read_ledger", "check_ledger", "build_ledger"]
+__all__ = ["Ledger", "NullLedger", "EpochReport", "read_ledger", "check_ledger", "build_ledger", "CorruptLedger"]
 
 LEDGER_FILE = "ledger.jsonl"
 
@@ -90,19 +92,47 @@ def build_ledger(enabled: bool, run_dir: str | Path, num_samples: int, rank: int
     return Ledger(Path(run_dir) / LEDGER_FILE, num_samples, is_writer=rank == 0)
 
 
+class CorruptLedger(RingtrainError, ValueError):
+    """A ledger line that is JSON but not a record ringtrain writes (a torn line is not JSON: it is dropped)."""
+
+
 def read_ledger(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete line of a ledger file (a torn last line from a crash is left out)."""
+    """Every complete line of a ledger file (a torn last line from a crash is left out). JSON only, so a
+    planted file runs nothing; a line of the wrong shape is CorruptLedger naming the file and line."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return []
     records = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        problem = _record_problem(record)
+        if problem:
+            raise CorruptLedger(f"ledger {path} line {number} {problem}, not a line ringtrain writes; move the file "
+                                "away (the run writes a new one) or fix the line")
+        records.append(record)
     return records
+
+
+def _record_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return f"is a JSON {type(record).__name__}"
+    if record.get("type") == "header" and not _is_count(record.get("num_samples")):
+        return "is a header without a whole num_samples"
+    if "ids" in record:
+        if not all(_is_count(record.get(key)) for key in ("step", "epoch", "world_size")):
+            return "is a step without a whole step, epoch and world_size"
+        ids = record["ids"]
+        if not (isinstance(ids, list) and all(isinstance(r, list) and all(_is_count(i) for i in r) for r in ids)):
+            return "holds ids that are not one list of whole numbers per rank"
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +176,5 @@ def check_ledger(path: str | Path) -> list[EpochReport]:
 def _gather_to_writer(ids: list[int], is_writer: bool) -> list[list[int]]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [ids]
-    gathered: list[Any] | None = [None] * dist.get_world_size() if is_writer else None
-    dist.gather_object(ids, gathered, dst=0)
+    gathered = gather_ints(ids, dst=0)  # int64s, not pickle: no peer's bytes are unpickled
     return gathered or []

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ringtrain.comm import flight
 from ringtrain.comm.groups import host_id
+from ringtrain.comm.objects import all_gather_json
 from ringtrain.config import DistConfig
 from ringtrain.dist.allocator import keep_freed_memory
 from ringtrain.dist.env import DistEnv
@@ -227,9 +228,8 @@ def host_placement(bind_addr: str | None) -> tuple[int, int]:
 
     A job on several hosts says, from rank 0, how it sees them (each by its bind address, else its id):
     ``ringtrain: 4 workers on 2 hosts: 198.18.0.1 ranks 0-1, 198.18.0.2 ranks 2-3``."""
-    placed: list = [None] * dist.get_world_size()
     mine = host_id()
-    dist.all_gather_object(placed, (mine, bind_addr))
+    placed = all_gather_json([mine, bind_addr])  # JSON, not pickle: no peer's bytes are unpickled
     hosts = [host for host, _ in placed]
     same_host = [rank for rank, host in enumerate(hosts) if host == mine]
     if dist.get_rank() == 0 and len(set(hosts)) > 1:

@@ -7,8 +7,8 @@ first member at the newest position is the source, and any member whose (positio
 the source's state: the dict of stateful parts the trainer names (``Trainer.transfer_state``: model,
 optimizer, sampler, train state, precision, micro-batch plan, progress).
 
-Nothing received is unpickled before it is checked: positions and digests travel as fixed-size tensors; the
-state travels as ``torch.save`` bytes in a uint8 tensor beside its sha256, each receiver compares the sha256
+Nothing received is unpickled before it is checked: positions and digests travel as JSON
+(``comm/objects.py``); the state travels as ``torch.save`` bytes beside its sha256, each receiver compares the sha256
 first and only then reads the bytes with ``torch.load(weights_only=True)`` (tensors and plain containers,
 never an object). A copy that does not match is refused and sent again (every rank learns it from one
 all-reduce), up to ``SEND_ATTEMPTS`` times.
@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm.errors import PeerDataError
+from ringtrain.comm.objects import all_gather_json, broadcast_bytes
 from ringtrain.heal.membership import HealFailed
 from ringtrain.testing import faults
 
@@ -78,8 +80,20 @@ def agree_on_state(position: tuple[int, int], digest: bytes, save: Callable[[], 
         raise HealFailed(f"the state received from rank {source} did not match its sha256 in {SEND_ATTEMPTS} attempts; "
                          "resume with --resume")
     if dist.get_rank() != source and everyone[dist.get_rank()] != everyone[source]:
-        load(torch.load(io.BytesIO(data), weights_only=True))
+        load(_weights_only(data, source))
     return source
+
+
+def _weights_only(data: bytes, source: int) -> dict[str, Any]:
+    """The state a peer sent, read weights-only: tensors and plain containers, never an object."""
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as err:  # noqa: BLE001 - pickle.UnpicklingError for objects, others for junk
+        raise PeerDataError(f"rank {source} sent a state that is not tensors and plain values "
+                            f"({type(err).__name__}); refused") from None
+    if not isinstance(state, dict):
+        raise PeerDataError(f"rank {source} sent a {type(state).__name__} as the state; refused")
+    return state
 
 
 def check_agreed(position: tuple[int, int], digest: bytes) -> None:
@@ -91,25 +105,13 @@ def check_agreed(position: tuple[int, int], digest: bytes) -> None:
 
 
 def _all_gather_positions(position: tuple[int, int], digest: bytes, world_size: int) -> list[tuple[tuple[int, int], bytes]]:
-    mine = torch.tensor([*position, *digest.ljust(32, b"\0")], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
-    return [((int(t[0]), int(t[1])), bytes(t[2:].to(torch.uint8).tolist())) for t in gathered]
+    everyone = all_gather_json([*position, digest.hex()])
+    return [((int(step), int(phase)), bytes.fromhex(hexdigest)) for step, phase, hexdigest in everyone]
 
 
 def _broadcast_bytes(payload: bytes | None, source: int, attempt: int) -> tuple[bytes, bytes]:
     """``payload`` (the source's) on every rank, with the source's sha256 of it. The fault point
     ``heal.transfer`` may flip a byte on the wire (the sha256 is of what the source meant to send)."""
-    header = torch.zeros(33, dtype=torch.int64)  # length, then the sha256's 32 bytes
-    if payload is not None:
-        header[0] = len(payload)
-        header[1:] = torch.tensor(list(hashlib.sha256(payload).digest()), dtype=torch.int64)
-    dist.broadcast(header, src=source)
-    length, sha = int(header[0]), bytes(header[1:].tolist())
-    if payload is not None:
-        wire = faults.through("heal.transfer", payload)
-        body = torch.frombuffer(bytearray(wire.ljust(length, b"\0")[:length]), dtype=torch.uint8)
-    else:
-        body = torch.empty(length, dtype=torch.uint8)
-    dist.broadcast(body, src=source)
-    return body.numpy().tobytes(), sha
+    sha = broadcast_bytes(hashlib.sha256(payload).digest() if payload is not None else None, src=source)
+    wire = faults.through("heal.transfer", payload) if payload is not None else None
+    return broadcast_bytes(wire, src=source), sha

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.comm.objects import all_gather_json
 from ringtrain.config import TrainConfig
 from ringtrain.data.loader import StepBatch
 from ringtrain.data.sampler import grad_accum_steps_for_window
@@ -120,8 +121,7 @@ class MicroBatcher:
         dist.all_reduce(flags)
         if not flags.any():
             return {}
-        messages: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(messages, error)
+        messages = all_gather_json(error)
         return {rank: messages[rank] for rank, flag in enumerate(flags.tolist()) if flag}
 
     def shrink(self, step: int, failed: dict[int, str]) -> dict[str, Any]:

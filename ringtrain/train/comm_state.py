@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ringtrain.comm.objects import gather_weights_only
+
 __all__ = ["gather_rank_states"]
 
 
@@ -25,6 +27,5 @@ def gather_rank_states(strategy: Any) -> list[dict[str, Any]] | None:
     mine = strategy.state_dict()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return gathered
+    # Read back as a checkpoint is: weights-only (tensors, numbers, strings, containers), never a pickled object.
+    return gather_weights_only(mine, dst=0)

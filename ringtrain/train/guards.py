@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm.objects import all_gather_json
 from ringtrain.errors import RingtrainError
 from ringtrain.train.state import TrainState
 
@@ -253,8 +254,7 @@ def check_replicas(module: torch.nn.Module | dict[str, torch.Tensor], step: int)
     mine = digest.hexdigest()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
-    digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, mine)
+    digests = all_gather_json(mine)
     if len(set(digests)) > 1:
         shown = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
         raise ReplicasDiverged(f"after step {step} the ranks hold different parameters ({shown})")

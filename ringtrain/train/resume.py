@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.comm.objects import all_gather_json
 from ringtrain.config import Config
 from ringtrain.dist.jobstore import PreviousAttempt
 from ringtrain.errors import CheckpointError
@@ -63,8 +64,7 @@ def check_same_choice(step: int) -> None:
     """Fail unless every rank picked the checkpoint of the same step (one all_gather)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    steps: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, step)
+    steps = all_gather_json(step)
     if len(set(steps)) > 1:
         raise CheckpointError(
             f"ranks picked checkpoints of different steps {steps}: every host must see the same run "

@@ -10,7 +10,7 @@ from typing import Any
 
 
 from ringtrain.checkpoint.sharded import committed as committed_sharded
-from ringtrain.checkpoint.sharded import verify as verify_sharded
+from ringtrain.checkpoint.sharded import check_loadable as check_sharded
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
@@ -67,7 +67,7 @@ def check_resume(config: Config, resume: bool, resume_from: str | None) -> None:
     problems = []
     for path in reversed(committed_sharded(manager.directory)):
         try:
-            verify_sharded(path)
+            check_sharded(path)  # corruption skips it; UnsafeCheckpoint (tampered) stops the job here
             return  # the workers resume from a sharded checkpoint (or a newer full one)
         except CorruptCheckpoint as err:
             problems.append(str(err))

@@ -169,5 +169,5 @@ def test_a_malicious_metadata_pickle_is_refused_even_with_a_matching_manifest(sa
     with pytest.raises(Exception) as err:
         run_distributed(load_fresh, 1, str(path.parent))
     last = str(err.value).strip().splitlines()[-1]
-    assert last.startswith(f"{UnsafeCheckpoint.__module__}.UnsafeCheckpoint: checkpoint metadata refers to posix.system"), last
+    assert last.startswith(f"{UnsafeCheckpoint.__module__}.UnsafeCheckpoint: checkpoint metadata step_00000003.dcp/.metadata refers to posix.system"), last
     assert not marker.exists(), "the pickle ran"
