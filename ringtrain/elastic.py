@@ -39,6 +39,7 @@ from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE
 from ringtrain.dist.jobstore import JobStore
 from ringtrain.errors import LaunchError
 from ringtrain.heal.liveness import ExitReporter, exit_key
+from ringtrain.heal.membership import job_keys
 from ringtrain.launch import (
     JobStopped,
     LaunchOptions,
@@ -166,9 +167,9 @@ def join_healing_job(spec: JobSpec, local_addr: str | None = None) -> None:
            BIND_ADDR_VAR: local_addr or host}
     forget_fault_plan(env)  # a joiner is never armed by a test's fault plan (ringtrain/testing/faults.py)
     host_, port = split_endpoint(spec.rdzv_endpoint)
-    reports = JobStore(host_, port, f"ringtrain/{spec.run_id}/", is_writer=False)
+    reports = job_keys(JobStore(host_, port, f"ringtrain/{spec.run_id}/", is_writer=False))
     # This process is the worker's parent: it records the worker's exit for members on other hosts.
-    with ExitReporter(lambda h, pid: reports.store.set(f"heal/{exit_key(h, pid)}", "1")):
+    with ExitReporter(lambda h, pid: reports.set(exit_key(h, pid), "1")):
         worker = subprocess.Popen([sys.executable, "-u", *spec.program.args], env=env, cwd=spec.program.cwd)
         try:
             code = worker.wait()
@@ -245,9 +246,9 @@ class _HealWatch:
 
     def __init__(self, host: str, port: int, run_id: str):
         # Clients of their own: the exit reporter writes from its thread, the launcher reads from this one.
-        self._reports = JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False)
-        self._reads = JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False)
-        self._reporter = ExitReporter(lambda h, pid: self._reports.store.set(f"heal/{exit_key(h, pid)}", "1"))
+        self._reports = job_keys(JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False))
+        self._reads = job_keys(JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False))
+        self._reporter = ExitReporter(lambda h, pid: self._reports.set(exit_key(h, pid), "1"))
 
     def __enter__(self) -> _HealWatch:
         self._reporter.__enter__()
@@ -258,7 +259,7 @@ class _HealWatch:
 
     def job_done(self) -> bool:
         try:
-            return self._reads.store.check(["heal/done"])
+            return self._reads.check(["done"])
         except RuntimeError:
             return False
 

@@ -180,7 +180,7 @@ class CollectiveWatch:
                 return f"{what}: {ranks} did not respond within {self.timeout_s:g} s (stopped or hung)"
             verb, its = ("is", "its") if len(silent) == 1 else ("are", "their")
             return f"{what}: {ranks} {verb} gone (connection lost; {its} heartbeat stopped)"
-        detail = _first_line(text)
+        detail = first_line(text)
         if timed_out:
             return f"{what}: no peer answered within {self.timeout_s:g} s ({detail})"
         return f"{what}: {detail}"
@@ -314,7 +314,8 @@ def _ranks(ranks: list[int]) -> str:
     return "ranks " + ", ".join(str(r) for r in ranks)
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
+    """The first line of a backend's error, without Gloo's source location and advice."""
     line = text.strip().splitlines()[0] if text.strip() else "unknown error"
     # Gloo prefixes its source location: "[/path/to/pair.cc:545] Read error ...".
     if line.startswith("[") and "] " in line:

@@ -48,7 +48,7 @@ from ringtrain.dist.sockets import recording_group_sockets
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.liveness import Registration, exit_key
 
-__all__ = ["Generation", "Membership", "Fenced", "HealFailed", "GenerationFailed", "MemberFailed", "request_join",
+__all__ = ["Generation", "Membership", "job_keys", "Fenced", "HealFailed", "GenerationFailed", "MemberFailed", "request_join",
            "HEAL_BEAT_S", "JOINER_BASE"]
 
 HEAL_BEAT_S = 0.1
@@ -107,6 +107,13 @@ class Generation:
         return len(self.members)
 
 
+def job_keys(job_store: JobStore) -> dist.Store:
+    """The job-wide keys of healing (``exited/<host>/<pid>``, ``done``), the same for the workers, their launcher
+    and ``ringtrain join`` (a PrefixStore joins its prefix and a key with '/': written and read through this
+    one function, the keys cannot drift apart)."""
+    return dist.PrefixStore("heal", job_store.store)
+
+
 class Membership:
     """This worker's view of the job's generations, kept in the job store (see the module's docstring)."""
 
@@ -119,7 +126,7 @@ class Membership:
         # One namespace per start of the worker group (a restart or a join through the agents starts over at
         # generation 0): keys of an earlier attempt never fence this one.
         self.store = dist.PrefixStore(f"heal/{attempt}/", job_store.store)
-        self.job = dist.PrefixStore("heal/", job_store.store)
+        self.job = job_keys(job_store)
         self.generation = generation
         self.timeout_s = timeout_s
         self.hang_after_s = timeout_s if hang_after_s is None else hang_after_s

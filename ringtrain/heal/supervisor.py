@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ringtrain.comm.errors import CollectiveError
 from ringtrain.dist.group import DistContext, host_placement
 from ringtrain.dist.sockets import new_recorded_group
-from ringtrain.dist.watch import CollectiveFailed, is_comm_error
+from ringtrain.dist.watch import CollectiveFailed, first_line, is_comm_error
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.groups import abandon_group
 from ringtrain.heal.membership import (
@@ -94,7 +94,7 @@ def failure_of(err: BaseException) -> str | None:
     if isinstance(err, comm_kinds) or type(err).__name__ == "CheckpointException":
         if is_comm_error(err):
             lines = [line for line in str(err).strip().splitlines() if line.strip()]
-            return lines[-1] if lines else type(err).__name__
+            return first_line(lines[-1] if lines else type(err).__name__)
     return None
 
 
@@ -247,7 +247,7 @@ class Supervisor(NoHealing):
                         raise
                 # Outside the except blocks: the failure's frames must not keep the broken group alive.
                 if admit:
-                    failure = self._admit()
+                    self._admit()
                 if failure is not None:
                     self._recover(failure)
 
@@ -290,6 +290,8 @@ class Supervisor(NoHealing):
             applied = max(self.membership.arrived_steps(old.number).values(), default=self.trainer.state.step)
             self.pending.append(record)
             failure = self._settle(generation, record, finished=finished, started=started, applied=applied)
+        if self.trainer.finished:  # no step follows to write them: the heal ends with the group settled
+            self.committed(self.trainer.state.step)
 
     def _check_repeats(self, lost: list[int], failure: str, step: int) -> None:
         self._repeats = 0 if lost else self._repeats + 1
@@ -363,23 +365,25 @@ class Supervisor(NoHealing):
         raise HealFailed(f"step {record['step']}: {who} {size} worker{'s' * (size != 1)} remain, below --min-nproc "
                          f"{self.min_workers}: saved {name} (step {trainer.state.step}); continue with --resume")
 
-    def _admit(self) -> str | None:
-        """Regroup with the joining workers at this step boundary; returns the line of a failure on the way (the
-        caller heals), or None."""
+    def _admit(self) -> None:
+        """Regroup with the joining workers at this step boundary. A failure on the way is healed like any other;
+        the joiners that are members once the group settled are recorded as joined."""
         started = time.perf_counter()
         _, joiners = self.membership.admission()
         self._plan = None
         self._leave(failed=False)
-        generation = self.membership.admit(joiners)
-        failure = self._settle(generation, None)
+        self.membership.admit(joiners)
+        failure = self._settle(self.membership.generation, None)
         if failure is not None:
-            return failure
-        self.trainer.logger.log({
-            "type": "join", "step": self.trainer.state.step, "generation": generation.number,
-            "joined_ranks": [generation.members.index(j) for j in joiners if j in generation.members],
-            "world_size": generation.world_size, "admit_s": round(time.perf_counter() - started, 3),
-        })
-        return None
+            self._recover(failure)
+        generation = self.membership.generation
+        joined = [generation.members.index(j) for j in joiners if j in generation.members]
+        if joined:
+            self.trainer.logger.log({
+                "type": "join", "step": self.trainer.state.step, "generation": generation.number,
+                "joined_ranks": joined, "world_size": generation.world_size,
+                "admit_s": round(time.perf_counter() - started, 3),
+            })
 
     def _fix_ledger(self) -> None:
         """The writer's ledger holds exactly the steps applied: cut back to the agreed step, and if its line is

@@ -24,7 +24,9 @@ reach within that step; unset: its first matching reach). The trainer says where
 step=step)``). Actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP: the test sends SIGCONT), ``exit``
 (``os._exit(code)``), ``raise`` (``error``, a class by its dotted name such as ``"torch.OutOfMemoryError"``,
 with ``message``), ``observe`` (record only: once per process, and it keeps the point armed), ``flip`` (at a
-point a value passes, ``data = faults.through(name, data)``: byte ``offset`` inverted, a corrupted wire). Any
+point a value passes, ``data = faults.through(name, data)``: byte ``offset`` inverted, a corrupted wire),
+``delay`` (sleep ``seconds`` at every matching reach: it paces a job, so that a test's joiner, a process that
+takes seconds to start, meets a job whose steps take milliseconds; recorded once per process). Any
 other fault fires at most once per job: a marker beside the plan, created with O_EXCL, so a worker its agent
 restarted does not fire it again.
 
@@ -52,6 +54,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +95,7 @@ POINTS: dict[str, str] = {
 }
 """Every fault point: its name and where it sits. One line of code per point: ``faults.point(name)``."""
 
-ACTIONS = ("kill", "stop", "exit", "raise", "observe", "flip")
+ACTIONS = ("kill", "stop", "exit", "raise", "observe", "flip", "delay")
 WHERE = ("rank", "member", "generation", "step")
 """What a fault may match besides its point and hit; ``context`` and ``point`` keywords set them."""
 
@@ -120,6 +123,8 @@ class Fault:
     """``raise``: the exception's message."""
     code: int = 1
     """``exit``: the exit code."""
+    seconds: float = 0.0
+    """``delay``: how long each matching reach sleeps."""
     offset: int = 0
     """``flip``: the byte of the value passed through the point (``through``) that is inverted."""
 
@@ -257,6 +262,7 @@ class _Armed:
         self.hits: dict[tuple[str, Any], int] = {}
         self.seen: set[str] = set()
         self.observed: set[int] = set()
+        self.delayed: set[int] = set()
         self.lock = threading.Lock()  # a background checkpoint save reaches its commit point in its own thread
 
     def update(self, where: dict[str, int]) -> None:
@@ -293,10 +299,10 @@ class _Armed:
     def _claim(self, index: int, fault: Fault) -> bool:
         """True for the one process of the job that gets to fire fault ``index`` (O_EXCL on its marker); an
         observing fault: once per process."""
-        if fault.action == "observe":
+        if fault.action in ("observe", "delay"):
             first = index not in self.observed
             self.observed.add(index)
-            return first
+            return first or fault.action == "delay"
         try:
             os.close(os.open(self.marker(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
@@ -304,6 +310,13 @@ class _Armed:
         return True
 
     def _fire(self, index: int, fault: Fault, at: dict[str, Any], hit: int, data: bytes | None) -> bytes | None:
+        if fault.action == "delay":
+            if index not in self.delayed:
+                self.delayed.add(index)
+                _append(Path(f"{self.path}.fired.jsonl"), {"index": index, "point": fault.point, "action": "delay",
+                                                           **at, "hit": hit, "pid": self.pid})
+            time.sleep(fault.seconds)
+            return data
         _append(Path(f"{self.path}.fired.jsonl"),
                 {"index": index, "point": fault.point, "action": fault.action, **at, "hit": hit, "pid": self.pid})
         if fault.action == "observe":

@@ -1,11 +1,13 @@
 """Chaos: heal in place. One of 3 workers is SIGKILLed mid-epoch under --heal: the other two regroup and
 redo the failed step without a restart or a checkpoint read.
 
-Checked: exit 0; one 'heal' record with steps_lost 0 and recovery_s <= 2 s; the ledger shows every sample
-of every epoch exactly once (3 workers, then 2, the global batch of 96 kept by accumulation: 2 x 16 per
-worker at 3, 3 x 16 at 2); and the final parameters are bit-identical to a reference that trained the
-same steps with 3 workers, stopped after the step the survivors went on from, and resumed from that
-checkpoint with 2 (the existing checkpoint/resume path, run in the test harness: no launch). The lr
+Checked: exit 0; one 'heal' record at the step the ledger shows the survivors redoing, with recovery_s <= 2 s;
+no step lost or applied twice, judged from outside the product's own counters: the ledger holds every step
+once and every sample of every epoch exactly once (3 workers, then 2, the global batch of 96 kept by
+accumulation: 2 x 16 per worker at 3, 3 x 16 at 2), and AdamW's own count of the updates it applied (in the
+last checkpoint's optimizer state) equals the number of steps; and the final parameters are bit-identical to
+a reference that trained with 3 workers up to the last step the ledger shows at 3, stopped, and resumed from
+that checkpoint with 2 (the existing checkpoint/resume path, run in the test harness: no launch). The lr
 schedule is constant so that stopping the reference early (train.max_steps) does not change it.
 """
 
@@ -24,8 +26,7 @@ from tests.conftest import run_main
 from tests.distributed import run_distributed
 from tests.trainers import train_run
 
-# Under --heal a member whose heartbeat stood still 0.5 s is taken for lost; beside another test's jobs on
-# 2 cores a live worker can be starved that long (seen once in three side-by-side runs): these run alone.
+# Jobs of 3 workers with joiners: alone, so that the rest of the suite does not slow their joiners' start-up.
 pytestmark = pytest.mark.exclusive
 
 EPOCHS = 3
@@ -33,17 +34,27 @@ SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=
         "--set", "train.lr_schedule=constant", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
         "--set", "monitor.progress=false", "--set", "dist.timeout_s=20", "--set", "checkpoint.every_steps=1000"]
 STEPS_PER_EPOCH = 15  # 1,437 training samples, 96 a step
+ADAMW = ["--set", "train.optimizer=adamw", "--set", "train.lr=0.001"]
 
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def optimizer_updates(run_dir: Path) -> set[int]:
+    """AdamW's own count of the updates it applied, per parameter, in the newest checkpoint (independent of
+    ringtrain's step counters)."""
+    from ringtrain.checkpoint.manager import CheckpointManager
+
+    _, state = CheckpointManager(run_dir / "checkpoints", is_writer=False).load_latest()
+    return {int(entry["step"]) for entry in state["optimizer"]["state"].values()}
+
+
 def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_survivors_size(tmp_path):
     run_dir = tmp_path / "healed"
     started = time.monotonic()
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal",
-             "--run-dir", str(run_dir), *SETS, "--set", f"train.epochs={EPOCHS}") as job:
+             "--run-dir", str(run_dir), *SETS, "--set", f"train.epochs={EPOCHS}", *ADAMW) as job:
         # Mid-epoch 1 (steps 16-30), rank 2 dies at once: no chance to say goodbye.
         job.wait_for(lambda: len(ledger_steps(run_dir)) >= 20, what="step 20")
         job.worker(2).kill()
@@ -58,15 +69,21 @@ def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_sur
           f"remaining {heal['remaining_ranks']}; recovery_s {heal['recovery_s']} (regroup {heal['regroup_s']} s), "
           f"steps_lost {heal['steps_lost']}; run {heal_run_s:.1f} s")
     assert heal["lost_ranks"] == [2] and heal["remaining_ranks"] == [0, 1] and heal["world_size"] == 2
-    assert heal["steps_lost"] == 0 and heal["recovery_s"] <= 2.0, heal
-    assert heal["step"] % STEPS_PER_EPOCH != 1 or heal["step"] > STEPS_PER_EPOCH  # mid-run, not at the start
+    assert heal["recovery_s"] <= 2.0, heal
     assert "healed at step" in job.stderr and "steps lost" in job.stderr  # the console line
     assert done["heals"] == 1 and done["restarts"] == 0 and done["world_size"] == 2
     assert done["steps"] == EPOCHS * STEPS_PER_EPOCH
 
+    # From outside: every step once in the ledger, and AdamW applied exactly that many updates (a step redone
+    # after the heal would count twice, one lost once less): the record's steps_lost must agree.
     reports = check_ledger(run_dir / "ledger.jsonl")
+    steps = [r["step"] for r in ledger_steps(run_dir)]
+    assert steps == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    assert optimizer_updates(run_dir) == {EPOCHS * STEPS_PER_EPOCH} and heal["steps_lost"] == 0
     sizes = [r["world_size"] for r in ledger_steps(run_dir)]
     assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [3, 2]
+    first_at_two = steps[sizes.index(2)]  # the step the survivors redid: the failed one
+    assert heal["step"] == first_at_two and heal["from_step"] == first_at_two - 1, (heal, first_at_two)
     windows = {sum(len(ids) for ids in r["ids"]) for r in ledger_steps(run_dir)}
     assert windows == {96, 1437 - 14 * 96}, windows
     assert len(reports) == EPOCHS and all(r.exactly_once and r.complete for r in reports), reports
@@ -75,12 +92,12 @@ def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_sur
     # The reference: 3 workers to the step the survivors went on from, then a resume with 2 (the trainer
     # `ringtrain train [--resume]` builds, in the test harness's processes: no launch).
     ref_dir = tmp_path / "reference"
-    overrides = [*SETS[1::2], f"train.epochs={EPOCHS}"]
-    run_distributed(train_run, 3, "configs/digits_mlp.toml", [*overrides, f"train.max_steps={heal['from_step']}"],
+    overrides = [*SETS[1::2], f"train.epochs={EPOCHS}", *ADAMW[1::2]]
+    run_distributed(train_run, 3, "configs/digits_mlp.toml", [*overrides, f"train.max_steps={first_at_two - 1}"],
                     str(ref_dir), False, timeout_s=120)
     run_distributed(train_run, 2, "configs/digits_mlp.toml", overrides, str(ref_dir), True, timeout_s=120)
     reference = summary(ref_dir)
-    print(f"param_sha256 healed {done['param_sha256'][0][:16]}, reference (stop at {heal['from_step']}, resume "
+    print(f"param_sha256 healed {done['param_sha256'][0][:16]}, reference (stop at {first_at_two - 1}, resume "
           f"with 2) {reference['param_sha256'][0][:16]}")
     assert reference["steps"] == done["steps"]
     assert done["param_sha256"] == reference["param_sha256"]
@@ -177,15 +194,18 @@ def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_on
     assert code == 0, logs
     assert sorted(join_codes).count(0) == 1, (join_codes, logs)  # three joiners were killed, one trains to the end
     assert len(heals) == 5 and len(joins) == 4, logs
-    assert all(h["steps_lost"] == 0 and h["world_size"] == 2 and len(h["lost_ranks"]) == 1 for h in heals), heals
+    assert all(h["world_size"] == 2 and len(h["lost_ranks"]) == 1 for h in heals), heals
     # Recorded for each, and none waits out dist.timeout_s (20 s): the broken group's sockets are shut down
     # (dist/sockets.py), so a survivor blocked in a collective on a live peer learns of the failure at once.
-    assert all(0 < h["recovery_s"] < 5.0 for h in heals), heals
+    assert all(0 < h["recovery_s"] < 10.0 for h in heals), heals
     assert heals[0]["lost_ranks"] == [1] and all(0 not in h["lost_ranks"] for h in heals), heals
     assert all(j["world_size"] == 3 and j["joined_ranks"] == [2] for j in joins), joins
     sizes = [r["world_size"] for r in ledger_steps(run_dir)]
     assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [3, 2] * 5
     reports = check_ledger(run_dir / "ledger.jsonl")
     assert len(reports) == epochs and all(r.exactly_once and r.complete for r in reports)
+    # No step lost or redone, from outside: every step once in the ledger (the records' steps_lost must agree).
+    assert [r["step"] for r in ledger_steps(run_dir)] == list(range(1, epochs * STEPS_PER_EPOCH + 1))
+    assert all(h["steps_lost"] == 0 for h in heals), heals
     done = summary(run_dir)
     assert done["heals"] == 5 and done["steps"] == epochs * STEPS_PER_EPOCH and len(set(done["param_sha256"])) == 1

@@ -36,6 +36,10 @@ def sets(epochs: int, timeout_s: float = 20, **more: str) -> list[str]:
     return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
 
 
+PACE = Fault("ledger.gathered", action="delay", seconds=0.25)
+"""Every step of every worker takes 0.25 s more: a joiner (a Python process, seconds to start) meets the job."""
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -105,8 +109,9 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
     withdraws its request), one SIGKILLed (it cannot: its death is seen). Then a worker is lost: the group has
     room, and neither of them may be put into the next generation (forming it would wait for them)."""
     run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, PACE)
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
-             str(run_dir), *sets(epochs=3)) as job:
+             str(run_dir), *sets(epochs=6), env=plan.env) as job:
         job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
         polite, killed = Job("join", str(run_dir)).__enter__(), Job("join", str(run_dir)).__enter__()
         try:
@@ -115,8 +120,10 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
             for proc in polite.tree():  # Ctrl-C in its terminal: the whole foreground group gets SIGINT
                 proc.send_signal(signal.SIGINT)
             _worker_of(killed).kill()
-            assert polite.finish(timeout=60) != 0 and killed.finish(timeout=60) != 0
-            job.wait_for(lambda: len(ledger_steps(run_dir)) >= 10, what="step 10")
+            assert polite.finish(timeout=60) == 130 and killed.finish(timeout=60) != 0
+            assert "its request was withdrawn" in polite.stderr, polite.stderr
+            step = len(ledger_steps(run_dir))
+            job.wait_for(lambda: len(ledger_steps(run_dir)) >= step + 2, what=f"step {step + 2}")
             job.worker(1).kill()
             code = job.finish(timeout=180)
         finally:
@@ -125,17 +132,17 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
     assert code == 0, job.stderr + polite.stderr + killed.stderr
     assert len(records(run_dir, "heal")) == 1 and not records(run_dir, "join")
     done = summary(run_dir)
-    assert done["world_size"] == 2 and done["steps"] == 3 * STEPS_PER_EPOCH
-    assert_exactly_once(run_dir, epochs=3)
+    assert done["world_size"] == 2 and done["steps"] == 6 * STEPS_PER_EPOCH
+    assert_exactly_once(run_dir, epochs=6)
 
 
 def test_an_admission_cut_short_by_a_heal_is_scheduled_again_by_the_next_writer(tmp_path):
     """One worker was lost (3 -> 2); a joiner asks; rank 0 (the writer) schedules its admission and dies right
     after (heal.planned). The survivor that becomes rank 0 must find the request again and admit it."""
     run_dir = tmp_path / "run"
-    plan = fault_plan(tmp_path, Fault("heal.planned", member=0))
+    plan = fault_plan(tmp_path, Fault("heal.planned", member=0), PACE)
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "1", "--heal", "--run-dir",
-             str(run_dir), *sets(epochs=3), env=plan.env) as job:
+             str(run_dir), *sets(epochs=6), env=plan.env) as job:
         job.wait_for(lambda: len(ledger_steps(run_dir)) >= 5, what="step 5")
         job.worker(2).kill()
         job.wait_for(lambda: records(run_dir, "heal"), what="the first heal")
@@ -148,11 +155,11 @@ def test_an_admission_cut_short_by_a_heal_is_scheduled_again_by_the_next_writer(
     heals, joins = records(run_dir, "heal"), records(run_dir, "join")
     print(f"heals {[(h['step'], h['lost_ranks']) for h in heals]}, joins {joins}, faults {plan.fired_points()}")
     assert code == 0 and join_code == 0, job.stderr + joiner.stderr
-    assert plan.fired_points() == ["heal.planned"]
+    assert "heal.planned" in plan.fired_points()
     assert len(heals) == 2 and heals[1]["lost_ranks"] == [0] and len(joins) == 1, (heals, joins)
     assert joins[0]["world_size"] == 2 and summary(run_dir)["world_size"] == 2
     assert len(set(summary(run_dir)["param_sha256"])) == 1
-    assert_exactly_once(run_dir, epochs=3)
+    assert_exactly_once(run_dir, epochs=6)
     # The run directory's lock went to the new writer once the old one was gone.
     assert (run_dir / ".lock").read_text().startswith("pid ")
     assert str(job.process.pid) not in (run_dir / ".lock").read_text()
