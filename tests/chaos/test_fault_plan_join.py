@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.dist.heal import JOINER_BASE
+from ringtrain.heal.membership import JOINER_BASE
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.faults import Fault, fault_plan
 

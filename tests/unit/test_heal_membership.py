@@ -207,3 +207,36 @@ def test_after_a_heal_the_watch_reads_each_ranks_heartbeat_and_host_under_its_me
         assert watch.silent_ranks() == [1]  # member 2 (rank 1) stood still; member 1001 (rank 2) beats
     finally:
         stop.set()
+
+
+def test_a_member_on_another_host_is_dead_once_the_process_that_started_it_records_its_exit(job_store_port,
+                                                                                             monkeypatch):
+    """Across hosts nobody can read a peer's /proc: the process that started the worker (the launcher, or
+    `ringtrain join`) watches it through a pidfd and records its exit in the job store, and the members read
+    that. Here this test process starts a child under an ExitReporter; seen from a member on another host
+    (host_id patched), the child is alive until it is killed, and dead once the reporter recorded it."""
+    import subprocess
+    import sys
+
+    from ringtrain.heal import liveness
+    from ringtrain.heal.liveness import ExitReporter, exit_key
+    from ringtrain.heal.membership import job_keys
+
+    reports = job_keys(connect(job_store_port))
+    with ExitReporter(lambda host, pid: reports.set(exit_key(host, pid), "1"), interval_s=0.02):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            registered(connect(job_store_port), 5, child.pid)
+            membership = Membership(connect(job_store_port), Generation(0, (0, 5), 0), timeout_s=10)
+            time.sleep(0.3)  # the reporter found its new descendant
+            monkeypatch.setattr(liveness, "host_id", lambda: "another-host/boot/net:1/shm:1")
+            assert not membership.dead(5)  # another host, no exit recorded: not known to be dead
+            child.kill()
+            child.wait()
+            deadline = time.monotonic() + 5
+            while not membership.dead(5) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert membership.dead(5)
+        finally:
+            child.kill()
+            child.wait()
