@@ -118,8 +118,25 @@ def pytest_sessionfinish(session, exitstatus):
             path.unlink(missing_ok=True)
     if _deepspeed_build is not None and _deepspeed_build.poll() is None:
         # The test was never reached (stopped on the way, or the run interrupted): the build goes, with its g++.
-        os.killpg(_deepspeed_build.pid, signal.SIGKILL)
-        _deepspeed_build.wait()
+        _kill_build(_deepspeed_build)
+
+
+def _kill_build(build: subprocess.Popen) -> None:
+    """The build and every process under it. ninja starts each compiler in a process group of its own, which a
+    killpg of the build's group misses: they were left compiling, reparented to init. The group is stopped
+    first, so ninja cannot start another compiler between the listing and the kill."""
+    import psutil
+
+    os.killpg(build.pid, signal.SIGSTOP)
+    try:
+        descendants = psutil.Process(build.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    os.killpg(build.pid, signal.SIGKILL)
+    for process in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    build.wait()
 
 
 @pytest.fixture
@@ -129,8 +146,7 @@ def deepspeed_build():
         try:
             _deepspeed_build.wait(timeout=300)
         except subprocess.TimeoutExpired:
-            os.killpg(_deepspeed_build.pid, signal.SIGKILL)
-            _deepspeed_build.wait()
+            _kill_build(_deepspeed_build)
 
 
 # --- Tests side by side (pytest-xdist), and the ones that must run alone ----------------------------------------
