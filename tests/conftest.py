@@ -89,8 +89,9 @@ def cli():
 # first use (~40 s of g++ in a fresh venv: its cache is keyed by the venv's path). When that test is collected,
 # the build starts at the session's start, niced so it only takes CPU the other tests leave idle (most of them
 # wait on processes, heartbeats and timeouts); the test awaits it through the ``deepspeed_build`` fixture and
-# then loads the cached op. A failed background build costs nothing: the test builds again itself and skips
-# with the reason.
+# then loads the cached op. Once the test waits for it, the build is put back to normal priority (on busy cores
+# SCHED_IDLE never runs: the test timed out waiting for a build that had not started). A failed background
+# build costs nothing: the test builds again itself (and skips only if DeepSpeed's builder cannot build here).
 DEEPSPEED_TEST = "test_bench_deepspeed.py::test_deepspeed_shm_runs_beside_ringtrain_shm"
 _deepspeed_build: subprocess.Popen | None = None
 
@@ -104,12 +105,21 @@ def pytest_collection_finish(session):
         # SCHED_IDLE and nice 19 (g++ inherits both): it runs on a core only when no test wants it. Its own
         # process group, to be killed whole, but pytest's session: with the kernel's autogroups a new session
         # would get an equal share of the CPU whatever its niceness.
-        code = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); os.nice(19); "
-                "from ringtrain.bench import deepspeed_shm; deepspeed_shm.build()")
+        code = "from ringtrain.bench import deepspeed_shm; deepspeed_shm.build()"
         _deepspeed_build = subprocess.Popen(
             [sys.executable, "-c", code], cwd=REPO, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0,
             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        # Demoted from here, not by itself: the fixture may hurry it at once (a run of that test alone), and a
+        # build that demoted itself a moment later would then starve anyway.
+        os.sched_setscheduler(_deepspeed_build.pid, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, _deepspeed_build.pid, 19)
+        paths = _lock_paths(session.config)
+        if paths is not None:  # for the test, on whichever worker it runs: which process to hurry
+            import psutil
+
+            started = psutil.Process(_deepspeed_build.pid).create_time()
+            _build_pid_path(paths).write_text(f"{_deepspeed_build.pid} {started}")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -117,21 +127,79 @@ def pytest_sessionfinish(session, exitstatus):
     if paths is not None:  # this worker is done with them; the other, if still running, opens them afresh
         for path in paths:
             path.unlink(missing_ok=True)
+        if _deepspeed_build is not None:
+            _build_pid_path(paths).unlink(missing_ok=True)
     if _deepspeed_build is not None and _deepspeed_build.poll() is None:
         # The test was never reached (stopped on the way, or the run interrupted): the build goes, with its g++.
-        os.killpg(_deepspeed_build.pid, signal.SIGKILL)
-        _deepspeed_build.wait()
+        _kill_build(_deepspeed_build)
+
+
+def _kill_build(build: subprocess.Popen) -> None:
+    """The build and every process under it. ninja starts each compiler in a process group of its own, which a
+    killpg of the build's group misses: they were left compiling, reparented to init. The group is stopped
+    first, so ninja cannot start another compiler between the listing and the kill."""
+    import psutil
+
+    os.killpg(build.pid, signal.SIGSTOP)
+    try:
+        descendants = psutil.Process(build.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    os.killpg(build.pid, signal.SIGKILL)
+    for process in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    build.wait()
+
+
+def _build_pid_path(paths: tuple[Path, Path]) -> Path:
+    return paths[0].with_suffix(".deepspeed-build")
+
+
+def _hurry_build(pid: int) -> bool:
+    """Normal priority (SCHED_OTHER, nice 0) for the build ``pid`` and every thread and process under it; False
+    where this user may not raise it. Its group is stopped meanwhile, so ninja starts no compiler in between."""
+    import psutil
+
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                for thread in process.threads():
+                    os.sched_setscheduler(thread.id, os.SCHED_OTHER, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, thread.id, 0)
+    except PermissionError:
+        return False
+    except psutil.NoSuchProcess:  # it ended meanwhile
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGCONT)
+    return True
 
 
 @pytest.fixture
-def deepspeed_build():
-    """Wait for the background build of DeepSpeed's shm op (if one was started) to end, however it ended."""
+def deepspeed_build(request):
+    """Hurry the background build of DeepSpeed's shm op (if one was started) and, on the worker that started it,
+    wait for it to end, however it ended (on another worker the test waits inside DeepSpeed's build lock)."""
+    import psutil
+
     if _deepspeed_build is not None:
+        if _deepspeed_build.poll() is None and not _hurry_build(_deepspeed_build.pid):
+            _kill_build(_deepspeed_build)  # it would starve: the test builds at its own priority instead
         try:
-            _deepspeed_build.wait(timeout=300)
+            _deepspeed_build.wait(timeout=200)  # leaves the test's 300 s the time to build again and run
         except subprocess.TimeoutExpired:
-            os.killpg(_deepspeed_build.pid, signal.SIGKILL)
-            _deepspeed_build.wait()
+            _kill_build(_deepspeed_build)
+        return
+    paths = _lock_paths(request.config)
+    if paths is None or not _build_pid_path(paths).exists():
+        return
+    pid, started = _build_pid_path(paths).read_text().split()
+    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+        if psutil.Process(int(pid)).create_time() == float(started):  # that build, not a reused pid
+            _hurry_build(int(pid))
 
 
 # --- Tests side by side (pytest-xdist), and the ones that must run alone ----------------------------------------

@@ -34,7 +34,9 @@ Hook = Callable[[Any, Any], torch.futures.Future]
 class CommTimer:
     """Accumulates communication time per optimizer step, averaged over the steps of a logging interval."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        # The clock is a parameter so tests can drive the accounting with a fake one, exactly.
+        self._clock = clock
         # Completion callbacks run on the backend's thread.
         self._lock = threading.Lock()
         self._comm_s = 0.0
@@ -54,7 +56,7 @@ class CommTimer:
 
         # No annotations: DDP checks them against dist.GradBucket, and postponed annotations are strings.
         def timed_hook(state, bucket):
-            called = time.perf_counter()
+            called = self._clock()
             future = hook(state, bucket)
             self.launched(called, last=bucket.is_last())
 
@@ -68,17 +70,18 @@ class CommTimer:
         return timed_hook
 
     def launched(self, called: float, last: bool = False) -> None:
-        """A bucket's communication was handed over at ``called`` (perf_counter) and the call returned now;
-        ``last``: the backward's last bucket (the synchronisation is complete once it is)."""
+        """A bucket's communication was handed over at ``called`` (the timer's clock: perf_counter unless one
+        was given) and the call returned now; ``last``: the backward's last bucket (the synchronisation is
+        complete once it is)."""
         self.buckets += 1
         self.syncs += last
-        returned = time.perf_counter()
+        returned = self._clock()
         self._inside_hooks_s += returned - called
         self._last_return = returned
 
     def completed(self, called: float) -> None:
         """The communication handed over at ``called`` has finished (may run on the backend's thread)."""
-        elapsed = time.perf_counter() - called
+        elapsed = self._clock() - called
         with self._lock:
             self._comm_s += elapsed
 
@@ -86,7 +89,7 @@ class CommTimer:
         """Call right after a synchronising backward; returns this step's exposed communication (s)."""
         if self._last_return is None:  # no bucket was communicated (e.g. inside no_sync)
             return 0.0
-        exposed = self._inside_hooks_s + (time.perf_counter() - self._last_return)
+        exposed = self._inside_hooks_s + (self._clock() - self._last_return)
         self._reset_backward()
         return exposed
 

@@ -2,7 +2,8 @@
 non-finite step (chaos 9), and a failed collective that names the lost rank.
 
 The trainer here is the one ``ringtrain train`` builds (``build_trainer``); only the task is wrapped, to
-inject what a test needs: noise drawn from each rank's RNG (as dropout would) or a NaN loss on one rank.
+inject what a test needs: noise drawn from each rank's RNG (as dropout would) or a NaN loss on one rank. The
+resume test itself trains a user's model with real dropout, its samples loaded by DataLoader workers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,32 @@ from tests.distributed import DistributedTestError, run_distributed
 from tests.trainers import build_test_trainer, params_of, train_uninterrupted
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
+
+# debug_mlp.toml with a user's model that has dropout (and the user's digits, as factories), and one DataLoader
+# worker per rank: the samples are loaded (and the generators seeded per sample, data/seeding.py) in the worker,
+# so in the training process nothing but the loop's per-step reseed makes a step's dropout masks the same after a
+# resume. (With samples loaded in the training process, the last sample's seed would hide a missing reseed.)
+DROPOUT_WITH_LOADER_WORKERS = """
+[model]
+factory = "tests.fit.user_code:dropout_mlp"
+
+[data]
+factory = "tests.fit.user_code:digits"
+num_workers = 1
+
+[train]
+epochs = 2
+global_batch_size = 64
+local_batch_size = 16
+lr = 0.1
+seed = 0
+
+[checkpoint]
+every_steps = 10
+
+[monitor]
+progress = false
+"""
 
 
 class NoisyTask:
@@ -60,14 +87,15 @@ class NaNTask(NoisyTask):
 
 
 def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume: bool, nan: dict | None = None,
-          stop_at: int | None = None):
+          stop_at: int | None = None, config: str = str(DEBUG)):
     """Train; ``stop_at``: end (with a checkpoint) after that step, as an interrupted run of the same plan
     would, while the lr schedule still plans the whole run."""
-    trainer = build_test_trainer(rank, world_size, str(DEBUG), ["monitor.log_every_steps=1", *overrides], run_dir)
+    trainer = build_test_trainer(rank, world_size, config, ["monitor.log_every_steps=1", *overrides], run_dir)
     if stop_at is not None:
         trainer.total_steps = stop_at
     if nan is None:
-        trainer.parts.task = NoisyTask(trainer.parts.task)
+        if config == str(DEBUG):  # the debug MLP draws nothing itself (DROPOUT_WITH_LOADER_WORKERS's model does)
+            trainer.parts.task = NoisyTask(trainer.parts.task)
         # Whatever the global stream was before, each step reseeds it (data/seeding.py): a resume is exact.
         torch.manual_seed(100 + rank + 1000 * resume)
     else:
@@ -93,13 +121,17 @@ def lrs(run_dir: Path) -> dict[int, float]:
 @pytest.mark.parametrize("stop", [23, 16], ids=["epoch-boundary", "mid-epoch"])
 def test_resume_is_bit_exact(tmp_path, stop):
     """Chaos 1: 2N steps in one run equal N steps, stop, resume, N more: every loss and parameter, with the
-    warm-up + cosine schedule of the real configs."""
+    warm-up + cosine schedule of the real configs, a model with dropout and loader workers. The training
+    process's generators start from a different seed in the resumed run (``train``), and no sample is loaded
+    in it (the loader's worker seeds its own), so only the step's reseed makes the dropout masks match."""
     total = 2 * stop
     straight, split = tmp_path / "straight", tmp_path / "split"
+    config = tmp_path / "dropout.toml"
+    config.write_text(DROPOUT_WITH_LOADER_WORKERS)
     plan = [f"train.max_steps={total}", "train.lr_schedule='cosine'", "train.warmup_steps=4"]
-    ref = run_distributed(train, 2, str(straight), plan, False)
-    run_distributed(train, 2, str(split), plan, False, None, stop)
-    got = run_distributed(train, 2, str(split), plan, True)
+    ref = run_distributed(train, 2, str(straight), plan, False, None, None, str(config))
+    run_distributed(train, 2, str(split), plan, False, None, stop, str(config))
+    got = run_distributed(train, 2, str(split), plan, True, None, None, str(config))
 
     assert losses(split) == losses(straight), "a loss differs after the resume"
     assert sorted(losses(split)) == list(range(1, total + 1))

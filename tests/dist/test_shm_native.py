@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +31,29 @@ from ringtrain.comm.shm_group import NATIVE_DIRECT_BYTES, NATIVE_IN_PLACE_BYTES,
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
 
-# A string: evaluated by pytest, not when a worker process imports this module (which would load the
-# native module before a test could switch it off).
-pytestmark = pytest.mark.skipif("shm_native.load() is None", reason="the native shm all-reduce could not be built here")
+
+
+def _missing_prerequisite() -> str | None:
+    """What this machine lacks to build the native all-reduce, if anything. Only a missing prerequisite skips:
+    with them all present the module must build, and a build that fails (a compile error in shm_native.cpp, a
+    broken build()) fails test_the_native_module_builds_here instead of skipping every test here as "could
+    not be built". Cheap, and it loads nothing: a worker process imports this module too."""
+    if os.environ.get(shm_native.ENV_SWITCH, "1").strip() == "0":
+        return f"{shm_native.ENV_SWITCH}=0 switches the native shm all-reduce off"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the native shm all-reduce is built for x86-64 only, not {platform.machine()}"
+    compiler = os.environ.get("CXX", "c++")  # what torch's cpp_extension compiles with
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) to build the native shm all-reduce"
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja, which torch's cpp_extension builds with, is not installed"
+    return None
+
+
+_MISSING = _missing_prerequisite()
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 
 # Elements per dtype: tiny, at the direct threshold's edge, staged in one piece, staged in several pieces.
 # Odd sizes so that shards and pieces end unevenly.
@@ -221,6 +243,12 @@ def switched_off(rank: int, world_size: int) -> dict:
 def test_the_environment_switch_turns_the_native_path_off():
     for result in run_distributed(switched_off, 2):
         assert result == {"native": False, "python_calls": 1, "sum_ok": True}
+
+
+def test_the_native_module_builds_here():
+    """Every prerequisite is here (else the module skips): the build must succeed, and say why if it does not."""
+    module = shm_native.build()  # raises with the compiler's reason
+    assert "float32" in module.dtypes(), module.dtypes()
 
 
 def test_a_build_that_fails_falls_back_with_one_warning_line(tmp_path):

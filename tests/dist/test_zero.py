@@ -139,7 +139,9 @@ def test_world_size_one_trains_like_one_process():
             ("manual", "zero1", "zero2", "zero3", "fsdp")]
     per_rank = run_distributed(train, 1, runs, timeout_s=120)
     reference = per_rank[0][0]
+    assert len(reference) > 1 and not torch.equal(reference[0], reference[-1]), "the reference did not train"
     for index, run in enumerate(runs[1:], 1):
+        assert len(per_rank[0][index]) == len(reference), f"{run['strategy']}: a different number of steps"
         for ours, theirs in zip(per_rank[0][index], reference):
             torch.testing.assert_close(ours, theirs, **BOUND, msg=lambda m: f"{run['strategy']}: {m}")
 

@@ -25,6 +25,12 @@ def digits_mlp(hidden: int = 32) -> nn.Module:
     return MLP(64, [hidden, hidden], 10)
 
 
+def dropout_mlp(hidden: int = 32, p: float = 0.2) -> nn.Module:
+    """A digits MLP with dropout after each hidden layer: per-step randomness drawn in the training process."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(p), nn.Linear(hidden, hidden),
+                         nn.ReLU(), nn.Dropout(p), nn.Linear(hidden, 10))
+
+
 def digits() -> tuple[Dataset, Dataset]:
     split = load_digits_split(0.2, 0)
     return split.train, split.test
