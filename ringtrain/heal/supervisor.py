@@ -227,6 +227,9 @@ class Supervisor(NoHealing):
             failure = self._settle(self.membership.generation, None)
             if failure is not None:
                 self._recover(failure)
+            generation = self.membership.generation
+            print(f"ringtrain: joined as rank {generation.rank} of {generation.world_size} (generation "
+                  f"{generation.number}) at step {self.trainer.state.step}", file=sys.stderr, flush=True)
         self.trainer.start()
         with self.trainer.stop_signal:
             while True:

@@ -147,7 +147,8 @@ class Trainer:
         config, parts = self.config, self.parts
         host_rank, host_world_size = host_placement(ctx.env.bind_addr)
         ctx = dataclasses.replace(ctx, host_rank=host_rank, host_world_size=host_world_size)
-        was_writer, self.ctx = self.ctx.rank == 0, ctx
+        old_rank, self.ctx = self.ctx.rank, ctx
+        was_writer = old_rank == 0
         parts.strategy = build_strategy(config.comm, ctx.device)
         parts.model = parts.strategy.wrap(self.module)  # DDP broadcasts rank 0's state: the same everywhere already
         parts.train_loader, parts.eval_loader = parts.loaders(ctx.rank, ctx.world_size)
@@ -163,8 +164,7 @@ class Trainer:
                                                  is_writer=True, fence=self.healing.check_fence)
             parts.ledger = build_ledger(config.data.ledger, config.run_dir, parts.sampler.num_samples, 0)
             parts.ledger.start(self.state.step)
-            print(f"ringtrain: a new rank 0 writes the run directory (generation of {ctx.world_size} workers)",
-                  file=sys.stderr, flush=True)
+            print(f"ringtrain: rank {old_rank} is now rank 0 and writes the run directory", file=sys.stderr, flush=True)
         self._bind_group()
 
     def abandon_saves(self) -> None:

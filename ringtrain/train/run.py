@@ -152,8 +152,6 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
         supervisor = _supervisor(config, env, job_store, user, membership)
         trainer = build_trainer(config, ctx, job_store, user, healing=supervisor, joining=True)
         beating[0].on_dump_request = supervisor.dump
-        print(f"ringtrain: admitted as rank {ctx.rank} of {ctx.world_size} (generation {generation.number})",
-              file=sys.stderr, flush=True)
         try:
             return supervisor.run(trainer, joining=True)
         finally:
