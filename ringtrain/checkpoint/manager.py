@@ -104,6 +104,10 @@ class CheckpointManager:
         self._prune()
         return final
 
+    def verify(self, path: str | Path) -> None:
+        """Raise CorruptCheckpoint unless ``path`` matches its manifest (size, then sha256); nothing unpickled."""
+        read_verified(Path(path))
+
     def load(self, path: str | Path) -> dict[str, Any]:
         """Verify ``path`` against its manifest, then unpickle it weights-only."""
         return load_checkpoint_file(Path(path))

@@ -25,13 +25,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.checkpoint.sharded import checkpoint_step_of
-from ringtrain.checkpoint.sharded import committed as committed_sharded
-from ringtrain.checkpoint.sharded import verify as verify_sharded
-from ringtrain.errors import CorruptCheckpoint
+from ringtrain.checkpoint.front import newest_verified
 from ringtrain.heal.membership import Generation, HealFailed
 from ringtrain.train.resume import check_same_choice
-from ringtrain.train.sharded_state import load_sharded
 
 if TYPE_CHECKING:
     from ringtrain.heal.supervisor import Rebuild
@@ -47,10 +43,10 @@ def reload_shards(old: Trainer, generation: Generation, rebuild: Rebuild, applie
     from ringtrain.heal.supervisor import context_for  # the supervisor imports this module lazily
 
     started = time.perf_counter()
-    path = newest_sharded_checkpoint(old.checkpoints.directory)
-    check_same_choice(-1 if path is None else checkpoint_step_of(path))
+    found = newest_verified(old.checkpoints.directory)
+    check_same_choice(-1 if found is None else found.step)
     step = record["step"] if record is not None else old.state.step + 1
-    if path is None:
+    if found is None or not found.sharded:
         lost = record["lost_ranks"] if record is not None else []
         raise HealFailed(
             f"step {step}: {_ranks(lost)} lost, and comm.strategy = '{old.parts.strategy.name}' held shards only "
@@ -62,9 +58,7 @@ def reload_shards(old: Trainer, generation: Generation, rebuild: Rebuild, applie
     old.parts.job_store.is_writer = ctx.rank == 0  # rank 0 lost: this worker now counts the job's progress
     new = rebuild(ctx)
     new.carry_over(old)
-    assert new.sharded is not None  # checkpoint.sharded = true (the config refuses a sharded heal without it)
-    extra = load_sharded(new.sharded, path, new.parts.strategy, new.model, new.parts.optimizer)
-    new._load_checkpoint(path, extra)
+    new.load_checkpoint(found)
     steps_lost = max(0, applied_step - new.state.step)
     new.parts.job_store.add_steps_lost(steps_lost)  # the writer counts them for summary.json
     new.start()
@@ -72,19 +66,15 @@ def reload_shards(old: Trainer, generation: Generation, rebuild: Rebuild, applie
         record["reload_s"] = round(time.perf_counter() - started, 3)
     if ctx.rank == 0:
         print(f"ringtrain: the lost worker held the only copy of its shards: {ctx.world_size} workers reloaded "
-              f"{path.name} (step {new.state.step}); {steps_lost} steps since it are redone", file=sys.stderr, flush=True)
-    return new, steps_lost, path.name
+              f"{found.path.name} (step {new.state.step}); {steps_lost} steps since it are redone",
+              file=sys.stderr, flush=True)
+    return new, steps_lost, found.path.name
 
 
 def newest_sharded_checkpoint(directory: Path) -> Path | None:
-    """The newest committed sharded checkpoint that verifies (None: there is none)."""
-    for path in reversed(committed_sharded(directory)):
-        try:
-            verify_sharded(path)
-            return path
-        except CorruptCheckpoint:
-            continue
-    return None
+    """The newest committed sharded checkpoint that verifies (None: there is none, or a full one is newer)."""
+    found = newest_verified(directory)
+    return found.path if found is not None and found.sharded else None
 
 
 def _ranks(ranks: list[int]) -> str:

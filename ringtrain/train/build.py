@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
@@ -114,11 +113,7 @@ def build_trainer(
         data_stats=data.stats,
         loaders=loaders,
     )
-    fence = healing.check_fence if healing is not None else None
-    checkpoints = CheckpointManager(
-        run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0, fence=fence
-    )
-    trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints, healing)
+    trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), healing)
     return trainer
 
 

@@ -25,50 +25,38 @@ from typing import Any
 
 import torch
 
-from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.checkpoint.sharded import PendingSave, ShardedCheckpointer, checkpoint_step_of
-from ringtrain.checkpoint.sharded import committed as committed_sharded
-from ringtrain.checkpoint.sharded import verify as verify_sharded
+from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful
+from ringtrain.checkpoint.manager import checkpoint_step
+from ringtrain.checkpoint.sharded import PendingSave
 from ringtrain.config import Config
-from ringtrain.errors import CheckpointError, CorruptCheckpoint
+from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch
 from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
 from ringtrain.dist.group import DistContext, host_placement
 from ringtrain.dist.jobstore import PreviousAttempt
-from ringtrain.dist.watch import CollectiveWatch, flight_dumper
+from ringtrain.dist.watch import CollectiveWatch, first_line, flight_dumper
+from ringtrain.errors import CheckpointError
 from ringtrain.monitor.loggers import Logger, build_logger
 from ringtrain.monitor.memory import memory_mb
 from ringtrain.monitor.metrics import StepClock, model_flops_utilization
 from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
-from ringtrain.testing import faults
-from ringtrain.train.evaluate import evaluate
-from ringtrain.train.comm_state import gather_rank_states
-from ringtrain.data.ledger import build_ledger
 from ringtrain.parallel import build_strategy
-from ringtrain.train.batch_size import MicroBatcher
-from ringtrain.train.optim import load_optimizer_state, optimizer_name, position_lr_scheduler
-from ringtrain.train.sharded_state import load_sharded, save_sharded
-from ringtrain.train.guards import (
-    PendingVerdict,
-    StepGuard,
-    Stopped,
-    StopSignal,
-    Verdict,
-    check_every_parameter_has_a_gradient,
-    check_replicas,
-)
-from ringtrain.train.resume import ResumePlan, check_same_choice, config_changes, pick_checkpoint, resume_record
 from ringtrain.testing import faults
+from ringtrain.train.batch_size import MicroBatcher
+from ringtrain.train.evaluate import evaluate
+from ringtrain.train.guards import StepGuard, Stopped, StopSignal, Verdict, check_every_parameter_has_a_gradient, check_replicas
 from ringtrain.train.healing_hooks import NoHealing
-from ringtrain.train.state import TrainState
 from ringtrain.train.parts import TrainParts
+from ringtrain.train.resume import ResumePlan, check_same_choice, resume_record
+from ringtrain.train.state import TrainState
+from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunInfo, ScheduleState, ShardedTensors
 from ringtrain.train.step import GradientStep
 
 __all__ = ["TrainParts", "Trainer"]  # TrainParts re-exported: builders import it from here
 
 
 class Trainer:
-    def __init__(self, config: Config, ctx: DistContext, parts: TrainParts, logger: Logger, checkpoints: CheckpointManager,
+    def __init__(self, config: Config, ctx: DistContext, parts: TrainParts, logger: Logger,
                  healing: NoHealing | None = None):
         self.config = config
         self.ctx = ctx
@@ -77,7 +65,6 @@ class Trainer:
         """Under ``[dist] heal``: the seams healing needs (ringtrain/heal/); else nothing."""
         self.module = parts.module
         self.logger = self.healing.wrap_logger(logger)
-        self.checkpoints = checkpoints
         self.state = TrainState()
         self.clock = StepClock()
         self.precision = parts.precision
@@ -94,11 +81,8 @@ class Trainer:
         """Records of the resume (warnings, the restart report), logged once training starts."""
         self.previous = PreviousAttempt(starts=1, last_step=None, last_step_time=None)
         self._saved_step = -1
-        ckpt = config.checkpoint
-        self.sharded: ShardedCheckpointer | None = (
-            self._sharded_checkpointer() if ckpt.sharded or ckpt.async_ else None
-        )
-        """Sharded checkpoints (each rank its shard; train/sharded_state.py), when the config asks for them."""
+        self.checkpoints = self._checkpoint_front()
+        """Every checkpoint of the run, full or sharded (checkpoint/front.py); only rank 0 writes full ones."""
         self._pending_save: PendingSave | None = None
         self._gradients_checked = False
         self._state_mb = 0.0
@@ -160,8 +144,7 @@ class Trainer:
             logger = build_logger(config, 0, config.run_dir)
             logger.start(self.total_steps, self.state.step, parts.sampler.steps_per_epoch)
             self.logger = self.healing.wrap_logger(logger)
-            self.checkpoints = CheckpointManager(self.checkpoints.directory, keep_last=config.checkpoint.keep_last,
-                                                 is_writer=True, fence=self.healing.check_fence)
+            self.checkpoints = self._checkpoint_front()
             parts.ledger = build_ledger(config.data.ledger, config.run_dir, parts.sampler.num_samples, 0)
             parts.ledger.start(self.state.step)
             print(f"ringtrain: rank {old_rank} is now rank 0 and writes the run directory", file=sys.stderr, flush=True)
@@ -170,8 +153,7 @@ class Trainer:
     def abandon_saves(self) -> None:
         """The group failed: a background sharded save in flight must not commit any more."""
         self._pending_save = None
-        if self.sharded is not None:
-            self.sharded.abandon()
+        self.checkpoints.abandon()
 
     def close(self) -> None:
         """End this trainer's files and threads; another one goes on instead."""
@@ -198,162 +180,84 @@ class Trainer:
         return self.state.step, int(not self.eval_due) + int(self.final_eval_done)
 
     def transfer_state(self) -> dict[str, Any]:
-        """The state a member that is behind receives (tensors and plain values only)."""
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.parts.optimizer.state_dict(),
-            "sampler": self.parts.sampler.state_dict(),
-            "train_state": self.state.state_dict(),
-            "precision": self.precision.state_dict(),
-            "micro_batch": self.batcher.state_dict(),
-            "progress": {"eval_due": self.eval_due, "final_eval_done": self.final_eval_done,
-                         "last_eval": dict(self.last_eval)},
-        }
+        """What a member that is behind receives: the checkpoint's parts (the module and optimizer as this process
+        holds them, out of any group) and the evaluations' progress. Tensors and plain values only."""
+        parts = self.checkpoint_parts(local=True)
+        return {**{name: part.state_dict() for name, part in parts.items() if name != "comm"},
+                "progress": {"eval_due": self.eval_due, "final_eval_done": self.final_eval_done,
+                             "last_eval": dict(self.last_eval)}}
 
     def load_transfer_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        load_optimizer_state(self.parts.optimizer, state["optimizer"])
-        self.parts.sampler.load_state_dict(state["sampler"])
-        self.state.load_state_dict(state["train_state"])
-        position_lr_scheduler(self.parts.scheduler, self.state.step)
-        self.precision.load_state_dict(state["precision"])
-        self.batcher.load_state_dict(state["micro_batch"])
+        for name, part in self.checkpoint_parts(local=True).items():
+            if name in state:
+                part.load_state_dict(state[name])
         self.eval_due = bool(state["progress"]["eval_due"])
         self.final_eval_done = bool(state["progress"]["final_eval_done"])
         self.last_eval = dict(state["progress"]["last_eval"])
-
-    def _sharded_checkpointer(self) -> ShardedCheckpointer:
-        return ShardedCheckpointer(self.checkpoints.directory, self.ctx.rank, self.ctx.world_size,
-                                   self.config.checkpoint.keep_last, fence=self.healing.check_fence,
-                                   new_group=self.healing.new_group)
 
     @property
     def finished(self) -> bool:
         return self.state.step >= self.total_steps
 
-    # --- what a checkpoint holds -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a bit-exact resume needs.
+    # --- what a checkpoint holds: named once, for saves, loads and the heal's transfer ------------------
+    def checkpoint_parts(self, local: bool = False) -> dict[str, Stateful]:
+        """The stateful parts a checkpoint holds, in load order (the run's facts first: the optimizer's class is
+        checked before its state is loaded; the schedule after the step it is positioned at). No generator state:
+        randomness is derived from (seed, epoch, sample) and (seed, step, rank) (``data/seeding.py``).
+        ``local``: the model and optimizer as this process holds them, outside any group (a heal's transfer)."""
+        parts = self.parts
+        strategy = None if local else parts.strategy
+        self._run_info = RunInfo(self.config, parts.optimizer, self.ctx.world_size)
+        return {"run": self._run_info, "model": ModelState(strategy, self.model),
+                "optimizer": OptimizerState(strategy, parts.optimizer), "sampler": parts.sampler,
+                "train_state": self.state, "schedule": ScheduleState(parts.scheduler, self.state),
+                "precision": self.precision, "micro_batch": self.batcher,
+                "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn)}
 
-        No generator state: randomness is derived from (seed, epoch, sample) and (seed, step, rank)
-        (``data/seeding.py``). No scheduler: the lr at a step follows from the config and the step, so a
-        resume with a changed schedule or lr follows the new one (``position_lr_scheduler``)."""
-        return {
-            # Full (unsharded) forms, as one process holds them: sharded strategies gather them here.
-            "model": self.parts.strategy.model_state_dict(self.model),
-            "optimizer": self.parts.strategy.optimizer_state_dict(self.parts.optimizer),
-            **self._extra_state(),
-        }
+    def _tensors(self) -> ShardedTensors:
+        return ShardedTensors(self.parts.strategy, self.model, self.parts.optimizer)
 
-    def _extra_state(self) -> dict[str, Any]:
-        """All of a checkpoint but the model's and optimizer's tensors (a sharded checkpoint's extra.pt)."""
-        return {
-            "optimizer_class": optimizer_name(self.parts.optimizer),
-            "sampler": self.parts.sampler.state_dict(),
-            "train_state": self.state.state_dict(),
-            "precision": self.precision.state_dict(),
-            "micro_batch": self.batcher.state_dict(),
-            "comm": gather_rank_states(self.parts.strategy),
-            "world_size": self.ctx.world_size,
-            "config": self.config.to_toml(),
-            "config_digest": self.config.digest(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("optimizer_class")
-        if saved is not None and saved != optimizer_name(self.parts.optimizer):
-            raise CheckpointError(
-                f"the checkpoint's optimizer is {saved} but this run builds {optimizer_name(self.parts.optimizer)}; "
-                "resume with the checkpoint's optimizer, or start a new run (--resume-from loads the same state)"
-            )
-        strategy = self.parts.strategy
-        if "model" in state:  # absent from a sharded checkpoint's extra: its tensors are loaded already
-            strategy.load_model_state_dict(self.model, state["model"])
-            # Only the optimizer's state comes from the checkpoint; its hyperparameters are this config's.
-            load_optimizer_state(self.parts.optimizer, strategy.shard_optimizer_state(self.parts.optimizer, state["optimizer"]))
-        self.parts.sampler.load_state_dict(state["sampler"])
-        self.state.load_state_dict(state["train_state"])
-        position_lr_scheduler(self.parts.scheduler, self.state.step)
-        self.precision.load_state_dict(state.get("precision", {}))
-        if "micro_batch" in state:
-            self.batcher.load_state_dict(state["micro_batch"])
-        self._load_comm_state(state.get("comm"), state.get("world_size"))
-
-    def _load_comm_state(self, saved: list[dict[str, Any]] | None, saved_world_size: int | None) -> None:
-        """Per-rank state of the gradient sync (PowerSGD's error feedback): each rank takes its own."""
-        if not getattr(self.parts.strategy, "has_rank_state", False):
-            return
-        if not saved or saved_world_size != self.ctx.world_size:
-            self._warn(f"the checkpoint holds no PowerSGD state for {self.ctx.world_size} workers "
-                       f"(it was saved by {saved_world_size}): error feedback starts from zero")
-            return
-        self.parts.strategy.load_state_dict(saved[self.ctx.rank])
+    def _checkpoint_front(self) -> CheckpointFront:
+        ckpt = self.config.checkpoint
+        return CheckpointFront(Path(self.config.run_dir) / ckpt.dir, self.ctx.rank, self.ctx.world_size, ckpt.keep_last,
+                               sharded=ckpt.sharded, background=ckpt.async_, fence=self.healing.check_fence,
+                               new_group=self.healing.new_group)
 
     def resume(self, plan: ResumePlan) -> Path | None:
-        """Called once before fit() on every start: continue from the checkpoint the plan picks (every rank
-        picks the same one), or return None to start fresh."""
+        """Called once before training on every start: continue from the checkpoint the plan picks (the run's
+        newest that verifies, else --resume-from's; every rank picks the same), or return None to start fresh."""
         self.previous = self.parts.job_store.begin_attempt()
-        has_sharded = plan.resume and bool(committed_sharded(self.checkpoints.directory))
-        full_plan = dataclasses.replace(plan, required=plan.required and not has_sharded)
-        found = pick_checkpoint(self.checkpoints, full_plan, self._warn)
-        newer = self._newer_sharded(plan, -1 if found is None else found[1]["train_state"]["step"])
-        if newer is None and found is None and plan.required:
-            raise CheckpointError(f"--resume: no valid checkpoint in {self.checkpoints.directory}; run without "
-                                  "--resume to start afresh")
-        if newer is not None:
-            return self._resume_sharded(newer)
-        check_same_choice(-1 if found is None else found[1]["train_state"]["step"])
+        found = self.checkpoints.newest(self._warn) if plan.resume else None
+        if found is None and plan.resume and plan.source is not None:
+            found = Found(plan.source, checkpoint_step(plan.source) or 0, sharded=False)
+        check_same_choice(-1 if found is None else found.step)
         if found is None:
+            if plan.required:
+                raise CheckpointError(f"--resume: no valid checkpoint in {self.checkpoints.directory}; run without "
+                                      "--resume to start afresh")
             if self.previous.last_step is not None:  # a restart before the first checkpoint: start over
                 self.notices.append(resume_record(None, 0, self.ctx.world_size, self.previous))
             return None
-        path, state = found
-        self._load_checkpoint(path, state)
-        record = resume_record(path, self.state.step, self.ctx.world_size, self.previous)
+        self.load_checkpoint(found)
+        record = resume_record(found.path, self.state.step, self.ctx.world_size, self.previous)
         record["lr"] = self.parts.scheduler.get_last_lr()[0]
         self.notices.append(record)
-        return path
+        return found.path
 
-    def _newer_sharded(self, plan: ResumePlan, full_step: int) -> Path | None:
-        """The newest sharded checkpoint that verifies, when it is newer than the newest full one."""
-        if not plan.resume:
-            return None
-        for path in reversed(committed_sharded(self.checkpoints.directory)):
-            step = checkpoint_step_of(path)
-            if step <= full_step:
-                return None
-            try:
-                verify_sharded(path)
-                return path
-            except CorruptCheckpoint as err:
-                self._warn(f"skipping {path.name}: {err}")
-        return None
-
-    def _resume_sharded(self, path: Path) -> Path:
-        check_same_choice(checkpoint_step_of(path))
-        if self.sharded is None:  # saved sharded, resumed by a job that saves full checkpoints: load it anyway
-            self.sharded = self._sharded_checkpointer()
+    def load_checkpoint(self, found: Found) -> None:
+        """Load ``found`` into every part; a checkpoint that does not fit is one line (with the config fields
+        that changed since it was saved)."""
+        parts = self.checkpoint_parts()
         try:
-            extra = load_sharded(self.sharded, path, self.parts.strategy, self.model, self.parts.optimizer)
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise CheckpointError(f"checkpoint {path} does not fit this job ({_first_line(err)})") from None
-        self._load_checkpoint(path, extra)
-        record = resume_record(path, self.state.step, self.ctx.world_size, self.previous)
-        record["lr"] = self.parts.scheduler.get_last_lr()[0]
-        self.notices.append(record)
-        return path
-
-    def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        changed = config_changes(state["config"], self.config) if "config" in state else []
-        try:
-            self.load_state_dict(state)
+            self.checkpoints.load(found, parts, self._tensors())
         except (RuntimeError, ValueError, KeyError, CheckpointError) as err:
+            changed = self._run_info.changes
             differs = f"; its config differs: {'; '.join(changed)}" if changed else ""
-            raise CheckpointError(f"checkpoint {path} does not fit this job ({_first_line(err)}){differs}") from None
-        if changed:
+            raise CheckpointError(f"checkpoint {found.path} does not fit this job ({first_line(str(err))}){differs}") from None
+        if self._run_info.changes:
             lr = self.parts.scheduler.get_last_lr()[0]
-            self._warn(f"resuming {path.name} with a changed config: {'; '.join(changed)}; the optimizer's "
-                       f"hyperparameters and lr schedule follow it: lr {lr:.6g} at step {self.state.step}")
+            self._warn(f"resuming {found.path.name} with a changed config: {'; '.join(self._run_info.changes)}; the "
+                       f"optimizer's hyperparameters and lr schedule follow it: lr {lr:.6g} at step {self.state.step}")
 
     def _warn(self, message: str) -> None:
         # Kept until fit() starts the loggers; rank 0's console shows them, metrics.jsonl records them.
@@ -559,16 +463,11 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         self.healing.check_fence()  # a worker cut off from the group writes nothing
-        if self.sharded is not None:
-            self._finish_save()  # at most one background save in flight
-            self._pending_save = save_sharded(
-                self.sharded, self.state.step, self.parts.strategy, self.model, self.parts.optimizer, self._extra_state(),
-                async_save=self.config.checkpoint.async_, config_sha256=self.config.digest())
-            if not self.config.checkpoint.async_:
-                self._finish_save()
-        else:
-            state = self.state_dict()
-            self.checkpoints.save(self.state.step, state, config_sha256=self.config.digest())
+        self._finish_save()  # at most one background save in flight
+        self._pending_save = self.checkpoints.save(self.state.step, self.checkpoint_parts(), self._tensors(),
+                                                   config_sha256=self.config.digest())
+        if not self.config.checkpoint.async_:
+            self._finish_save()
         self._saved_step = self.state.step
 
     def _finish_save(self) -> None:
@@ -663,8 +562,3 @@ class Trainer:
         if self.parts.data_stats:
             summary["data"] = self.parts.data_stats
         return summary
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 
+from ringtrain.checkpoint.front import newest_verified
 from ringtrain.checkpoint.sharded import committed as committed_sharded
 from ringtrain.checkpoint.sharded import check_loadable as check_sharded
 from ringtrain.checkpoint.manager import CheckpointManager
@@ -21,7 +21,7 @@ from ringtrain.dist.jobstore import NullJobStore, connect_job_store
 from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, Heartbeat
 from ringtrain.heal.membership import HEAL_BEAT_S, Generation, Membership, request_join
 from ringtrain.heal.supervisor import Supervisor
-from ringtrain.errors import CheckpointError, ConfigError, CorruptCheckpoint
+from ringtrain.errors import CheckpointError, ConfigError
 from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.run_lock import RunDirLock
@@ -64,20 +64,12 @@ def check_resume(config: Config, resume: bool, resume_from: str | None) -> None:
         check_run_dir(config, resume=False)
         return
     manager = _manager(config)
-    problems = []
-    for path in reversed(committed_sharded(manager.directory)):
-        try:
-            check_sharded(path)  # corruption skips it; UnsafeCheckpoint (tampered) stops the job here
-            return  # the workers resume from a sharded checkpoint (or a newer full one)
-        except CorruptCheckpoint as err:
-            problems.append(str(err))
-    for path in reversed(manager.checkpoints()):
-        try:
-            read_verified(path)
-            return  # the workers start from this one (or warn about newer broken ones first)
-        except CorruptCheckpoint as err:
-            problems.append(str(err))
-    found = f" ({'; '.join(problems)})" if problems else ""
+    problems: list[str] = []
+    # Corruption skips a checkpoint (the workers warn about it and take the next); UnsafeCheckpoint (tampered
+    # sharded metadata) stops the job here.
+    if newest_verified(manager.directory, problems.append, check_sharded=check_sharded) is not None:
+        return
+    found = f" ({'; '.join(p.split('; skipping')[0] for p in problems)})" if problems else ""
     raise CheckpointError(f"--resume: no valid checkpoint in {manager.directory}{found}; run without --resume to start afresh")
 
 
