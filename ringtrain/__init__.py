@@ -44,6 +44,7 @@ __version__ = "0.1.0"
 # `ringtrain --help`) does not pay for importing torch.
 _LAZY = {
     "fit": "ringtrain.api",
+    "Session": "ringtrain.train.session",
     "DistEnv": "ringtrain.dist.env",
     "DistConfig": "ringtrain.config",
     "init_distributed": "ringtrain.dist.group",
@@ -67,6 +68,7 @@ __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
     from ringtrain.api import fit
+    from ringtrain.train.session import Session
     from ringtrain.checkpoint.manager import CheckpointManager
     from ringtrain.checkpoint.sharded import ShardedCheckpointer
     from ringtrain.config import DistConfig

@@ -97,7 +97,8 @@ def fit(
         raise  # unreachable: _exit_with exits
 
 
-def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reduction) -> Config:
+def config_sections(config: Mapping[str, Any] | str | Path | Config | None, caller: str = "fit()") -> tuple[dict, str]:
+    """The raw sections of a config given as a dict, a TOML path or a Config, and how to name its source."""
     if isinstance(config, Config):
         raw = config.model_dump(exclude_unset=True)
     elif isinstance(config, (str, Path)):
@@ -112,6 +113,11 @@ def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reductio
         raw = json.loads(json.dumps(dict(config or {}), default=str)) if config else {}
     else:
         raise ConfigError(f"config must be a dict of sections, a TOML path or a Config, not {type(config).__name__}")
+    return raw, str(config) if isinstance(config, (str, Path)) else f"the config passed to {caller}"
+
+
+def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reduction) -> Config:
+    raw, source = config_sections(config)
     given = {"model": ("name", "factory"), "data": ("dataset", "factory")}
     for section, keys in given.items():
         for key in keys:
@@ -124,7 +130,6 @@ def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reductio
     raw.setdefault("data", {})["factory"] = describe_callable(train_data)
     raw["task"] = {"loss": loss if isinstance(loss, str) else describe_callable(loss),
                    "loss_reduction": loss_reduction if loss_reduction in ("mean", "sum") else "mean"}
-    source = str(config) if isinstance(config, (str, Path)) else "the config passed to fit()"
     return load_config_dict(raw, env.overrides, env.run_dir, source=source, name=_script_name())
 
 

@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful
 from ringtrain.checkpoint.manager import checkpoint_step
 from ringtrain.checkpoint.sharded import PendingSave
@@ -43,6 +41,7 @@ from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
 from ringtrain.parallel import build_strategy
 from ringtrain.testing import faults
 from ringtrain.train.batch_size import MicroBatcher
+from ringtrain.train.commit import StepCommit
 from ringtrain.train.evaluate import evaluate
 from ringtrain.train.guards import StepGuard, Stopped, StopSignal, Verdict, check_every_parameter_has_a_gradient, check_replicas
 from ringtrain.train.healing_hooks import NoHealing
@@ -106,6 +105,9 @@ class Trainer:
                                      members=self.healing.members())
         self.guard = StepGuard(ctx.rank, ctx.world_size, ctx.device,
                                config.train.max_consecutive_nonfinite_steps, self.stop_signal)
+        self.commit = StepCommit(parts.strategy, parts.model, parts.optimizer, self.precision, self.guard, self.watch,
+                                 self.clock, parts.ledger, parts.sampler, self.state, parts.job_store,
+                                 config.train.grad_clip_norm, fence=self.healing.check_fence)
 
     # --- the group this trainer works in (healing moves it from one group to the next) ------------------
     def leave_group(self) -> None:
@@ -347,58 +349,19 @@ class Trainer:
         if not self._gradients_checked and strategy.gradients_replicated:
             check_every_parameter_has_a_gradient(self.module, step)
             self._gradients_checked = True
-        # fp16's scaler skips overflowing steps itself; on shards, the flag must travel to reach every scaler.
-        check_gradients = not self.precision.skips_overflow or not strategy.gradients_replicated
-        with self.clock.phase("optimizer"):
-            # fp16: unscale first, so the checks and clipping see the true (synchronised) gradient.
-            self.precision.unscale_(self.parts.optimizer)
-            parameters = strategy.gradient_parameters(self.model, self.parts.optimizer)
-            if pending:  # the gradient check is local: the synchronised gradient is the same on every rank
-                gradient_finite = not check_gradients or self.guard.gradients_finite(parameters)
-            else:
-                flags = self.guard.check(loss_sum, parameters, gradients=check_gradients)
-        # Only the wait for the agreement is communication (the checks above are the optimizer's time).
-        with self.clock.phase("comm_exposed"), self.watch.op("all_reduce (step agreement)", step):
-            verdict = self.guard.finish(pending[0], gradient_finite) if pending else self.guard.agree(flags)
-        if self.precision.skips_overflow and not strategy.gradients_replicated:
-            verdict = self.precision.agree_overflow(self.parts.optimizer, verdict)  # every rank's scaler alike
-        # Under a replicated strategy the ledger's gather is the step's last collective: from here to the commit
-        # everything is local, so a rank that applied the update has also committed the step (healing relies on it).
-        with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
-            self.healing.check_fence()
-            self.parts.ledger.record(step, self.state.epoch, batch.indices.tolist(), skipped=verdict.skip)
-        # Sharded strategies communicate here too (the clip's norm, zero's parameter all-gather after the step).
-        with self.clock.phase("optimizer"), self.watch.op("optimizer step (sharded norm and all-gather)", step):
-            if verdict.skip:
-                self.precision.skip(self.parts.optimizer)
-            else:
-                if self.config.train.grad_clip_norm is not None:
-                    # The global norm (sharded strategies sum it over the shards).
-                    strategy.clip_grad_norm_(self.model, self.parts.optimizer, self.config.train.grad_clip_norm)
-                self.precision.step(self.parts.optimizer)
-            self.parts.scheduler.step()
-            # Model state at its fullest (gradients still held), the largest of the logging interval.
-            self._state_mb = max(self._state_mb, self._model_state_mb())
-            self.parts.optimizer.zero_grad(set_to_none=True)
-        self.clock.move("optimizer", "comm_exposed", strategy.take_step_comm_s())  # zero1/2's parameter all-gather
-        self._commit(step, window, items, loss_sum)
+        commit = self.commit
+        verdict = commit.verdict(step, loss_sum, pending[0] if pending else None)
+        commit.apply(step, verdict, batch.indices.tolist(), self.parts.scheduler, after_update=self._measure_state)
+        tokens = 0 if self.parts.task.items_are_samples else items
+        commit.advance(step, window, tokens)
+        self.tokens_seen += tokens
+        self.comm_timer.end_step()
+        self._step_loss = (loss_sum, items)
+        self.healing.committed(step)
         if verdict.skip:
             self.logger.log({"type": "skip", "step": step, "reason": verdict.describe()})
         self.guard.count(verdict, self.state, step)
         return verdict
-
-    def _commit(self, step: int, window: int, items: int, loss_sum: torch.Tensor) -> None:
-        """The step is done: move the data cursor and every counter past it."""
-        self.parts.sampler.advance()
-        self.state.step = step
-        self.state.samples_seen += window
-        tokens = 0 if self.parts.task.items_are_samples else items
-        self.tokens_seen += tokens
-        self.parts.job_store.record_progress(step)
-        self.clock.end_step(window, tokens=tokens)
-        self.comm_timer.end_step()
-        self._step_loss = (loss_sum, items)
-        self.healing.committed(step)
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1
@@ -523,6 +486,10 @@ class Trainer:
             )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics
+
+    def _measure_state(self) -> None:
+        """Model state at its fullest (gradients still held after the update): the interval's largest is logged."""
+        self._state_mb = max(self._state_mb, self._model_state_mb())
 
     def _model_state_mb(self) -> float:
         """This rank's unique storage of parameters, gradients, optimizer state and strategy buffers."""

@@ -167,6 +167,8 @@ class Outcome:
     fired: list[str]
     seconds: float
     leftovers: list[str] = field(default_factory=list)
+    problem: str | None = None
+    """What the driver saw go wrong while it ran the schedule (a job that ended early, a wait that timed out)."""
 
 
 def run_schedule(schedule: Schedule, folder: Path, timeout_s: float = 300) -> Outcome:
@@ -177,6 +179,7 @@ def run_schedule(schedule: Schedule, folder: Path, timeout_s: float = 300) -> Ou
     started = time.monotonic()
     joiners: list[Job] = []
     stopped: list[tuple[float, psutil.Process]] = []
+    problem = None
     with Job("train", "configs/digits_mlp.toml", "--nproc", str(schedule.nproc), "--min-nproc",
              str(schedule.min_nproc), "--heal", "--run-dir", str(run_dir), *schedule.overrides(), env=plan.env) as job:
         try:
@@ -213,6 +216,9 @@ def run_schedule(schedule: Schedule, folder: Path, timeout_s: float = 300) -> Ou
                 _continue_stopped(stopped)
                 time.sleep(0.1)
             code = job.finish(timeout=timeout_s)
+        except AssertionError as err:  # the job ended early or hung: judged by check() as what it is
+            code = job.process.poll() if job.process.poll() is not None else -1
+            problem = str(err).splitlines()[0]
         finally:
             for _, proc in stopped:
                 _signal(proc, signal.SIGCONT)
@@ -228,13 +234,13 @@ def run_schedule(schedule: Schedule, folder: Path, timeout_s: float = 300) -> Ou
     leftovers = [f"pid {p.pid}: {' '.join(p.cmdline())[:120]}" for p in _job_processes(run_dir, tree)]
     leftovers += [f"/dev/shm/{name}" for name in sorted(_shm_segments() - shm_before)]
     return Outcome(schedule, code, stderr, run_dir, [f["point"] for f in plan.fired()], time.monotonic() - started,
-                   leftovers)
+                   leftovers, problem)
 
 
 def check(outcome: Outcome) -> list[str]:
     """Every invariant the run broke, as lines (empty: it held them all)."""
     schedule, run_dir = outcome.schedule, outcome.run_dir
-    problems = []
+    problems = [outcome.problem] if outcome.problem else []
     if outcome.code != 0:
         problems.append(f"exit code {outcome.code}")
     try:

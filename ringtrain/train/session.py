@@ -1,0 +1,547 @@
+"""``ringtrain.Session``: keep your own training loop, with every ringtrain guarantee, in a few changed lines.
+
+The middle layer between ``fit`` (ringtrain runs the loop) and the building blocks (you run everything), in
+the style of Lightning Fabric. One object starts the process group and the run directory, wraps the model
+and optimizer with the configured strategy, deals the data exactly once and resumably, scales and
+synchronises the backward, and commits each step::
+
+    import ringtrain
+
+    session = ringtrain.Session({"train": {"global_batch_size": 64, "local_batch_size": 32}})
+    model, optimizer, scheduler, train_loader = session.setup(model, optimizer, scheduler, data=train_set)
+    for epoch in session.epochs(10):                  # resumes mid-epoch after a stop
+        for inputs, targets in train_loader:           # this rank's micro-batches of each step
+            optimizer.zero_grad()                      # at a step's first micro-batch only
+            loss = F.cross_entropy(model(inputs), targets)
+            session.backward(loss)                     # the full batch's gradient; synchronised on the last
+            optimizer.step()                           # at a step's last micro-batch: the step is committed
+            scheduler.step()                           # once a step
+        correct = sum((model(x).argmax(1) == y).sum() for x, y in session.eval_loader(val_set, 256))
+        session.print(f"epoch {epoch}: accuracy {session.sum(correct) / len(val_set):.3f}")
+
+What a committed step does (``optimizer.step()`` at a step's last micro-batch, ``commit_step``): every rank
+agrees in one small all-reduce whether any loss or gradient was not finite (then all skip the update) or a
+stop was asked (SIGTERM, Ctrl-C: then all save the step and exit, ``--resume`` goes on); the sample ledger
+records the step's ids; the update is applied (clipped by ``[train] grad_clip_norm``); the sampler's cursor
+moves past the step's window; the step is checkpointed every ``[checkpoint] every_steps`` (verified, sharded
+when the strategy or the config says so, with your scheduler and anything ``register``ed). A run directory
+holds what ``ringtrain train`` writes: config.toml, metrics.jsonl, the ledger, checkpoints/, summary.json.
+
+``reduction``: ``session.backward(loss)`` takes a loss that averages over the micro-batch's samples (the
+default of torch's losses) and weights it by their share of the step's samples; ``reduction="sum"`` takes a
+sum and divides by the step's sample count, which is exactly what ``ringtrain train`` does (bit for bit).
+Launch with ``torchrun``, ``ringtrain run``, or ``python`` (one worker).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from ringtrain.checkpoint.front import CheckpointFront
+from ringtrain.config import Config, validate_for_world_size
+from ringtrain.data.batch import map_tensors
+from ringtrain.data.ledger import build_ledger
+from ringtrain.data.loader import StepBatch, build_eval_loader, build_train_loader
+from ringtrain.data.sampler import ResumableSampler
+from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
+from ringtrain.dist.env import DistEnv
+from ringtrain.dist.group import init_distributed
+from ringtrain.dist.jobstore import connect_job_store
+from ringtrain.dist.lifetime import exit_with_parent
+from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbeat
+from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.monitor.loggers import NullLogger, build_logger
+from ringtrain.monitor.metrics import StepClock
+from ringtrain.parallel import build_strategy
+from ringtrain.train.batch_size import MicroBatcher
+from ringtrain.train.build import broadcast_from_rank0
+from ringtrain.train.commit import StepCommit
+from ringtrain.train.guards import StepGuard, StopSignal, Verdict, check_replicas
+from ringtrain.train.optim import build_lr_scheduler, build_optimizer
+from ringtrain.train.precision import Precision
+from ringtrain.train.resume import ResumePlan, check_same_choice
+from ringtrain.train.run import check_run_dir
+from ringtrain.train.run_lock import RunDirLock
+from ringtrain.train.state import TrainState
+from ringtrain.train.user_parts import describe_callable
+from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunInfo, ScheduleState, ShardedTensors
+
+__all__ = ["Session"]
+
+
+class _Samples:
+    """The micro-batch plan's task when a user's loop computes the loss: items are samples."""
+
+    items_are_samples = True
+
+
+class Session:
+    """See the module's docstring. ``config``: a dict of sections, a TOML path or a ``Config`` (the sections that
+    concern a loop: ``train``, ``comm``, ``dist``, ``checkpoint``, ``data`` (``ledger``, ``num_workers``),
+    ``monitor``); ``run_dir`` overrides its run directory; ``resume``: True (the newest valid checkpoint
+    of the run directory; it must exist), a checkpoint path (a new run from it), or False/None (a fresh run,
+    unless ``ringtrain run --resume`` or a restart says otherwise)."""
+
+    def __init__(self, config: Any = None, *, run_dir: str | Path | None = None, resume: bool | str | Path | None = None):
+        env = DistEnv.from_environ()
+        exit_with_parent()  # under a launcher: a worker never outlives its agent
+        try:
+            self.config = _resolve(config, env, run_dir)
+            validate_for_world_size(self.config, env.world_size)
+            self.plan = _resume_plan(resume, env)
+            if not self.plan.resume:
+                check_run_dir(self.config, resume=False)
+        except RingtrainError as err:
+            _exit_with(err, env)
+        self._group = init_distributed(env, self.config.dist)
+        self.ctx = self._group.__enter__()
+        self._closers: list[Any] = []
+        self.job_store = connect_job_store(self.ctx.env, is_writer=self.rank == 0)
+        self._closers.append(Heartbeat(self.job_store, self.rank, HEARTBEAT_INTERVAL_S).__enter__())
+        if self.rank == 0:
+            self._closers.append(RunDirLock(self.config.run_dir).__enter__())
+        self.logger = NullLogger()  # until training starts: its config then records what the session trains
+        self.state = TrainState()
+        self.clock = StepClock()
+        self.precision = Precision(self.config.train.precision, self.device)
+        self.stop_signal = StopSignal()
+        self.guard = StepGuard(self.rank, self.world_size, self.device, self.config.train.max_consecutive_nonfinite_steps,
+                               self.stop_signal)
+        self.watch = CollectiveWatch(self.job_store, self.rank, self.world_size, self.config.dist.timeout_s)
+        ckpt = self.config.checkpoint
+        self.checkpoints = CheckpointFront(Path(self.config.run_dir) / ckpt.dir, self.rank, self.world_size,
+                                           ckpt.keep_last, sharded=ckpt.sharded, background=ckpt.async_)
+        self.registered: dict[str, Any] = {}
+        self._is_ready = False
+        self.strategy = self.model = self.module = self.optimizer = self.scheduler = self.sampler = None
+        self._micro: tuple[int, bool, int] = (0, True, 1)
+        """The micro-batch in the user's hands: (its rows, whether it is the step's last, the step's samples)."""
+        self._step_loss = torch.zeros(())
+        self._batch: StepBatch | None = None
+        self._window = 0
+        self._saved_step = -1
+        self._pending = None
+        self._started = time.perf_counter()
+        self.total_steps = 0
+        self.start_step = 0
+        """The step this run started from (a resume's checkpoint; 0 for a fresh run)."""
+        atexit.register(self.close)  # a group left to the interpreter's end can abort it
+
+    # --- where this worker is ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    # --- setting up ---------------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+              data: Dataset | None = None, collate_fn: Any = None) -> tuple:
+        """Wrap ``model`` with the configured strategy (``[comm] strategy``: ddp, manual, zero1-3, fsdp) after
+        making every rank's weights rank 0's; take ``optimizer`` over it (None: ``[train] optimizer``) and
+        ``scheduler`` over that (None with no optimizer given: ``[train]``'s warm-up and cosine; with your
+        optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. Returns the
+        model, optimizer, scheduler and loader (those given or made), in that order."""
+        if self.model is not None:
+            raise ConfigError("Session.setup was called twice; set up the model and optimizer in one call")
+        module = model.to(self.device)
+        broadcast_from_rank0(module)  # every replica starts from rank 0's weights
+        # For the record (config.toml): what this run trains.
+        self.config = self.config.model_copy(update={
+            "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
+        self.strategy = build_strategy(self.config.comm, self.device)
+        self.module, self.model = module, self.strategy.wrap(module)
+        made = optimizer is None
+        optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer
+        self.optimizer = self.strategy.shard_optimizer(optimizer)
+        loader = self.loader(data, collate_fn) if data is not None else None
+        self._made_scheduler = scheduler is None and made and self.sampler is not None
+        if self._made_scheduler:  # [train]'s schedule: positioned at the step on resume, never carried
+            scheduler = build_lr_scheduler(self.config.train, self.optimizer, self.total_steps)
+        self.scheduler = scheduler
+        outputs = [self.model, _SessionOptimizer(self, self.optimizer)]
+        if scheduler is not None:
+            outputs.append(_SessionScheduler(self, scheduler))
+        return tuple(outputs if loader is None else [*outputs, loader])
+
+    def loader(self, data: Dataset, collate_fn: Any = None) -> _SessionLoader:
+        """Deal ``data`` (a map-style Dataset of (input, target) items) exactly once per epoch: each step takes
+        the next ``[train] global_batch_size`` samples of the epoch's order, this rank's share cut into
+        micro-batches of at most ``local_batch_size``; iterating yields this rank's micro-batches of each step
+        left in the epoch (``len``: steps per epoch). A resume goes on from the cursor, mid-epoch."""
+        if self.sampler is not None:
+            raise ConfigError("Session.loader was called twice; a session deals one training set")
+        self.config = self.config.model_copy(update={
+            "data": self.config.data.model_copy(update={"factory": describe_callable(data)})})
+        self.sampler = ResumableSampler(len(data), self.config.train.global_batch_size, seed=self.config.train.seed)
+        self._loader = build_train_loader(data, self.sampler, self.rank, self.world_size,
+                                          num_workers=self.config.data.num_workers, collate_fn=collate_fn)
+        self.ledger = build_ledger(self.config.data.ledger, self.config.run_dir, len(data), self.rank)
+        self.batcher = MicroBatcher(self.config.train, _Samples(), self.rank, self.world_size, self.device)
+        self.total_steps = _planned_steps(self.config, self.sampler.steps_per_epoch)
+        return _SessionLoader(self)
+
+    def _ready(self) -> None:
+        """Before the first step: continue from a checkpoint when the session resumes, open the records."""
+        if self._is_ready:
+            return
+        if self.model is None or self.sampler is None:
+            raise ConfigError("a Session needs its model (session.setup) and its data (session.loader) before "
+                              "training: call both first")
+        self._is_ready = True
+        self._resume()
+        self.start_step = self.state.step
+        self.logger = build_logger(self.config, self.rank, self.config.run_dir)
+        self.logger.start(self.total_steps, self.state.step, self.sampler.steps_per_epoch)
+        self.ledger.start(self.state.step)
+        self._start_samples = self.state.samples_seen
+        self.clock.flush()
+
+    def register(self, name: str, part: Any) -> None:
+        """Checkpoint ``part`` (anything with state_dict / load_state_dict) under ``name``, loaded on resume."""
+        self.registered[name] = part
+
+    def epochs(self, count: int | None = None) -> Iterator[int]:
+        """The epochs left to train (all of ``count``, default ``[train] epochs``; after a resume, the rest, the
+        first one from where it stopped). When they are done, the last step is saved and summary.json written."""
+        count = self.config.train.epochs if count is None else count
+        self.config = self.config.model_copy(update={"train": self.config.train.model_copy(update={"epochs": count})})
+        if self.sampler is not None:
+            self.total_steps = _planned_steps(self.config, self.sampler.steps_per_epoch, count)
+        self._ready()
+        with self.stop_signal:
+            while self.state.epoch < count and self.state.step < self.total_steps:
+                yield self.state.epoch
+        self.finish()
+
+    # --- the step ----------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, reduction: str = "mean") -> None:
+        """Backward of this micro-batch's loss, scaled so that the step's gradient is the full batch's: a mean
+        over the micro-batch's samples is weighted by their share of the step's samples, a sum (``"sum"``) is
+        divided by the step's sample count; DDP's average over the ranks is allowed for. Gradients synchronise
+        on the step's last micro-batch only."""
+        if reduction not in ("mean", "sum"):
+            raise ConfigError(f"Session.backward(reduction={reduction!r}): use 'mean' or 'sum'")
+        rows, _, items = self._micro
+        weight = rows if reduction == "mean" else 1
+        if rows == 0:  # an empty share (the step's samples do not divide over the ranks): no loss, every hook
+            loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+        self.precision.scale(loss * (self.world_size / items * weight)).backward()
+        self._step_loss = self._step_loss + loss.detach().float().cpu() * weight
+
+    def _commit_step(self) -> Verdict:
+        """The step in progress is complete (its last micro-batch's backward ran): commit it as ``ringtrain train``
+        does (train/commit.py: agree, record, apply or skip, advance)."""
+        step, loss_sum = self.state.step + 1, self._step_loss
+        commit = StepCommit(self.strategy, self.model, self.optimizer, self.precision, self.guard, self.watch,
+                            self.clock, self.ledger, self.sampler, self.state, self.job_store,
+                            self.config.train.grad_clip_norm)
+        verdict = commit.verdict(step, loss_sum)
+        commit.apply(step, verdict, self._batch.indices.tolist())
+        commit.advance(step, self._window)
+        self.guard.count(verdict, self.state, step)
+        return verdict
+
+    def _after_step(self, verdict: Verdict, loss_sum: torch.Tensor) -> None:
+        """The user's loop committed a step: the epoch's end, the records, the checkpoint, a stop."""
+        if self.sampler.epoch_finished:
+            self.state.epoch += 1
+            self.sampler.set_epoch(self.state.epoch)
+        if self.state.step % self.config.monitor.log_every_steps == 0:
+            self.logger.log({"type": "train", "step": self.state.step, "epoch": self.state.epoch,
+                             "loss": loss_sum.item() / max(1, self._window),
+                             "lr": _lr(self.optimizer), **self.clock.flush(), **self.strategy.comm_timer.flush()})
+        self.logger.on_step(self.state.step, self.state.epoch)
+        if verdict.skip:
+            self.logger.log({"type": "skip", "step": self.state.step, "reason": verdict.describe()})
+        if verdict.stop:  # SIGTERM or Ctrl-C on some rank: every rank saves this step and leaves
+            self.save()
+            self._wait_save()
+            number = self.stop_signal.signal_number or signal.SIGTERM
+            self.print(f"ringtrain: stopped at step {self.state.step} after saving it "
+                       f"({signal.Signals(number).name}); continue with Session(resume=True) (or --resume)",
+                       file=sys.stderr)
+            self.close()
+            raise SystemExit(128 + number)
+        if self.state.step % self.config.checkpoint.every_steps == 0 and self.state.step < self.total_steps:
+            self.save()
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+    def parts(self) -> dict[str, Any]:
+        """What a checkpoint of this session holds (loaded in this order on resume)."""
+        parts = {"run": RunInfo(self.config, self.optimizer, self.world_size),
+                 "model": ModelState(self.strategy, self.model),
+                 "optimizer": OptimizerState(self.strategy, self.optimizer)}
+        if self.sampler is not None:
+            parts.update(sampler=self.sampler, micro_batch=self.batcher)
+        parts.update(train_state=self.state, precision=self.precision)
+        if self.scheduler is not None:  # yours is carried; [train]'s follows this run's config (as ringtrain train)
+            parts["scheduler"] = ScheduleState(self.scheduler, self.state) if self._made_scheduler else self.scheduler
+        parts.update(comm=CommState(self.strategy, self.rank, self.world_size, self._warn), **self.registered)
+        return parts
+
+    def save(self) -> None:
+        """Checkpoint the step reached (every rank calls it; verified; sharded as configured). Done for you every
+        ``[checkpoint] every_steps``, at the end, and on a stop."""
+        self._wait_save()
+        self._pending = self.checkpoints.save(self.state.step, self.parts(), ShardedTensors(
+            self.strategy, self.model, self.optimizer), config_sha256=self.config.digest())
+        if not self.config.checkpoint.async_:
+            self._wait_save()
+        self._saved_step = self.state.step
+
+    def _wait_save(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result(timeout=self.config.dist.timeout_s + 600)
+
+    def _resume(self) -> None:
+        found = self.checkpoints.newest(self._warn) if self.plan.resume else None
+        if found is None and self.plan.resume and self.plan.source is not None:
+            from ringtrain.checkpoint.front import Found
+            from ringtrain.checkpoint.manager import checkpoint_step
+
+            found = Found(self.plan.source, checkpoint_step(self.plan.source) or 0, sharded=False)
+        check_same_choice(-1 if found is None else found.step)
+        if found is None:
+            if self.plan.required:
+                _exit_with(ConfigError(f"resume: no valid checkpoint in {self.checkpoints.directory}; start afresh "
+                                       "without resume"), self.ctx.env)
+            return
+        self.checkpoints.load(found, self.parts(), ShardedTensors(self.strategy, self.model, self.optimizer))
+        self.print(f"ringtrain: resumed from {found.path.name} (step {self.state.step})", file=sys.stderr)
+
+    # --- evaluation and what ranks share -----------------------------------------------------------------
+    def eval_loader(self, data: Dataset, batch_size: int, collate_fn: Any = None) -> Iterator[tuple[Any, Any]]:
+        """This rank's part of ``data``: every sample exactly once across ranks (sum what you count with ``sum``).
+        Every rank gets as many batches (the last ones may hold no sample): a wrapped model's forward may be a
+        collective (DDP's buffers, zero3 and FSDP gathering parameters)."""
+        loader = build_eval_loader(data, self.rank, self.world_size, batch_size, collate_fn=collate_fn)
+        counts = [math.ceil(len(range(rank, len(data), self.world_size)) / batch_size) for rank in range(self.world_size)]
+        return _EvalLoader(loader, max(counts))
+
+    def sum(self, value: Any) -> Any:
+        """``value`` (a number or a tensor) summed over every rank."""
+        tensor = torch.as_tensor(value, dtype=torch.float64).clone()
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor.item() if tensor.dim() == 0 and not isinstance(value, torch.Tensor) else tensor
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    def _warn(self, message: str) -> None:
+        self.print(f"ringtrain: warning: {message}", file=sys.stderr)
+
+    # --- the end -------------------------------------------------------------------------------------------
+    def finish(self) -> dict[str, Any]:
+        """Save the last step and write summary.json (``epochs`` does it when its loop ends)."""
+        if self._saved_step != self.state.step:
+            self.save()
+        self._wait_save()
+        wall_s = time.perf_counter() - self._started
+        digests = check_replicas(self.strategy.full_named_parameters(self.model), self.state.step)
+        samples = self.state.samples_seen - self._start_samples
+        summary = {"world_size": self.world_size, "steps": self.state.step,
+                   "epochs": round(self.state.samples_seen / self.sampler.num_samples, 3), "wall_s": round(wall_s, 3),
+                   "samples_per_s": round(samples / wall_s, 1) if wall_s > 0 else 0.0,
+                   "skipped_steps": self.state.skipped_steps, "param_sha256": digests}
+        self.ledger.close()
+        self.logger.finish(summary)
+        return summary
+
+    def close(self) -> None:
+        """Leave the process group and release the run directory (at exit if not called)."""
+        if self._group is None:
+            return
+        for part in reversed(self._closers):
+            part.__exit__(None, None, None)
+        self._closers = []
+        close = getattr(self.strategy, "close", None)
+        if close is not None:
+            close()
+        group, self._group = self._group, None
+        self.model = self.optimizer = None  # DDP's reducer holds the group: gone before it is destroyed
+        group.__exit__(None, None, None)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _EvalLoader:
+    """A rank's evaluation batches, padded with empty ones to ``count`` (the most any rank has)."""
+
+    def __init__(self, loader: Any, count: int):
+        self.loader, self.count = loader, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        first, count = None, self.count
+        for batch in self.loader:
+            first = batch if first is None else first
+            count -= 1
+            yield batch
+        while count > 0 and first is not None:
+            count -= 1
+            inputs, targets = first
+            yield map_tensors(inputs, lambda t: t[:0]), targets[:0]
+
+
+class _SessionLoader:
+    """This rank's micro-batches of each step of the epoch, from the sampler's cursor (see ``Session``)."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        """The micro-batches' session: its sampler, plan and step."""
+
+    def __len__(self) -> int:
+        return self.session.sampler.steps_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        s = self.session
+        s._ready()
+        for batch in s._loader:
+            step = s.state.step + 1
+            s._window = s.sampler.next_window_size()
+            s._batch = batch = batch.to(s.device)
+            s._step_loss = torch.zeros(())
+            s._stepped = False
+            # The model's randomness (dropout) from (seed, step, rank): the same after a resume.
+            seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.rank))
+            plan = s.batcher.plan(batch, s._window)
+            last = len(plan.micro_batches) - 1
+            for index, (inputs, targets) in enumerate(plan.micro_batches):
+                s._micro = (len(targets), index == last, plan.global_items)
+                s._first = index == 0
+                # Accumulation micro-batches do not synchronise (their forward and backward in no_sync).
+                with contextlib.nullcontext() if index == last else s.strategy.no_sync(s.model):
+                    yield inputs, targets
+            if not s._stepped:
+                raise ConfigError(f"step {step}: optimizer.step() was not called for the step's last micro-batch; "
+                                  "call it once per micro-batch, after session.backward(loss)")
+            if s.state.step >= s.total_steps or s.sampler.cursor == 0:
+                break  # the epoch (or the run) is over: the next epoch starts with a fresh iterator
+
+
+class _SessionOptimizer:
+    """The optimizer, stepped once a step: ``step()`` on a step's last micro-batch commits the step (on the
+    others it does nothing), ``zero_grad()`` clears the gradients on a step's first micro-batch only."""
+
+    def __init__(self, session: Session, optimizer: torch.optim.Optimizer):
+        self.session, self.optimizer = session, optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if getattr(self.session, "_first", True):
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        s = self.session
+        if not s._micro[1]:
+            return
+        if s._stepped:
+            raise ConfigError("optimizer.step() was called twice on a step's last micro-batch")
+        verdict = s._commit_step()
+        s._stepped = True
+        s._after_step(verdict, s._step_loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class _SessionScheduler:
+    """The lr scheduler, stepped once a step (its ``step()`` on the other micro-batches does nothing)."""
+
+    def __init__(self, session: Session, scheduler: Any):
+        self.session, self.scheduler = session, scheduler
+        self._stepped_at = session.state.step
+
+    def step(self, *args: Any) -> None:
+        if self.session.state.step > self._stepped_at:
+            self._stepped_at = self.session.state.step
+            self.scheduler.step(*args)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float:
+    return optimizer.param_groups[0]["lr"]
+
+
+def _planned_steps(config: Config, steps_per_epoch: int, epochs: int | None = None) -> int:
+    planned = (config.train.epochs if epochs is None else epochs) * steps_per_epoch
+    return min(planned, config.train.max_steps) if config.train.max_steps else planned
+
+
+def _resolve(config: Any, env: DistEnv, run_dir: str | Path | None) -> Config:
+    from ringtrain.api import config_sections
+    from ringtrain.config import load_config_dict
+
+    raw, source = config_sections(config, caller="Session()")
+    for section, keys in {"model": ("name", "factory"), "data": ("dataset", "factory"), "task": ("loss",)}.items():
+        for key in keys:
+            if key in raw.get(section, {}):
+                raise ConfigError(f"a Session trains the model and data you set up; remove {section}.{key} from the config")
+    return load_config_dict(raw, env.overrides, env.run_dir or (str(run_dir) if run_dir else None), source=source,
+                            name=_script_name())
+
+
+def _script_name() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return Path(path).stem if path else "session"
+
+
+def _resume_plan(resume: bool | str | Path | None, env: DistEnv) -> ResumePlan:
+    if resume is True:
+        return ResumePlan(resume=True, required=True)
+    if isinstance(resume, (str, Path)) and resume:
+        return ResumePlan(resume=True, source=Path(resume))
+    from ringtrain.api import _resume_plan as from_environment
+
+    return from_environment(env)
+
+
+def _exit_with(err: RingtrainError, env: DistEnv) -> None:
+    from ringtrain.worker import report_error
+
+    report_error(err, env)
+    sys.exit(err.exit_code)
