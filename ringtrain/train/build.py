@@ -119,6 +119,8 @@ def build_trainer(
         run_dir / config.checkpoint.dir, keep_last=config.checkpoint.keep_last, is_writer=ctx.rank == 0, fence=fence
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), checkpoints, healing)
+    if user is not None:  # the user's task warns (once) through rank 0's logger: a console line and a record
+        task.warn = lambda message: trainer.logger.log({"type": "warning", "message": message})
     return trainer
 
 
