@@ -95,7 +95,8 @@ def top_k_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tenso
     scored = logits.shape[1] >= TOP5_MIN_CLASSES
     top = logits.topk(min(5, logits.shape[1]), dim=1).indices
     hits = top == targets[:, None]
-    correct_top5 = hits.any(dim=1).sum().double() if scored else torch.zeros((), dtype=torch.float64, device=logits.device)
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    correct_top5 = hits.any(dim=1).sum().double() if scored else zero
     count_top5 = torch.tensor(len(targets) if scored else 0, dtype=torch.float64, device=logits.device)
     return hits[:, 0].sum().double(), correct_top5, count_top5
 

@@ -72,6 +72,7 @@ def test_the_sample_output_of_make_run_has_the_summarys_rows_as_the_console_prin
             value = float(shown.replace(",", ""))
             number = int(value) if key in ("world_size", "steps", "micro_batch_size", "restarts", "heals",
                                            "steps_lost", "skipped_steps") else value
-            assert format_value(number) == shown, f"{key}: the README shows {shown!r}, the console {format_value(number)!r}"
+            printed = format_value(number)
+            assert printed == shown, f"{key}: the README shows {shown!r}, the console {printed!r}"
     evals = [line for line in sample.splitlines() if line.startswith("eval at step")]
     assert evals and evals[-1].startswith("eval at step 920 (epoch 40): accuracy "), evals

@@ -60,7 +60,8 @@ def test_the_report_of_a_restarted_run_sums_every_attempt(restarted, tmp_path):
             "3,944 samples/s; 17 steps lost to failures and trained again; final loss 0.01000; eval: accuracy 0.9500, "
             "loss 0.2000.") in report, report
     assert "| 1 | start | 0 → 50 | 0.5 s | 3,200 | 6,400 |" in report
-    assert "| 2 | restart 1 from step_00000040.pt (step 40) with 2 workers | 40 → 100 | 1.3 s | 3,900 | 3,000 |" in report
+    assert ("| 2 | restart 1 from step_00000040.pt (step 40) with 2 workers | 40 → 100 | 1.3 s | 3,900 | 3,000 |"
+            in report)
     assert "| **run** | | 100 | 1.8 s | 7,100 | 3,944 |" in report
 
 
