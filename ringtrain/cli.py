@@ -282,7 +282,9 @@ def _describe_fields(model, prefix: str = "") -> str:
             lines.append(f"\n[{name}]\n" + _describe_fields(annotation, prefix=f"{name}."))
             continue
         doc = " ".join((field.description or "").split())
-        lines.append(f"{prefix}{field.alias or name} = {field.default!r}\n    {doc}\n")
+        # A default_factory's value, not pydantic's PydanticUndefined placeholder (model.args = {}).
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"{prefix}{field.alias or name} = {default!r}\n    {doc}\n")
     return "".join(lines)
 
 

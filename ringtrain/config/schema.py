@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
-BUILTIN_LOSSES = ("cross_entropy", "mse")
+BUILTIN_LOSSES = ("cross_entropy", "mse", "model")
+"""Losses by name ('model': the model's own outputs.loss); any other is 'package.module:function'."""
 
 
 def _check_import_path(field: str, value: str | None, builtins: tuple[str, ...] = ()) -> None:
@@ -288,7 +289,8 @@ class TaskConfig(Section):
     """What a user model optimises and how it is evaluated (with model.factory / data.factory, or fit())."""
 
     loss: str = "cross_entropy"
-    """'cross_entropy' (classification; next-token with ignore index -100 for 3-D logits), 'mse', or
+    """'cross_entropy' (classification; next-token with ignore index -100 for 3-D logits), 'mse', 'model' (the
+    model's own outputs.loss, e.g. a Hugging Face model given 'labels' in its inputs), or
     'package.module:function' taking (outputs, targets) and returning a scalar."""
 
     loss_reduction: Literal["mean", "sum"] = "mean"

@@ -42,7 +42,8 @@ NullLogger = Logger
 
 
 class ConsoleLogger(Logger):
-    """A rich progress bar on stderr (epoch, step, loss, samples/s, ETA) and a summary table on stdout."""
+    """A rich progress bar on stderr (epoch, step, loss, samples/s, ETA), a line per notice and per evaluation
+    above it, and a summary table on stdout."""
 
     def __init__(self, progress: bool = True):
         self.show_progress = progress
@@ -76,9 +77,10 @@ class ConsoleLogger(Logger):
             self.progress.update(self.task, completed=step, epoch=min(epoch + 1, self.epochs))
 
     def log(self, record: dict[str, Any]) -> None:
-        if record.get("type") in ("warning", "skip", "resume", "heal"):
-            line = notice_line(record)
-            if self.progress is not None:
+        kind = record.get("type")
+        if kind in ("warning", "skip", "resume", "heal", "eval"):
+            line = eval_line(record) if kind == "eval" else notice_line(record)
+            if self.progress is not None:  # printed above the live bar, which stays at the bottom
                 self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
             else:
                 print(line, file=sys.stderr, flush=True)
@@ -92,7 +94,7 @@ class ConsoleLogger(Logger):
         self.close()
         table = Table(title="ringtrain summary", show_header=False)
         for key, value in _flatten(summary).items():
-            table.add_row(key, _format(value))
+            table.add_row(key, format_value(value))
         Console(file=sys.stdout).print(table)
 
     def close(self) -> None:
@@ -192,7 +194,7 @@ def build_logger(config: Config, rank: int, run_dir: str | Path) -> Logger:
 
 
 def notice_line(record: dict[str, Any]) -> str:
-    """The console line of a warning, a skipped step or a resume record."""
+    """The console line of a warning, a skipped step, a heal or a resume record."""
     kind = record["type"]
     if kind == "warning":
         return f"ringtrain: warning: {record['message']}"
@@ -217,6 +219,16 @@ def notice_line(record: dict[str, Any]) -> str:
     return line
 
 
+def eval_line(record: dict[str, Any]) -> str:
+    """The console line of an evaluation record: ``eval at step 230 (epoch 10): accuracy 0.9778, loss 0.1060``
+    (every number it holds but the sample count, in the record's order; lists such as per-class metrics stay in
+    metrics.jsonl)."""
+    skip = ("type", "step", "epoch", "count")
+    values = ", ".join(f"{key} {format_value(value)}" for key, value in record.items()
+                       if key not in skip and isinstance(value, (int, float)) and not isinstance(value, bool))
+    return f"eval at step {record['step']} (epoch {record['epoch']}): {values}"
+
+
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in values.items():
@@ -227,10 +239,17 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _format(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A summary or eval value for people: counts as integers (``920``, ``20,575``), other numbers with 4
+    significant digits (``820.1``, ``0.9778``, ``0.001505``), whole numbers from 1000 on with separators;
+    per-rank digests as one value when the ranks agree."""
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        # Per-rank digests: one value when the ranks agree.
         return f"{value[0][:12]}… on all {len(value)} ranks" if len(set(value)) == 1 else ", ".join(value)
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
     if isinstance(value, float) and math.isfinite(value):
-        return f"{value:,.4f}" if abs(value) < 1000 else f"{value:,.0f}"
+        # 999.96 rounds to 4 digits as "1000.": the thousands form says it better.
+        return f"{value:,.0f}" if abs(value) >= 999.95 else f"{value:#.4g}"
     return str(value)

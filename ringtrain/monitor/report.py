@@ -3,7 +3,8 @@
 The summary answers "where does the time go?": the mean step split into its phases (data wait,
 forward/backward, exposed communication, optimizer, ...), how much communication hid behind compute, the
 straggler, memory. With ``--compare`` it answers "why is the bigger run not N× faster?": scaling
-efficiency, and the change of each phase of the step between the two runs.
+efficiency, and the change of each phase of the step between the two runs. A run that was resumed or
+restarted is reported whole: its totals sum every attempt (monitor/run_history.py), and each attempt is a row.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.errors import RingtrainError
+from ringtrain.monitor.loggers import format_value
+from ringtrain.monitor.run_history import Attempt, RunTotals, split_attempts
 
 __all__ = ["RunMetrics", "load_run", "write_report", "PHASES"]
 
@@ -40,11 +43,13 @@ class RunMetrics:
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
     summary: dict[str, Any]
+    attempts: list[Attempt]
+    totals: RunTotals
 
     @property
     def steady(self) -> list[dict[str, Any]]:
-        # The first interval holds start-up costs (allocations, first-touch, DDP's first bucket rebuild).
-        return self.train[1:] if len(self.train) > 2 else self.train
+        # Each attempt's first interval holds start-up costs (allocations, first-touch, DDP's first bucket rebuild).
+        return [r for a in self.attempts for r in (a.train[1:] if len(a.train) > 2 else a.train)]
 
     @property
     def world_size(self) -> int:
@@ -81,7 +86,10 @@ def load_run(path: str | Path) -> RunMetrics:
         raise RingtrainError(f"{metrics} holds no training records yet; report a run that has logged a step")
     summary_file = path / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-    return RunMetrics(path.name, path, train, [r for r in records if r.get("type") == "eval"], summary)
+    attempts = split_attempts(records)
+    totals = RunTotals.of(attempts, summary)
+    evals = [r for r in records if r.get("type") == "eval"]
+    return RunMetrics(path.name, path, train, evals, summary, attempts, totals)
 
 
 def write_report(runs: list[RunMetrics], out_dir: str | Path) -> Path:
@@ -110,17 +118,7 @@ def _markdown(runs: list[RunMetrics], images: list[Path]) -> str:
 def _run_section(run: RunMetrics) -> list[str]:
     step_s = run.mean("step_time_s")
     phases = run.phase_means()
-    lines = [f"## {run.name}", ""]
-    s = run.summary
-    if s:
-        evaluation = ", ".join(f"{k} {v:.4g}" for k, v in s.get("eval", {}).items())
-        lines.append(
-            f"{s.get('world_size', '?')} workers, {s.get('steps', '?')} steps in {s.get('wall_s', 0):.1f} s, "
-            f"{s.get('samples_per_s', 0):,.0f} samples/s, final loss {s.get('final_loss') or float('nan'):.4g}"
-            + (f", eval: {evaluation}" if evaluation else "")
-            + "."
-        )
-        lines.append("")
+    lines = [f"## {run.name}", ""] + _totals_lines(run)
     lines += [
         f"Median step: **{run.median('step_time_s') * 1e3:.2f} ms**, {run.median('samples_per_s'):,.0f} samples/s "
         f"(mean step {step_s * 1e3:.2f} ms, split below).",
@@ -148,6 +146,38 @@ def _run_section(run: RunMetrics) -> list[str]:
     if peak:
         lines.append(f"Peak resident memory (largest rank): {peak:,.0f} MB.")
     return lines + [""]
+
+
+def _totals_lines(run: RunMetrics) -> list[str]:
+    """The whole run in one sentence (every attempt summed), and a row per attempt when there were several."""
+    t, s = run.totals, run.summary
+    history = []
+    for count, what in ((t.resumes, "resume"), (t.restarts, "restart"), (t.heals, "heal")):
+        if count:
+            history.append(f"{count} {what}{'s' * (count != 1)}")
+    at_end = " at the end" if len(run.attempts) > 1 else ""
+    workers = f"{s['world_size']} workers{at_end}, " if "world_size" in s else ""
+    evaluation = ", ".join(f"{k} {format_value(v)}" for k, v in s.get("eval", {}).items()
+                           if isinstance(v, (int, float)))
+    attempts = len(run.attempts)
+    line = (f"{workers}{t.final_step} steps"
+            + (f" in {attempts} attempts ({', '.join(history)})" if attempts > 1 or history else "")
+            + f": {t.training_s:.1f} s of training, {t.samples:,.0f} samples, {t.samples_per_s:,.0f} samples/s")
+    if t.steps_lost:
+        line += f"; {t.steps_lost} step{'s' * (t.steps_lost != 1)} lost to failures and trained again"
+    if s.get("final_loss") is not None:
+        line += f"; final loss {format_value(s['final_loss'])}"
+    lines = [line + (f"; eval: {evaluation}" if evaluation else "") + ".", ""]
+    if attempts > 1:
+        lines += ["| attempt | began | steps | training time | samples | samples/s |",
+                  "| --- | --- | --- | ---: | ---: | ---: |"]
+        for a in run.attempts:
+            rate = a.samples / a.training_s if a.training_s > 0 else 0.0
+            lines.append(f"| {a.number} | {a.describe()} | {a.start_step} → {a.end_step} | {a.training_s:.1f} s "
+                         f"| {a.samples:,.0f} | {rate:,.0f} |")
+        lines += [f"| **run** | | {t.final_step} | {t.training_s:.1f} s | {t.samples:,.0f} "
+                  f"| {t.samples_per_s:,.0f} |", ""]
+    return lines
 
 
 def _straggler_lines(run: RunMetrics) -> list[str]:

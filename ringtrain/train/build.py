@@ -114,6 +114,8 @@ def build_trainer(
         loaders=loaders,
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), healing)
+    if user is not None:  # the user's task warns (once) through rank 0's logger: a console line and a record
+        task.warn = lambda message: trainer.logger.log({"type": "warning", "message": message})
     return trainer
 
 

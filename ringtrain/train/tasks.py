@@ -16,13 +16,17 @@ import torch.nn.functional as F
 
 from ringtrain.data.text import IGNORE_INDEX
 
-__all__ = ["ClassificationTask", "LanguageModelTask", "Task", "build_task"]
+__all__ = ["ClassificationTask", "LanguageModelTask", "Task", "build_task", "top_k_hits", "TOP5_MIN_CLASSES"]
+
+
+TOP5_MIN_CLASSES = 6
+"""Top-5 accuracy is reported from 6 classes on: with 5 or fewer every target is in the top 5 (always 100%)."""
 
 
 class ClassificationTask:
-    """Cross-entropy training; evaluation reports loss, top-1 and top-5 accuracy."""
+    """Cross-entropy training; evaluation reports loss, top-1 and (with more than 5 classes) top-5 accuracy."""
 
-    eval_fields = ("loss_sum", "correct", "correct_top5", "count")
+    eval_fields = ("loss_sum", "correct", "correct_top5", "count_top5", "count")
     items_are_samples = True
     """Each sample is one loss item, so a step's item count is its window: no collective needed."""
 
@@ -37,27 +41,19 @@ class ClassificationTask:
         return {}
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """[loss sum, top-1 correct, top-5 correct, samples] of one batch, summed across batches and ranks."""
+        """[loss sum, top-1 correct, top-5 correct, samples scored for top-5, samples] of one batch, summed
+        across batches and ranks."""
         loss = F.cross_entropy(outputs.float(), targets, reduction="sum")
-        top = outputs.topk(min(5, outputs.shape[1]), dim=1).indices
-        hits = top == targets[:, None]
-        return torch.stack(
-            [
-                loss.double(),
-                hits[:, 0].sum().double(),
-                hits.any(dim=1).sum().double(),
-                torch.tensor(len(targets), dtype=torch.float64, device=outputs.device),
-            ]
-        )
+        correct, correct_top5, count_top5 = top_k_hits(outputs, targets)
+        count = torch.tensor(len(targets), dtype=torch.float64, device=outputs.device)
+        return torch.stack([loss.double(), correct, correct_top5, count_top5, count])
 
     def eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
-        loss_sum, correct, correct_top5, count = sums.tolist()
-        return {
-            "accuracy": correct / count,
-            "top5_accuracy": correct_top5 / count,
-            "loss": loss_sum / count,
-            "count": int(count),
-        }
+        loss_sum, correct, correct_top5, count_top5, count = sums.tolist()
+        metrics = {"accuracy": correct / count}
+        if count_top5:
+            metrics["top5_accuracy"] = correct_top5 / count_top5
+        return {**metrics, "loss": loss_sum / count, "count": int(count)}
 
 
 class LanguageModelTask:
@@ -90,6 +86,19 @@ class LanguageModelTask:
 
 
 Task = ClassificationTask | LanguageModelTask
+
+
+def top_k_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top-1 hits, top-5 hits, samples scored for top-5) of one batch, as float64 sums. With 5 classes or
+    fewer top-5 is not scored (its count is 0): every target would be a hit. The count travels in the sums,
+    so the all-reduce tells every rank, also one whose shard of the eval set was empty."""
+    scored = logits.shape[1] >= TOP5_MIN_CLASSES
+    top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+    hits = top == targets[:, None]
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    correct_top5 = hits.any(dim=1).sum().double() if scored else zero
+    count_top5 = torch.tensor(len(targets) if scored else 0, dtype=torch.float64, device=logits.device)
+    return hits[:, 0].sum().double(), correct_top5, count_top5
 
 
 def build_task(dataset: str) -> Task:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from ringtrain.config import Config
+from ringtrain.config.schema import BUILTIN_LOSSES
 from ringtrain.data.batch import describe
 from ringtrain.data.split import DatasetSplit
 from ringtrain.errors import ConfigError
@@ -80,7 +81,7 @@ class UserParts:
                               "(train, eval) or (train, eval, collate_fn), eval may be None")
         train, evaluation, collate = (*made, None)[:3]
         task = config.task
-        loss = task.loss if task.loss in ("cross_entropy", "mse") else import_callable("task.loss", task.loss)
+        loss = task.loss if task.loss in BUILTIN_LOSSES else import_callable("task.loss", task.loss)
         count = import_callable("task.count_items", task.count_items) if task.count_items else None
         metrics = None
         if task.metrics:
@@ -134,7 +135,7 @@ def check_factories(config: Config) -> None:
                              ("task.count_items", config.task.count_items), ("task.metrics", config.task.metrics)):
         if path is not None:
             import_callable(field_name, path)
-    if config.task.loss not in ("cross_entropy", "mse"):
+    if config.task.loss not in BUILTIN_LOSSES:
         import_callable("task.loss", config.task.loss)
     if config.model.factory is None or config.data.factory is None:
         missing = "model.factory" if config.model.factory is None else "data.factory"

@@ -11,8 +11,11 @@ of two things:
   are not -100), as the built-in language model does.
 
 Built-ins: ``"cross_entropy"`` (logits [N, C] and class targets [N]: per sample; logits [N, T, V] and
-targets [N, T]: per target token, -100 ignored) and ``"mse"`` (per sample: the mean over a sample's
-elements). A micro-batch of 0 rows never reaches the user's loss (the loop skips it).
+targets [N, T]: per target token, -100 ignored), ``"mse"`` (per sample: the mean over a sample's
+elements) and ``"model"``: the loss the model computed itself, ``outputs.loss`` (a Hugging Face model given
+``labels``), taken with ``loss_reduction`` like a user's loss. A model that computes its own loss while
+another loss trains wasted that work: one warning says so (``warn``, rank 0's logger in a run). A
+micro-batch of 0 rows never reaches the user's loss (the loop skips it).
 
     task = build_user_task("cross_entropy", "mean", None, example_target=train[0][1])
 """
@@ -20,16 +23,19 @@ elements). A micro-batch of 0 rows never reaches the user's loss (the loop skips
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ringtrain.data.batch import describe, logits_of
+from ringtrain.config.schema import BUILTIN_LOSSES
 from ringtrain.errors import ConfigError
+from ringtrain.train.tasks import top_k_hits
 
-__all__ = ["UserTask", "build_user_task", "IGNORE_INDEX", "default_count_items"]
+__all__ = ["UserTask", "build_user_task", "IGNORE_INDEX", "default_count_items", "model_loss"]
 
 IGNORE_INDEX = -100
 """Targets equal to this are not items (padding): torch's cross_entropy ignore_index."""
@@ -47,6 +53,10 @@ class UserTask:
 
     def __init__(self, loss: str | LossFn, reduction: str, count_items: Callable[[torch.Tensor], int] | None,
                  token_targets: bool, name: str):
+        self.warn: Callable[[str], None] = _python_warning
+        """Where the one warning about a model's own loss goes; build_trainer hands rank 0's logger (other
+        ranks: the null logger), so it is one line on the console and one record in metrics.jsonl."""
+        self._warned_model_loss = False
         self.loss = loss
         self.reduction = reduction
         self.name = name
@@ -54,7 +64,8 @@ class UserTask:
         """Targets are sequences (one item per target token), not one per sample."""
         self._count = count_items or default_count_items
         self.classifier = loss == "cross_entropy" and not token_targets
-        self.eval_fields = ("loss_sum", "count", *(("correct", "correct_top5") if self.classifier else ()))
+        top_k = ("correct", "correct_top5", "count_top5") if self.classifier else ()
+        self.eval_fields = ("loss_sum", "count", *top_k)
         self._checked = False
 
     @property
@@ -68,6 +79,21 @@ class UserTask:
         return int(self._count(targets))
 
     def loss_sum(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        if self.loss == "model":
+            value = model_loss(outputs)
+            if value is None:
+                raise ConfigError(f"loss='model' trains on the model's own loss, but the model returned "
+                                  f"{describe(outputs)} without a .loss tensor; give it its labels in the inputs "
+                                  "(a Hugging Face model computes outputs.loss from inputs['labels']) or choose "
+                                  "another loss")
+            if not self._checked:
+                self._check_scalar(value)
+            return value * len(targets) if self.reduction == "mean" else value
+        if not self._warned_model_loss and model_loss(outputs) is not None:
+            self._warned_model_loss = True
+            self.warn(f"the model computed its own loss (outputs.loss: a Hugging Face model does when its inputs "
+                      f"hold 'labels') and ringtrain ignores it, training on loss={self.name}; drop 'labels' from "
+                      "the inputs to save computing it, or pass loss='model' to train on outputs.loss")
         if self.loss == "cross_entropy":
             return self._cross_entropy_sum(logits_of(outputs), targets)
         if self.loss == "mse":
@@ -105,19 +131,18 @@ class UserTask:
         count = torch.tensor(self.count_items(targets), dtype=torch.float64, device=loss.device)
         sums = [loss, count]
         if self.classifier:
-            logits = logits_of(outputs)
-            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-            hits = top == targets[:, None]
-            sums += [hits[:, 0].sum().double(), hits.any(dim=1).sum().double()]
+            sums += top_k_hits(logits_of(outputs), targets)
         return torch.stack(sums)
 
     def eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
         values = dict(zip(self.eval_fields, sums.tolist()))
         count = values["count"]
-        metrics = {"loss": values["loss_sum"] / count if count else math.nan, "count": int(count)}
-        if self.classifier:
+        metrics = {}
+        if self.classifier:  # in the built-in task's order: accuracy, top5_accuracy, loss
             metrics["accuracy"] = values["correct"] / count
-            metrics["top5_accuracy"] = values["correct_top5"] / count
+            if values["count_top5"]:  # more than 5 classes
+                metrics["top5_accuracy"] = values["correct_top5"] / values["count_top5"]
+        metrics.update(loss=values["loss_sum"] / count if count else math.nan, count=int(count))
         metrics.update(self.train_metrics(metrics["loss"]))
         return metrics
 
@@ -136,20 +161,33 @@ def build_user_task(loss: str | LossFn, loss_reduction: str, count_items: Callab
     if loss_reduction not in ("mean", "sum"):
         raise ConfigError(f"loss_reduction = {loss_reduction!r}: use 'mean' (the loss averages over samples) or "
                           "'sum' (it sums over items, counted by count_items)")
-    if isinstance(loss, str) and loss not in ("cross_entropy", "mse"):
-        raise ConfigError(f"loss = {loss!r} is not a built-in loss; use 'cross_entropy', 'mse' or a callable "
-                          "loss(outputs, targets) -> scalar")
+    if isinstance(loss, str) and loss not in BUILTIN_LOSSES:
+        raise ConfigError(f"loss = {loss!r} is not a built-in loss; use 'cross_entropy', 'mse', 'model' (the "
+                          "model's own outputs.loss) or a callable loss(outputs, targets) -> scalar")
     if not isinstance(loss, str) and not callable(loss):
-        raise ConfigError(f"loss must be 'cross_entropy', 'mse' or a callable, not {type(loss).__name__}")
+        raise ConfigError(f"loss must be 'cross_entropy', 'mse', 'model' or a callable, not {type(loss).__name__}")
     if count_items is not None and loss_reduction != "sum":
         raise ConfigError("count_items goes with loss_reduction='sum'; a 'mean' loss is weighted by its samples")
-    if isinstance(loss, str) and loss_reduction == "sum":
+    if loss in ("cross_entropy", "mse") and loss_reduction == "sum":
         raise ConfigError(f"loss_reduction applies to your own loss callable; the built-in {loss!r} normalises "
                           "itself (per sample, or per token for sequence targets)")
     target = torch.as_tensor(example_target)
     token_targets = loss == "cross_entropy" and target.dim() >= 1
     name = loss if isinstance(loss, str) else getattr(loss, "__qualname__", type(loss).__name__)
     return UserTask(loss, loss_reduction, count_items, token_targets, repr(name))
+
+
+def model_loss(outputs: Any) -> torch.Tensor | None:
+    """The loss a model computed itself, if it did: ``outputs.loss`` (Hugging Face's ModelOutput, set when the
+    inputs hold ``labels``) or a dict's ``"loss"``; None otherwise (a tuple's is not told from its logits)."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _python_warning(message: str) -> None:
+    warnings.warn(f"ringtrain: {message}", stacklevel=3)
 
 
 def _aligned(predictions: torch.Tensor, targets: torch.Tensor, loss: str) -> torch.Tensor:

@@ -22,7 +22,7 @@ def test_image_folder_trains_and_evaluates(tmp_path):
     results = run_distributed(train_briefly, 2, str(tmp_path / "run"), overrides, timeout_s=120)
     for result in results:
         assert result["steps"] == 2 and result["classes"] == 2 and result["in_channels"] == 3
-        assert result["eval"]["top5_accuracy"] == 1.0  # two classes: both are in the top 5
+        assert "top5_accuracy" not in result["eval"]  # two classes: both are always in the top 5
         assert result["eval"] == results[0]["eval"]
 
 
