@@ -15,7 +15,7 @@ synchronises the backward, and commits each step::
             loss = F.cross_entropy(model(inputs), targets)
             session.backward(loss)                     # the full batch's gradient; synchronised on the last
             optimizer.step()                           # at a step's last micro-batch: the step is committed
-            scheduler.step()                           # once a step
+            scheduler.step()                           # the session steps it once a step, as it commits
         correct = sum((model(x).argmax(1) == y).sum() for x, y in session.eval_loader(val_set, 256))
         session.print(f"epoch {epoch}: accuracy {session.sum(correct) / len(val_set):.3f}")
 
@@ -67,7 +67,8 @@ from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
-from ringtrain.train.build import broadcast_from_rank0
+from ringtrain.testing import faults
+from ringtrain.train.build import arm_fault_plan, broadcast_from_rank0
 from ringtrain.train.commit import StepCommit
 from ringtrain.train.guards import StepGuard, StopSignal, Verdict, check_replicas
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
@@ -108,6 +109,8 @@ class Session:
             _exit_with(err, env)
         self._group = init_distributed(env, self.config.dist)
         self.ctx = self._group.__enter__()
+        if self.ctx.env.fault_plan and not faults.is_armed():  # a test harness's fault plan: nothing in a user's run
+            arm_fault_plan(self.ctx, None)
         self._closers: list[Any] = []
         self.job_store = connect_job_store(self.ctx.env, is_writer=self.rank == 0)
         self._closers.append(Heartbeat(self.job_store, self.rank, HEARTBEAT_INTERVAL_S).__enter__())
@@ -162,7 +165,7 @@ class Session:
         optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. Returns the
         model, optimizer, scheduler and loader (those given or made), in that order."""
         if self.model is not None:
-            raise ConfigError("Session.setup was called twice; set up the model and optimizer in one call")
+            _usage("Session.setup was called twice; set up the model and optimizer in one call")
         module = model.to(self.device)
         broadcast_from_rank0(module)  # every replica starts from rank 0's weights
         # For the record (config.toml): what this run trains.
@@ -170,7 +173,7 @@ class Session:
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
         self.strategy = build_strategy(self.config.comm, self.device)
         self.module, self.model = module, self.strategy.wrap(module)
-        made = optimizer is None
+        made = self._made_optimizer = optimizer is None
         optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer
         self.optimizer = self.strategy.shard_optimizer(optimizer)
         loader = self.loader(data, collate_fn) if data is not None else None
@@ -189,7 +192,7 @@ class Session:
         micro-batches of at most ``local_batch_size``; iterating yields this rank's micro-batches of each step
         left in the epoch (``len``: steps per epoch). A resume goes on from the cursor, mid-epoch."""
         if self.sampler is not None:
-            raise ConfigError("Session.loader was called twice; a session deals one training set")
+            _usage("Session.loader was called twice; a session deals one training set")
         self.config = self.config.model_copy(update={
             "data": self.config.data.model_copy(update={"factory": describe_callable(data)})})
         self.sampler = ResumableSampler(len(data), self.config.train.global_batch_size, seed=self.config.train.seed)
@@ -205,7 +208,7 @@ class Session:
         if self._is_ready:
             return
         if self.model is None or self.sampler is None:
-            raise ConfigError("a Session needs its model (session.setup) and its data (session.loader) before "
+            _usage("a Session needs its model (session.setup) and its data (session.loader) before "
                               "training: call both first")
         self._is_ready = True
         self._resume()
@@ -240,7 +243,7 @@ class Session:
         divided by the step's sample count; DDP's average over the ranks is allowed for. Gradients synchronise
         on the step's last micro-batch only."""
         if reduction not in ("mean", "sum"):
-            raise ConfigError(f"Session.backward(reduction={reduction!r}): use 'mean' or 'sum'")
+            _usage(f"Session.backward(reduction={reduction!r}): use 'mean' or 'sum'")
         rows, _, items = self._micro
         weight = rows if reduction == "mean" else 1
         if rows == 0:  # an empty share (the step's samples do not divide over the ranks): no loss, every hook
@@ -256,7 +259,8 @@ class Session:
                             self.clock, self.ledger, self.sampler, self.state, self.job_store,
                             self.config.train.grad_clip_norm)
         verdict = commit.verdict(step, loss_sum)
-        commit.apply(step, verdict, self._batch.indices.tolist())
+        # The scheduler steps here, once a step, before anything is saved (the loop's own call does nothing).
+        commit.apply(step, verdict, self._batch.indices.tolist(), scheduler=self.scheduler)
         commit.advance(step, self._window)
         self.guard.count(verdict, self.state, step)
         return verdict
@@ -290,7 +294,7 @@ class Session:
         """What a checkpoint of this session holds (loaded in this order on resume)."""
         parts = {"run": RunInfo(self.config, self.optimizer, self.world_size),
                  "model": ModelState(self.strategy, self.model),
-                 "optimizer": OptimizerState(self.strategy, self.optimizer)}
+                 "optimizer": OptimizerState(self.strategy, self.optimizer, keep_hyperparameters=self._made_optimizer)}
         if self.sampler is not None:
             parts.update(sampler=self.sampler, micro_batch=self.batcher)
         parts.update(train_state=self.state, precision=self.precision)
@@ -443,7 +447,7 @@ class _SessionLoader:
                 with contextlib.nullcontext() if index == last else s.strategy.no_sync(s.model):
                     yield inputs, targets
             if not s._stepped:
-                raise ConfigError(f"step {step}: optimizer.step() was not called for the step's last micro-batch; "
+                _usage(f"step {step}: optimizer.step() was not called for the step's last micro-batch; "
                                   "call it once per micro-batch, after session.backward(loss)")
             if s.state.step >= s.total_steps or s.sampler.cursor == 0:
                 break  # the epoch (or the run) is over: the next epoch starts with a fresh iterator
@@ -465,7 +469,7 @@ class _SessionOptimizer:
         if not s._micro[1]:
             return
         if s._stepped:
-            raise ConfigError("optimizer.step() was called twice on a step's last micro-batch")
+            _usage("optimizer.step() was called twice on a step's last micro-batch")
         verdict = s._commit_step()
         s._stepped = True
         s._after_step(verdict, s._step_loss)
@@ -481,16 +485,14 @@ class _SessionOptimizer:
 
 
 class _SessionScheduler:
-    """The lr scheduler, stepped once a step (its ``step()`` on the other micro-batches does nothing)."""
+    """The lr scheduler, stepped by the session once a step as it commits the step (so a checkpoint made then
+    holds it stepped); the loop's own ``step()`` calls do nothing."""
 
     def __init__(self, session: Session, scheduler: Any):
         self.session, self.scheduler = session, scheduler
-        self._stepped_at = session.state.step
 
     def step(self, *args: Any) -> None:
-        if self.session.state.step > self._stepped_at:
-            self._stepped_at = self.session.state.step
-            self.scheduler.step(*args)
+        pass
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()
@@ -519,7 +521,7 @@ def _resolve(config: Any, env: DistEnv, run_dir: str | Path | None) -> Config:
     for section, keys in {"model": ("name", "factory"), "data": ("dataset", "factory"), "task": ("loss",)}.items():
         for key in keys:
             if key in raw.get(section, {}):
-                raise ConfigError(f"a Session trains the model and data you set up; remove {section}.{key} from the config")
+                _usage(f"a Session trains the model and data you set up; remove {section}.{key} from the config")
     return load_config_dict(raw, env.overrides, env.run_dir or (str(run_dir) if run_dir else None), source=source,
                             name=_script_name())
 
@@ -538,6 +540,11 @@ def _resume_plan(resume: bool | str | Path | None, env: DistEnv) -> ResumePlan:
     from ringtrain.api import _resume_plan as from_environment
 
     return from_environment(env)
+
+
+def _usage(message: str) -> None:
+    """A loop that uses the Session wrong: one line naming the fix, exit code 2 (as every usage error)."""
+    _exit_with(ConfigError(message), DistEnv.from_environ())
 
 
 def _exit_with(err: RingtrainError, env: DistEnv) -> None:

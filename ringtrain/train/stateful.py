@@ -46,11 +46,15 @@ class ModelState:
 
 class OptimizerState:
     """The optimizer's state (moments, momentum buffers, step counts) in full form. Loading keeps this run's
-    hyperparameters: a resume follows the config, ``--set train.lr=...`` included. ``strategy`` None: the
+    hyperparameters (``keep_hyperparameters``: an optimizer built from the config, whose lr schedule is
+    positioned at the step: a resume follows the config, ``--set train.lr=...`` included); an optimizer of the
+    user's gets its saved param groups back, lr included, as its own scheduler expects. ``strategy`` None: the
     optimizer as this process holds it."""
 
-    def __init__(self, strategy: ReplicatedStrategy | None, optimizer: torch.optim.Optimizer):
+    def __init__(self, strategy: ReplicatedStrategy | None, optimizer: torch.optim.Optimizer,
+                 keep_hyperparameters: bool = True):
         self.strategy, self.optimizer = strategy, optimizer
+        self.keep_hyperparameters = keep_hyperparameters
 
     def state_dict(self) -> dict[str, Any]:
         if self.strategy is None:
@@ -60,7 +64,10 @@ class OptimizerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.strategy is not None:
             state = self.strategy.shard_optimizer_state(self.optimizer, state)
-        load_optimizer_state(self.optimizer, state)
+        if self.keep_hyperparameters:
+            load_optimizer_state(self.optimizer, state)
+        else:
+            self.optimizer.load_state_dict(state)
 
 
 class ShardedTensors:
