@@ -49,7 +49,7 @@ def worker() -> None:
     import torch.distributed as dist
 
     from ringtrain.comm import hierarchical, ring
-    from ringtrain.comm.shm import broadcast_from_leader, local_all_reduce
+    from ringtrain.comm.shm_local import broadcast_from_leader, local_all_reduce
     from ringtrain.comm.shm_group import get_shm_group
 
     dist.init_process_group("gloo")

@@ -155,6 +155,7 @@ def _launch_options(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> int:
     # Imported here so `ringtrain --help` stays fast.
     from ringtrain.config import load_config, validate_for_backend, validate_for_world_sizes
+    from ringtrain.data import check_data
     from ringtrain.dist.group import resolve_backend
     from ringtrain.launch import Program
     from ringtrain.train.run import check_resume
@@ -172,6 +173,7 @@ def _train(args: argparse.Namespace) -> int:
         options.validate()
     # Every world size the job may run with (an elastic job shrinks and grows within the range).
     validate_for_world_sizes(config, *options.world_size_range())
+    check_data(config.data)  # the files the config names
     validate_for_backend(config, resolve_backend(config.dist.backend))
     check_resume(config, args.resume, args.resume_from)
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ringtrain.comm import ring
 from ringtrain.comm.scratch import scratch
 from ringtrain.comm.shards import tensor_shards
-from ringtrain.comm.shm import broadcast_from_leader, local_all_reduce
+from ringtrain.comm.shm_local import broadcast_from_leader, local_all_reduce
 from ringtrain.comm.shm_group import ShmGroup
 
 __all__ = ["all_reduce"]

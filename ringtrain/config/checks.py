@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ringtrain.errors import ConfigError
@@ -11,14 +10,28 @@ from ringtrain.errors import ConfigError
 if TYPE_CHECKING:
     from ringtrain.config.schema import Config, TrainConfig
 
-__all__ = ["check_workload", "grad_accum_steps_for", "validate_for_backend", "validate_for_world_size",
+__all__ = ["check_workload", "grad_accum_steps_for_window", "grad_accum_steps_for", "validate_for_backend", "validate_for_world_size",
            "validate_for_world_sizes"]
+
+
+def grad_accum_steps_for_window(window: int, world_size: int, micro_batch_size: int) -> int:
+    """Micro-batches every rank runs in a step of ``window`` samples dealt round robin over ``world_size``
+    ranks: as many as the largest share, ``ceil(window / world_size)``, needs in pieces of at most
+    ``micro_batch_size``; at least one. Every rank derives the same count without talking, which the
+    collectives of a step need (the gradient all-reduce on the last backward, zero3's gathers per forward).
+
+        >>> grad_accum_steps_for_window(96, 2, 32), grad_accum_steps_for_window(96, 3, 32)   # shares of 48, of 32
+        (2, 1)
+    """
+    if window < 0 or world_size <= 0 or micro_batch_size <= 0:
+        raise ValueError(f"need window >= 0 and positive world_size and micro_batch_size, got {window}, "
+                         f"{world_size}, {micro_batch_size}")
+    return max(1, math.ceil(math.ceil(window / world_size) / micro_batch_size))
 
 
 def grad_accum_steps_for(train: TrainConfig, world_size: int) -> int:
     """Micro-batches per optimizer step at this world size: ceil(global / (local * world_size)), what the
     largest share of a full window needs in micro-batches of at most local_batch_size samples."""
-    from ringtrain.data.sampler import grad_accum_steps_for_window  # here: the data package imports this module
 
     return grad_accum_steps_for_window(train.global_batch_size, world_size, train.local_batch_size)
 
@@ -92,11 +105,11 @@ _DATASETS_FOR_MODEL = {
     "resnet": ("digits_images", "imagefolder", "synthetic_images"),
     "transformer": ("text",),
 }
-_IMAGENET_LAYOUT = "a folder holding train/<class>/*.jpg and val/<class>/*.jpg"
 
 
 def check_workload(config: Config) -> None:
-    """Model, data and batching settings that only make sense together; files that must exist."""
+    """Model, data and batching settings that only make sense together (the files the data names are the data
+    package's to check: ``ringtrain.data.check_data``, called by the launcher and by ``build_datasets``)."""
     model, data, train = config.model, config.data, config.train
     if model.factory is None and data.factory is None:
         family = "resnet" if model.name.startswith("resnet") else model.name
@@ -111,30 +124,6 @@ def check_workload(config: Config) -> None:
                          "data (data.factory, or ringtrain.fit) whose targets are padded sequences; or unset it")
     if train.memory_budget_mb is not None and not train.auto_micro_batch:
         raise ValueError("train.memory_budget_mb needs train.auto_micro_batch = true (going over the budget shrinks the micro-batch)")
-    if data.dataset == "imagefolder":
-        if data.path is None:
-            raise ValueError(f"data.path is required for data.dataset = 'imagefolder'; set it to {_IMAGENET_LAYOUT}")
-        root = Path(data.path).expanduser()
-        if not root.is_dir():
-            raise ValueError(f"data.path '{data.path}' not found; set it to {_IMAGENET_LAYOUT}")
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                raise ValueError(f"data.path '{data.path}' has no {split}/ folder; it must be {_IMAGENET_LAYOUT}")
-    if data.dataset == "text":
-        from ringtrain.data.text import corpus_files, split_files  # here: the data package imports this module
-
-        files = corpus_files(data.path)
-        if not files:
-            raise ValueError(
-                f"data.path '{data.path}' matched no files; give a folder, a file or a glob such as "
-                "'corpus/**/*.txt' ('{stdlib}' is Python's standard library folder)"
-            )
-        train_files, val_files = split_files(files, data.test_fraction)
-        if not train_files or not val_files:
-            raise ValueError(
-                f"data.path '{data.path}' splits into {len(train_files)} training and {len(val_files)} "
-                "validation files; both need one at least (match more files or change data.test_fraction)"
-            )
 
 
 def validate_for_backend(config: Config, backend: str) -> None:

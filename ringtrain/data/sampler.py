@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ringtrain.config.checks import grad_accum_steps_for_window  # the count every rank derives (data -> config)
+
 __all__ = ["ResumableSampler", "eval_shard", "grad_accum_steps_for_window"]
 
 
@@ -120,19 +122,6 @@ class ResumableSampler:
         self.cursor = state["cursor"]
 
 
-def grad_accum_steps_for_window(window: int, world_size: int, micro_batch_size: int) -> int:
-    """Micro-batches every rank runs in a step of ``window`` samples dealt round robin over ``world_size``
-    ranks: as many as the largest share, ``ceil(window / world_size)``, needs in pieces of at most
-    ``micro_batch_size``; at least one. Every rank derives the same count without talking, which the
-    collectives of a step need (the gradient all-reduce on the last backward, zero3's gathers per forward).
-
-        >>> grad_accum_steps_for_window(96, 2, 32), grad_accum_steps_for_window(96, 3, 32)   # shares of 48, of 32
-        (2, 1)
-    """
-    if window < 0 or world_size <= 0 or micro_batch_size <= 0:
-        raise ValueError(f"need window >= 0 and positive world_size and micro_batch_size, got {window}, "
-                         f"{world_size}, {micro_batch_size}")
-    return max(1, math.ceil(math.ceil(window / world_size) / micro_batch_size))
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> list[int]:

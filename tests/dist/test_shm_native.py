@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import comm
-from ringtrain.comm import flight, shm, shm_native
+from ringtrain.comm import flight, shm, shm_local, shm_native
 from ringtrain.comm.shm_group import NATIVE_DIRECT_BYTES, NATIVE_IN_PLACE_BYTES, NATIVE_PIECE_BYTES, get_shm_group, near_mask
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
@@ -227,13 +227,13 @@ def test_ranks_sharing_one_core_sleep_until_woken_and_agree():
 def switched_off(rank: int, world_size: int) -> dict:
     os.environ[shm_native.ENV_SWITCH] = "0"
     calls = {"python": 0}
-    direct = shm._direct
+    direct = shm_local._direct
 
     def counted(*args, **kwargs):
         calls["python"] += 1
         return direct(*args, **kwargs)
 
-    shm._direct = counted
+    shm_local._direct = counted
     x = torch.full((1000,), float(rank + 1))
     comm.all_reduce(x, algorithm="shm")
     return {"native": get_shm_group(dist.group.WORLD).native is not None, "python_calls": calls["python"],
