@@ -11,50 +11,40 @@ any rank saw a non-finite loss (then all skip the update) or a stop signal (then
 a non-finite gradient is seen by every rank alike after synchronisation (``StepGuard.finish``).
 Collectives run under ``CollectiveWatch``, so a dead or stopped peer becomes one line naming the rank, the
 operation and the step. Every part of a step is booked in a ``StepClock`` phase for the breakdown.
+
+The trainer's other concerns are its own methods in files of their own: its process group and what healing
+moves to the next one (``loop_group.py``), its checkpoints (``loop_checkpoints.py``), its records and summary
+(``loop_records.py``). A step is committed by ``train/commit.py``, which ``ringtrain.Session`` shares.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import signal
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful
-from ringtrain.checkpoint.manager import checkpoint_step
 from ringtrain.checkpoint.sharded import PendingSave
 from ringtrain.config import Config
-from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch
 from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
-from ringtrain.dist.group import DistContext, host_placement
+from ringtrain.dist.group import DistContext
 from ringtrain.dist.jobstore import PreviousAttempt
-from ringtrain.dist.watch import CollectiveWatch, first_line, flight_dumper
-from ringtrain.errors import CheckpointError
-from ringtrain.monitor.loggers import Logger, build_logger
-from ringtrain.monitor.memory import memory_mb
-from ringtrain.monitor.metrics import StepClock, model_flops_utilization
-from ringtrain.monitor.rank_stats import RankStats, gather_rank_stats
-from ringtrain.parallel import build_strategy
+from ringtrain.monitor.loggers import Logger
+from ringtrain.monitor.metrics import StepClock
 from ringtrain.testing import faults
-from ringtrain.train.batch_size import MicroBatcher
-from ringtrain.train.commit import StepCommit
 from ringtrain.train.evaluate import evaluate
-from ringtrain.train.guards import StepGuard, Stopped, StopSignal, Verdict, check_every_parameter_has_a_gradient, check_replicas
+from ringtrain.train.guards import StopSignal, Verdict, check_every_parameter_has_a_gradient
 from ringtrain.train.healing_hooks import NoHealing
+from ringtrain.train.loop_checkpoints import CheckpointSeams
+from ringtrain.train.loop_group import GroupSeams
+from ringtrain.train.loop_records import RecordKeeping
 from ringtrain.train.parts import TrainParts
-from ringtrain.train.resume import ResumePlan, check_same_choice, resume_record
 from ringtrain.train.state import TrainState
-from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunInfo, ScheduleState, ShardedTensors
-from ringtrain.train.step import GradientStep
 
 __all__ = ["TrainParts", "Trainer"]  # TrainParts re-exported: builders import it from here
 
 
-class Trainer:
+class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
     def __init__(self, config: Config, ctx: DistContext, parts: TrainParts, logger: Logger,
                  healing: NoHealing | None = None):
         self.config = config
@@ -91,179 +81,9 @@ class Trainer:
         self._wall_s: float | None = None
         self._bind_group()
 
-    def _bind_group(self) -> None:
-        """What works through the process group and is made here, not by the builder (the group's rank and size)."""
-        ctx, parts, config = self.ctx, self.parts, self.config
-        self.model = parts.model
-        self.comm_timer = parts.strategy.comm_timer
-        self.batcher = parts.batcher
-        self.gradient = GradientStep(parts, self.clock, ctx.world_size, ctx.device)
-        dump = flight_dumper(config.run_dir, ctx.rank, ctx.world_size) if config.dist.flight_recorder else None
-        self.dump_flight = self.healing.wrap_dump(dump)
-        self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s,
-                                     interval_s=self.healing.beat_s, on_failure=self.dump_flight,
-                                     members=self.healing.members())
-        self.guard = StepGuard(ctx.rank, ctx.world_size, ctx.device,
-                               config.train.max_consecutive_nonfinite_steps, self.stop_signal)
-        self.commit = StepCommit(parts.strategy, parts.model, parts.optimizer, self.precision, self.guard, self.watch,
-                                 self.clock, parts.ledger, parts.sampler, self.state, parts.job_store,
-                                 config.train.grad_clip_norm, fence=self.healing.check_fence)
-
-    # --- the group this trainer works in (healing moves it from one group to the next) ------------------
-    def leave_group(self) -> None:
-        """Drop everything that hangs off the current process group (a DDP reducer's hooks would fire on the
-        next backward); the module, optimizer and the rest of the state stay."""
-        strategy = self.parts.strategy
-        if self.parts.model is not self.module:
-            try:
-                strategy.unwrap(self.parts.model, release=True)  # manual: its hooks and buckets go
-            except TypeError:
-                strategy.unwrap(self.parts.model)
-        for param in self.module.parameters():
-            param.grad = None
-        self.parts.model = self.model = self.module
-        self.gradient.model = self.module
-        self.module.train()  # a failure inside evaluation left it in eval mode
-
-    def regroup(self, ctx: DistContext) -> None:
-        """Rebuild what depends on the group, the rank or the world size for the group of ``ctx``: the strategy
-        around the same module, the step loader (the rest of the epoch dealt over the new group), the
-        micro-batch plan, guard and watch, and the writer's files when rank 0 changed hands. The module,
-        optimizer, sampler and counters are kept."""
-        config, parts = self.config, self.parts
-        host_rank, host_world_size = host_placement(ctx.env.bind_addr)
-        ctx = dataclasses.replace(ctx, host_rank=host_rank, host_world_size=host_world_size)
-        old_rank, self.ctx = self.ctx.rank, ctx
-        was_writer = old_rank == 0
-        parts.strategy = build_strategy(config.comm, ctx.device)
-        parts.model = parts.strategy.wrap(self.module)  # DDP broadcasts rank 0's state: the same everywhere already
-        parts.train_loader, parts.eval_loader = parts.loaders(ctx.rank, ctx.world_size)
-        batcher = MicroBatcher(config.train, parts.task, ctx.rank, ctx.world_size, ctx.device)
-        batcher.load_state_dict(parts.batcher.state_dict())
-        parts.batcher = batcher
-        parts.job_store.is_writer = ctx.rank == 0
-        if ctx.rank == 0 and not was_writer:  # rank 0 was lost: this worker takes over the run directory's files
-            logger = build_logger(config, 0, config.run_dir)
-            logger.start(self.total_steps, self.state.step, parts.sampler.steps_per_epoch)
-            self.logger = self.healing.wrap_logger(logger)
-            self.checkpoints = self._checkpoint_front()
-            parts.ledger = build_ledger(config.data.ledger, config.run_dir, parts.sampler.num_samples, 0)
-            parts.ledger.start(self.state.step)
-            print(f"ringtrain: rank {old_rank} is now rank 0 and writes the run directory", file=sys.stderr, flush=True)
-        self._bind_group()
-
-    def abandon_saves(self) -> None:
-        """The group failed: a background sharded save in flight must not commit any more."""
-        self._pending_save = None
-        self.checkpoints.abandon()
-
-    def close(self) -> None:
-        """End this trainer's files and threads; another one goes on instead."""
-        self.parts.ledger.close()
-        self.logger.close()
-        self.end_threads()
-
-    def end_threads(self) -> None:
-        """End the strategy's threads (zero3's communication thread): a finished worker joins every thread."""
-        close = getattr(self.parts.strategy, "close", None)
-        if close is not None:
-            close()
-
-    def carry_over(self, old: Trainer) -> None:
-        """Go on where ``old`` (built for a group that failed) left off: its start, its signals, its restarts."""
-        self.previous, self._started = old.previous, old._started
-        self.stop_signal = old.stop_signal  # installed by whoever drives the training
-        self._bind_group()
-
-    # --- what a transfer between members holds (ringtrain/heal/transfer.py) ----------------------------
-    @property
-    def position(self) -> tuple[int, int]:
-        """Where training stands, for comparing members: (step applied, evaluations of that step done)."""
-        return self.state.step, int(not self.eval_due) + int(self.final_eval_done)
-
-    def transfer_state(self) -> dict[str, Any]:
-        """What a member that is behind receives: the checkpoint's parts (the module and optimizer as this process
-        holds them, out of any group) and the evaluations' progress. Tensors and plain values only."""
-        parts = self.checkpoint_parts(local=True)
-        return {**{name: part.state_dict() for name, part in parts.items() if name != "comm"},
-                "progress": {"eval_due": self.eval_due, "final_eval_done": self.final_eval_done,
-                             "last_eval": dict(self.last_eval)}}
-
-    def load_transfer_state(self, state: dict[str, Any]) -> None:
-        for name, part in self.checkpoint_parts(local=True).items():
-            if name in state:
-                part.load_state_dict(state[name])
-        self.eval_due = bool(state["progress"]["eval_due"])
-        self.final_eval_done = bool(state["progress"]["final_eval_done"])
-        self.last_eval = dict(state["progress"]["last_eval"])
-
     @property
     def finished(self) -> bool:
         return self.state.step >= self.total_steps
-
-    # --- what a checkpoint holds: named once, for saves, loads and the heal's transfer ------------------
-    def checkpoint_parts(self, local: bool = False) -> dict[str, Stateful]:
-        """The stateful parts a checkpoint holds, in load order (the run's facts first: the optimizer's class is
-        checked before its state is loaded; the schedule after the step it is positioned at). No generator state:
-        randomness is derived from (seed, epoch, sample) and (seed, step, rank) (``data/seeding.py``).
-        ``local``: the model and optimizer as this process holds them, outside any group (a heal's transfer)."""
-        parts = self.parts
-        strategy = None if local else parts.strategy
-        self._run_info = RunInfo(self.config, parts.optimizer, self.ctx.world_size)
-        return {"run": self._run_info, "model": ModelState(strategy, self.model),
-                "optimizer": OptimizerState(strategy, parts.optimizer), "sampler": parts.sampler,
-                "train_state": self.state, "schedule": ScheduleState(parts.scheduler, self.state),
-                "precision": self.precision, "micro_batch": self.batcher,
-                "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn)}
-
-    def _tensors(self) -> ShardedTensors:
-        return ShardedTensors(self.parts.strategy, self.model, self.parts.optimizer)
-
-    def _checkpoint_front(self) -> CheckpointFront:
-        ckpt = self.config.checkpoint
-        return CheckpointFront(Path(self.config.run_dir) / ckpt.dir, self.ctx.rank, self.ctx.world_size, ckpt.keep_last,
-                               sharded=ckpt.sharded, background=ckpt.async_, fence=self.healing.check_fence,
-                               new_group=self.healing.new_group)
-
-    def resume(self, plan: ResumePlan) -> Path | None:
-        """Called once before training on every start: continue from the checkpoint the plan picks (the run's
-        newest that verifies, else --resume-from's; every rank picks the same), or return None to start fresh."""
-        self.previous = self.parts.job_store.begin_attempt()
-        found = self.checkpoints.newest(self._warn) if plan.resume else None
-        if found is None and plan.resume and plan.source is not None:
-            found = Found(plan.source, checkpoint_step(plan.source) or 0, sharded=False)
-        check_same_choice(-1 if found is None else found.step)
-        if found is None:
-            if plan.required:
-                raise CheckpointError(f"--resume: no valid checkpoint in {self.checkpoints.directory}; run without "
-                                      "--resume to start afresh")
-            if self.previous.last_step is not None:  # a restart before the first checkpoint: start over
-                self.notices.append(resume_record(None, 0, self.ctx.world_size, self.previous))
-            return None
-        self.load_checkpoint(found)
-        record = resume_record(found.path, self.state.step, self.ctx.world_size, self.previous)
-        record["lr"] = self.parts.scheduler.get_last_lr()[0]
-        self.notices.append(record)
-        return found.path
-
-    def load_checkpoint(self, found: Found) -> None:
-        """Load ``found`` into every part; a checkpoint that does not fit is one line (with the config fields
-        that changed since it was saved)."""
-        parts = self.checkpoint_parts()
-        try:
-            self.checkpoints.load(found, parts, self._tensors())
-        except (RuntimeError, ValueError, KeyError, CheckpointError) as err:
-            changed = self._run_info.changes
-            differs = f"; its config differs: {'; '.join(changed)}" if changed else ""
-            raise CheckpointError(f"checkpoint {found.path} does not fit this job ({first_line(str(err))}){differs}") from None
-        if self._run_info.changes:
-            lr = self.parts.scheduler.get_last_lr()[0]
-            self._warn(f"resuming {found.path.name} with a changed config: {'; '.join(self._run_info.changes)}; the "
-                       f"optimizer's hyperparameters and lr schedule follow it: lr {lr:.6g} at step {self.state.step}")
-
-    def _warn(self, message: str) -> None:
-        # Kept until fit() starts the loggers; rank 0's console shows them, metrics.jsonl records them.
-        self.notices.append({"type": "warning", "message": message})
 
     # --- the loop ------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -376,104 +196,12 @@ class Trainer:
             self.last_eval = self._evaluate()
         self.eval_due = False
 
-    def _maybe_log(self) -> None:
-        if self.state.step % self.config.monitor.log_every_steps and not self.finished:
-            return
-        # The interval ends here; the cost of this record is booked in the next one.
-        timing = self.clock.flush()
-        with self.clock.phase("monitor"):
-            memory = memory_mb(self.ctx.device)
-        loss_sum, items = self._step_loss
-        busy_s = timing.get("time/data_s", 0.0) + timing.get("time/forward_backward_s", 0.0)
-        # Every rank takes part in this collective; only rank 0's logger writes the record. It waits for
-        # the slowest rank like the gradient all-reduce would, so it is booked as exposed communication.
-        with self.clock.phase("comm_exposed"), self.watch.op("all_gather (metrics of every rank)", self.state.step):
-            ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"], self._state_mb)
-        with self.clock.phase("monitor"):
-            self._log_train_record(timing, memory, ranks, items)
-
-    def _log_train_record(self, timing: dict, memory: dict, ranks: RankStats, items: int) -> None:
-        self.last_loss = ranks.loss_sum / items
-        record = {
-            "type": "train",
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "loss": self.last_loss,
-            **self.parts.task.train_metrics(self.last_loss),
-            "lr": self.parts.scheduler.get_last_lr()[0],
-            **timing,
-            **self.comm_timer.flush(),
-            "comm_fraction": timing.get("time/comm_exposed_s", 0.0) / timing["step_time_s"],
-            **memory,
-            "memory/peak_rss_mb": ranks.peak_rss_mb,
-            "model_state_mb": ranks.model_state_mb,
-            "straggler/rank": ranks.slowest_rank,
-            "straggler/lag_s": ranks.lag_s,
-        }
-        record.update(self._utilization(record.get("tokens_per_s")))
-        self.logger.log(record)
-
     def _maybe_checkpoint(self) -> None:
         if self._pending_save is not None and self._pending_save.done():
             self._finish_save()
         if self.state.step % self.config.checkpoint.every_steps == 0 and not self.finished:
             with self.clock.phase("checkpoint"):
                 self._save_checkpoint()
-
-    def save_checkpoint(self) -> None:
-        """Checkpoint the step reached now (every rank calls it; the writer writes)."""
-        self._save_checkpoint()
-
-    def _save_checkpoint(self) -> None:
-        self.healing.check_fence()  # a worker cut off from the group writes nothing
-        self._finish_save()  # at most one background save in flight
-        self._pending_save = self.checkpoints.save(self.state.step, self.checkpoint_parts(), self._tensors(),
-                                                   config_sha256=self.config.digest())
-        if not self.config.checkpoint.async_:
-            self._finish_save()
-        self._saved_step = self.state.step
-
-    def _finish_save(self) -> None:
-        """Wait for the sharded save in flight (if any) and record it: one 'checkpoint' record per save."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is None:
-            return
-        report = pending.result(timeout=self.config.dist.timeout_s + 600)
-        self.logger.log({"type": "checkpoint", "step": report.step, "path": Path(report.path).name, "sharded": True,
-                         "async": self.config.checkpoint.async_, "blocked_s": report.blocked_s,
-                         "background_s": report.background_s, "bytes": report.bytes})
-
-    def _stop(self) -> None:
-        """A rank got SIGTERM or SIGINT: every rank checkpoints this step and exits; nothing is lost."""
-        if self._saved_step != self.state.step:
-            self._save_checkpoint()
-        self._finish_save()  # committed before we say so
-        # A peer's signal stopped us; our own agent usually sends us one too (it restarts every worker). Wait
-        # for it briefly, so the agent sees a worker it stopped, not one that failed on its own.
-        own = self.stop_signal.wait(timeout_s=5.0)
-        name = self.checkpoints.path_for(self.state.step).name
-        number = self.stop_signal.signal_number or signal.SIGTERM
-        who = "this worker" if own else "a peer"
-        raise Stopped(f"stopped at step {self.state.step} after saving {name} ({signal.Signals(number).name} to "
-                      f"{who}); training continues from there (--resume)", signal_number=number)
-
-    def _log_notices(self) -> None:
-        for record in self.notices:
-            if record["type"] != "resume":
-                self.logger.log(record)
-
-    def _log_restart_once(self) -> None:
-        """The resume record goes out after the first step, with the time it took to train again."""
-        resumed = [r for r in self.notices if r["type"] == "resume"]
-        if not resumed:
-            return
-        self.notices = [r for r in self.notices if r["type"] != "resume"]
-        record = resumed[0]
-        last = record.pop("last_step_time", None)
-        if last is not None:
-            record["restart_s"] = round(time.time() - last, 2)
-            self.parts.job_store.add_steps_lost(record["steps_lost"])
-        self.logger.log(record)
 
     def _evaluate(self) -> dict[str, Any]:
         if self.parts.eval_loader is None:
@@ -495,37 +223,3 @@ class Trainer:
         """This rank's unique storage of parameters, gradients, optimizer state and strategy buffers."""
         return self.parts.strategy.model_state_bytes(self.model, self.parts.optimizer) / 2**20
 
-    def _utilization(self, tokens_per_s: float | None) -> dict[str, float]:
-        """MFU of a language model, when the config names the device's peak."""
-        flops_per_token = getattr(self.module, "flops_per_token", None)
-        peak_tflops = self.config.monitor.peak_tflops
-        if tokens_per_s is None or flops_per_token is None or peak_tflops is None:
-            return {}
-        return {"mfu": model_flops_utilization(tokens_per_s, flops_per_token(), self.ctx.world_size, peak_tflops)}
-
-    def _summary(self, wall_s: float, samples: int) -> dict[str, Any]:
-        with self.watch.op("all_gather (parameter digests)", self.state.step):
-            digests = check_replicas(self.parts.strategy.full_named_parameters(self.model), self.state.step)
-            model_state_mb = gather_rank_stats(0.0, 0.0, 0.0, max(self._state_mb, self._model_state_mb())).model_state_mb
-        summary = {
-            "world_size": self.ctx.world_size,
-            "steps": self.state.step,
-            "epochs": round(self.state.samples_seen / self.parts.sampler.num_samples, 3),
-            "wall_s": round(wall_s, 3),
-            "samples_per_s": round(samples / wall_s, 1) if wall_s > 0 else 0.0,
-            "final_loss": None if math.isnan(self.last_loss) else self.last_loss,
-            "eval": {k: v for k, v in self.last_eval.items() if k != "count"},
-            "micro_batch_size": self.batcher.micro_batch_size,
-            "restarts": self.previous.starts - 1,
-            "heals": self.healing.count,
-            "steps_lost": self.parts.job_store.steps_lost(),
-            "skipped_steps": self.state.skipped_steps,
-            "param_sha256": digests,
-            "model_state_mb": model_state_mb,
-        }
-        if self.tokens_seen and wall_s > 0:
-            summary["tokens_per_s"] = round(self.tokens_seen / wall_s, 1)
-            summary.update(self._utilization(self.tokens_seen / wall_s))
-        if self.parts.data_stats:
-            summary["data"] = self.parts.data_stats
-        return summary
