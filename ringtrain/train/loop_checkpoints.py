@@ -35,6 +35,18 @@ class CheckpointSeams:
                 "precision": self.precision, "micro_batch": self.batcher,
                 "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn)}
 
+    def state_dict(self) -> dict:
+        """The full (unsharded) checkpoint of this step, as a full checkpoint file holds it (every rank calls it:
+        sharded strategies gather)."""
+        return {name: part.state_dict() for name, part in self.checkpoint_parts().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a full checkpoint's dict (``state_dict``'s form) into every part."""
+        parts = self.checkpoint_parts()
+        for name, part in parts.items():
+            if name in state:
+                part.load_state_dict(state[name])
+
     def _tensors(self) -> ShardedTensors:
         return ShardedTensors(self.parts.strategy, self.model, self.parts.optimizer)
 

@@ -1,64 +1,49 @@
 """Chaos test 8: a worker SIGKILLed inside ringtrain's own ring and shm all-reduce, mid-training.
 
-The victim dies at a precise point of the real algorithm: a profile hook (as a debugger's breakpoint)
-kills the process when the gradient all-reduce of step 3 reaches its all-gather half, after the
-reduce-scatter. The survivors then hold partially reduced gradients. They must fail with an error that
+The victim dies at a precise point of the real algorithm: a fault point (ringtrain/testing/faults.py) kills
+the process when the gradient all-reduce of step 3 reaches its all-gather half, after the reduce-scatter. The survivors then hold partially reduced gradients. They must fail with an error that
 names the dead rank, the operation and the step, and must not have applied those gradients: their
 parameters are still exactly those of step 2.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ringtrain.errors import RingtrainError
+from ringtrain.testing import faults
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
+from tests.faults import Fault, fault_plan
 from tests.trainers import build_test_trainer, params_of
 
 VICTIM = 1
 KILL_STEP = 3
 TIMEOUT_S = 5.0
-# Where each algorithm's all-gather half begins: the ring's step loop (its second half), or shm's gather of
-# a staged piece (gradients of 1 MB and more go through the staged reduce-scatter + all-gather).
-BREAKPOINTS = {"ring": ("ring.py", "run_step"), "shm": ("shm.py", "gather")}
 
 
-def kill_when_reached(trainer, algorithm: str) -> None:
-    """SIGKILL this process when step KILL_STEP's all-reduce enters its all-gather."""
-    filename, function = BREAKPOINTS[algorithm]
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        code = frame.f_code
-        if event != "call" or code.co_name != function or not code.co_filename.endswith(filename):
-            return
-        if trainer.state.step != KILL_STEP - 1:
-            return
-        calls += 1
-        # The ring runs 2(n-1) steps: the first n-1 reduce, the rest gather. shm's gather is its own call.
-        if algorithm == "shm" or calls > trainer.ctx.world_size - 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    sys.setprofile(profile)
+def kill_plan(folder: str, algorithm: str, world_size: int) -> str:
+    """SIGKILL the victim inside step KILL_STEP's gradient all-reduce (a fault plan, ringtrain/testing/faults.py):
+    the ring right after its reduce-scatter half (its first n-1 steps; the all-gather half follows), shm right
+    after its second arrival (its reduced shard published; the peers gather from it)."""
+    if algorithm == "ring":
+        fault = Fault("ring.step", member=VICTIM, step=KILL_STEP, hit=world_size - 1)
+    else:
+        fault = Fault("shm.arrive", member=VICTIM, step=KILL_STEP, hit=2)
+    return str(fault_plan(Path(folder), fault).path)
 
 
-def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir: str) -> dict:
-    # The breakpoint is a Python function of shm.py: its Python path (the native one is C++; a rank killed
-    # inside it is tests/dist/test_shm_native.py's).
-    os.environ["RINGTRAIN_SHM_NATIVE"] = "0"
+def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir: str, plan: str) -> dict:
+    # A fault waiting at shm.arrive puts the host on shm's Python path, whose barriers a point sits between (the
+    # native path is one C++ call; a rank killed inside it is tests/dist/test_shm_native.py's).
     overrides = [f"comm.algorithm={algorithm}", "model.hidden_sizes=[512, 512]", "train.max_steps=10",
                  f"train.global_batch_size={16 * world_size}", "train.local_batch_size=16",
                  f"dist.timeout_s={TIMEOUT_S}", "monitor.log_every_steps=1"]
-    trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", overrides, run_dir)
+    trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", overrides, run_dir, fault_plan=plan)
     trainer.resume(ResumePlan.fresh())
     committed = {}
     run_step = trainer.train_step
@@ -70,23 +55,22 @@ def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir:
         return verdict
 
     trainer.train_step = recorded_step
-    if rank == VICTIM:
-        kill_when_reached(trainer, algorithm)
     try:
         trainer.fit()
     except RingtrainError as err:
         # Measured from the end of the last committed step: the victim died within the next one.
         return {"error": str(err), "after_s": time.monotonic() - committed["at"], "committed_step": committed["step"],
                 "unchanged": all(np.array_equal(committed["params"][k], v) for k, v in params_of(trainer).items())}
-    finally:
-        threading.setprofile(None)
     return {"error": None}
 
 
 @pytest.mark.parametrize("algorithm,world_size", [("ring", 2), ("shm", 3)])
 def test_sigkill_inside_the_allreduce_names_the_rank_and_applies_no_partial_gradient(tmp_path, algorithm, world_size):
-    results = run_distributed(train_until_a_peer_dies, world_size, algorithm, str(tmp_path / "run"),
+    plan = kill_plan(str(tmp_path), algorithm, world_size)
+    results = run_distributed(train_until_a_peer_dies, world_size, algorithm, str(tmp_path / "run"), plan,
                               lost_ranks={VICTIM}, timeout_s=120, collective_timeout_s=TIMEOUT_S)
+    assert [(f["point"], f["member"], f["step"]) for f in faults.fired(plan)] == [(
+        "ring.step" if algorithm == "ring" else "shm.arrive", VICTIM, KILL_STEP)]
     for rank, result in enumerate(results):
         if rank == VICTIM:
             continue
