@@ -16,7 +16,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 PUBLIC = {
-    "__version__", "fit",
+    "__version__", "fit", "FitResult",
     "DistEnv", "DistConfig", "init_distributed",
     "ResumableSampler", "StepBatch", "build_train_loader", "Ledger", "check_ledger",
     "DDPStrategy", "ManualStrategy",
