@@ -106,6 +106,10 @@ def fit(
     words = RUN_WORDS if env.launched_by_ringtrain else FIT_WORDS
     resolved: Config | None = None
     try:
+        if call > 1 and env.heal_min_workers is not None:
+            # A --heal job ends when its members mark it done; a second fit() would be cut off by its launcher.
+            raise ConfigError("a `ringtrain run --heal` script calls fit() once (this is call 2); run the second "
+                              "training as a job of its own, or drop --heal")
         resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction, run_dir, call)
         parts = UserParts.checked(model, train_data, eval_data, loss, loss_reduction, count_items, metrics,
                                   optimizer, collate_fn, lr_scheduler)

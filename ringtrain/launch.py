@@ -363,7 +363,8 @@ def _describe_failure(err: ChildFailedError) -> RingtrainError:
     if killed:
         rank, failure = killed[0]
     else:
-        rank = _first_reported(reports, ("usage", "cause")) or _first_reported(reports, ("consequence",))
+        rank = _first_reported(reports, ("usage", "cause"))
+        rank = _first_reported(reports, ("consequence",)) if rank is None else rank
         rank, failure = (rank, failures[rank]) if rank is not None else err.get_first_failure()
     report = reports.get(rank) if not killed else None
     if report is not None and report["kind"] == "usage" and all(

@@ -168,8 +168,10 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
 def _finished(trainer, plan: ResumePlan) -> dict[str, Any] | None:
     """A resumed run whose newest checkpoint is its last step and whose summary.json is written is done: its
     summary (every rank), one line from rank 0, and nothing written (no evaluation, summary or record)."""
+    if not plan.resume:  # the same plan on every rank (one launch, one environment): no collective for it
+        return None
     path = Path(trainer.config.run_dir) / "summary.json"
-    done = plan.resume and trainer.finished and path.is_file()
+    done = trainer.finished and path.is_file()
     if dist.is_initialized() and dist.get_world_size() > 1:
         done = all(all_gather_json(bool(done)))  # every rank trains, or none does
     if not done:
