@@ -4,8 +4,9 @@ Train your own model and data with every ringtrain guarantee (exactly-once data,
 accumulation, verified checkpoints and resume, elastic restarts)::
 
     import ringtrain
-    summary = ringtrain.fit(model=build_model, train_data=train_ds, eval_data=val_ds, loss="cross_entropy",
-                            config={"train": {"epochs": 3, "global_batch_size": 64, "local_batch_size": 32}})
+    result = ringtrain.fit(model=build_model, train_data=train_ds, eval_data=val_ds, loss="cross_entropy",
+                           config={"train": {"epochs": 3, "global_batch_size": 64, "local_batch_size": 32}})
+    result["eval"], result.model        # the summary (summary.json's dict) and the trained module
 
 and launch the script with ``ringtrain run script.py --nproc 2``.
 
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "fit": "ringtrain.api",
     "Session": "ringtrain.train.session",
+    "FitResult": "ringtrain.api",
     "DistEnv": "ringtrain.dist.env",
     "DistConfig": "ringtrain.config",
     "init_distributed": "ringtrain.dist.group",
@@ -67,8 +69,8 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
-    from ringtrain.api import fit
     from ringtrain.train.session import Session
+    from ringtrain.api import FitResult, fit
     from ringtrain.checkpoint.manager import CheckpointManager
     from ringtrain.checkpoint.sharded import ShardedCheckpointer
     from ringtrain.config import DistConfig

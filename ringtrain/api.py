@@ -2,22 +2,26 @@
 
     import ringtrain
 
-    summary = ringtrain.fit(
+    result = ringtrain.fit(
         model=build_model,                 # zero-argument callable -> nn.Module (or a module)
         train_data=train_ds,               # map-style Dataset of (input, target)
         eval_data=val_ds,
         loss="cross_entropy",
         config={"train": {"epochs": 3, "global_batch_size": 64, "local_batch_size": 32, "lr": 1e-3}},
     )
+    result["eval"], result.model          # the summary (a dict), and the trained module
 
 Run it with ``ringtrain run script.py --nproc 2`` (torch's elastic launcher, as ``ringtrain train``),
-``torchrun --nproc-per-node 2 script.py``, or ``python script.py`` (one worker). Every rank gets the summary;
+``torchrun --nproc-per-node 2 script.py``, or ``python script.py`` (one worker). Every rank gets the result;
 the run directory is the one ``ringtrain train`` writes (config.toml, metrics.jsonl, summary.json,
-checkpoints/, ledger), plus program.json: the script, its arguments and folder.
+checkpoints/, ledger), plus program.json: the script, its arguments and folder. A script may call fit() more
+than once (pretrain, then fine-tune): each call meets on the same store under its own prefix, keeps its own
+records in the job store and writes its own run directory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -34,14 +38,17 @@ from ringtrain.dist.env import DistEnv
 from ringtrain.dist.group import init_distributed
 from ringtrain.dist.lifetime import exit_with_parent
 from ringtrain.errors import ConfigError, RingtrainError
-from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan
-from ringtrain.train.run import check_run_dir, run_joined_training, run_training
+from ringtrain.train.run import (FIT_WORDS, RUN_WORDS, FitResult, ResumeWords, check_resume, run_joined_training,
+                                 run_training)
 from ringtrain.train.user_parts import UserParts, describe_callable
 
-__all__ = ["fit"]
+__all__ = ["fit", "FitResult"]
 
 PROGRAM_FILE = "program.json"
+
+_run_dirs: list[str] = []
+"""The run directory of each fit() call this process made, in order (a later call never reuses one)."""
 
 
 def fit(
@@ -55,46 +62,72 @@ def fit(
     optimizer: Callable[[nn.Module], Any] | None = None,
     collate_fn: Callable | None = None,
     config: Mapping[str, Any] | str | Path | Config | None = None,
-) -> dict[str, Any]:
-    """Train ``model`` on ``train_data`` with every ringtrain guarantee; return the run's summary (every rank).
+    lr_scheduler: Callable[[Any], Any] | None = None,
+    run_dir: str | Path | None = None,
+    resume: bool | str | Path = False,
+) -> FitResult:
+    """Train ``model`` on ``train_data`` with every ringtrain guarantee; return the run's summary with the
+    trained model (``FitResult``: the summary dict, and ``.model``), on every rank.
 
     - ``model``: a zero-argument callable returning an ``nn.Module``, called after seeding with
       ``train.seed`` (every rank builds the same weights, as for the built-in models); or a module (then
-      rank 0's weights are broadcast).
+      rank 0's weights are broadcast, and the module is trained in place).
     - ``train_data`` / ``eval_data``: map-style Datasets whose items are ``(input, target)``; ``input`` a
       tensor, a tuple (``model(*input)``) or a dict of tensors (``model(**input)``). Targets are aligned with
       the outputs (ringtrain never shifts them). Evaluation counts every sample once.
     - ``loss``: ``"cross_entropy"``, ``"mse"`` or ``loss(outputs, targets) -> scalar``; outputs may be a
       tensor or have ``.logits``. ``loss_reduction="mean"``: the loss averages over the micro-batch's samples;
       ``"sum"``: it sums over items, and ``count_items(targets)`` (default: targets not -100) counts them.
-    - ``metrics``: ``{name: torchmetrics.Metric}`` computed on ``eval_data``; ``optimizer``:
-      ``optimizer(model) -> torch.optim.Optimizer`` (default: ``[train] optimizer``); ``collate_fn`` as
-      DataLoader's.
+    - ``metrics``: ``{name: torchmetrics.Metric}`` computed on ``eval_data``, each given the logits and the
+      targets, or ``{name: (metric, inputs)}`` with ``inputs(outputs, targets) -> (predictions, targets)``.
+    - ``optimizer``: ``optimizer(model) -> torch.optim.Optimizer`` (default: ``[train] optimizer``);
+      ``lr_scheduler``: ``lr_scheduler(optimizer) -> LRScheduler``, stepped once per optimizer step (default:
+      ringtrain's linear warm-up over ``train.warmup_steps``, then ``train.lr_schedule``: cosine decay to 0 at
+      the last step, or constant, of the optimizer's own lr); ``collate_fn`` as DataLoader's.
     - ``config``: a dict of sections (``{"train": {...}}``), a TOML path or a ``Config``; under ``ringtrain
       run``, its ``--set`` and ``--run-dir`` override it.
+    - ``run_dir``: where the run writes (default: the config's, else ``runs/<script name>``); the variable
+      ``RINGTRAIN_RUN_DIR`` (``ringtrain run --run-dir``) overrides it.
+    - ``resume``: ``True`` continues the run directory's newest valid checkpoint (``--resume``), a checkpoint
+      path starts this run from it (``--resume-from``); the variable ``RINGTRAIN_RESUME`` (``resume`` or
+      ``from:PATH``) asks the same. A run that finished already is left as it is: its summary is returned.
 
     A bad input (config, part, checkpoint) ends the process with one line, ``ringtrain: error: ...``, and
-    exit code 2 (``SystemExit``), as ``ringtrain train`` does.
+    exit code 2 (``SystemExit``), as ``ringtrain train`` does; an exception of the user's own code ends it
+    with one line too, its traceback kept in ``RUN_DIR/logs/rank-R.traceback`` (a lone ``python script.py``
+    also shows it).
     """
     env = DistEnv.from_environ()
     exit_with_parent()  # under a launcher: a worker never outlives its agent
+    _run_dirs.append("")  # this call's place; its run directory once resolved
+    call = len(_run_dirs)
+    if call > 1:  # the job store keeps each call's progress apart: fit() again is not a restart of the first
+        env = dataclasses.replace(env, run_id=f"{env.run_id or 'job'}/fit-{call}")
+    words = RUN_WORDS if env.launched_by_ringtrain else FIT_WORDS
+    resolved: Config | None = None
     try:
-        resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction)
+        if call > 1 and env.heal_min_workers is not None:
+            # A --heal job ends when its members mark it done; a second fit() would be cut off by its launcher.
+            raise ConfigError("a `ringtrain run --heal` script calls fit() once (this is call 2); run the second "
+                              "training as a job of its own, or drop --heal")
+        resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction, run_dir, call)
         parts = UserParts.checked(model, train_data, eval_data, loss, loss_reduction, count_items, metrics,
-                                  optimizer, collate_fn)
+                                  optimizer, collate_fn, lr_scheduler)
         if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
-            return run_joined_training(resolved, env, user=parts)
+            return FitResult(run_joined_training(resolved, env, user=parts))
         validate_for_world_size(resolved, env.world_size)
-        plan = _resume_plan(env)
-        if not plan.resume:
-            check_run_dir(resolved, resume=False)
+        plan = _resume_plan(env, resume, resolved, words)
         with init_distributed(env, resolved.dist) as ctx:
-            if ctx.rank == 0:
-                _record_program(resolved)
-            return run_training(resolved, ctx, plan, user=parts)
+            on_start = (lambda: _record_program(resolved)) if ctx.rank == 0 else None
+            return run_training(resolved, ctx, plan, user=parts, on_start=on_start, keep_model=True)
     except RingtrainError as err:
         _exit_with(err, env)
         raise  # unreachable: _exit_with exits
+    except Exception as err:  # the user's own code (or a bug): one line, the traceback in the run directory
+        from ringtrain.worker import report_exception
+
+        report_exception(err, env, resolved.run_dir if resolved is not None else None)
+        raise  # unreachable under a launcher: report_exception exits (a lone process re-raises there)
 
 
 def config_sections(config: Mapping[str, Any] | str | Path | Config | None, caller: str = "fit()") -> tuple[dict, str]:
@@ -116,7 +149,7 @@ def config_sections(config: Mapping[str, Any] | str | Path | Config | None, call
     return raw, str(config) if isinstance(config, (str, Path)) else f"the config passed to {caller}"
 
 
-def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reduction) -> Config:
+def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reduction, run_dir, call: int) -> Config:
     raw, source = config_sections(config)
     given = {"model": ("name", "factory"), "data": ("dataset", "factory")}
     for section, keys in given.items():
@@ -130,7 +163,26 @@ def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reductio
     raw.setdefault("data", {})["factory"] = describe_callable(train_data)
     raw["task"] = {"loss": loss if isinstance(loss, str) else describe_callable(loss),
                    "loss_reduction": loss_reduction if loss_reduction in ("mean", "sum") else "mean"}
-    return load_config_dict(raw, env.overrides, env.run_dir, source=source, name=_script_name())
+    if run_dir is not None:
+        raw["run_dir"] = str(run_dir)
+    resolved = load_config_dict(raw, env.overrides, env.run_dir, source=source, name=_script_name())
+    return _own_run_dir(resolved, call, env.rank)
+
+
+def _own_run_dir(config: Config, call: int, rank: int) -> Config:
+    """A second fit() call whose run directory an earlier call of this process wrote (the default, or
+    ``ringtrain run --run-dir``) writes RUN_DIR-2 instead (-3 for a third ...): each call is a run of its own,
+    so pretraining and fine-tuning keep their files, and a restarted script finds each where it left it."""
+    earlier = _run_dirs[: call - 1]
+    run_dir = config.run_dir
+    if str(Path(run_dir).resolve()) in earlier:
+        run_dir = f"{config.run_dir}-{call}"
+        if rank == 0:
+            print(f"ringtrain: fit() call {call} writes {run_dir} ({config.run_dir} is an earlier call's); name each "
+                  "call's run directory with fit(run_dir=...) to choose", file=sys.stderr, flush=True)
+        config = config.model_copy(update={"run_dir": run_dir})
+    _run_dirs[call - 1] = str(Path(run_dir).resolve())
+    return config
 
 
 def _script_name() -> str:
@@ -139,15 +191,29 @@ def _script_name() -> str:
     return Path(path).stem if path else "fit"
 
 
-def _resume_plan(env: DistEnv) -> ResumePlan:
-    """As ``ringtrain.worker``: --resume / --resume-from from ``ringtrain run``; a restarted worker, or one the
-    launcher checked the run directory for, continues from the newest checkpoint."""
-    if env.resume and env.resume.startswith("from:"):
-        return ResumePlan(resume=True, source=Path(env.resume.removeprefix("from:")))
-    if env.resume == "resume":
-        return ResumePlan(resume=True, required=True)
+def _resume_plan(env: DistEnv, resume: bool | str | Path, config: Config, words: ResumeWords) -> ResumePlan:
+    """``ringtrain run``'s --resume / --resume-from (RINGTRAIN_RESUME, which a user may set under python or
+    torchrun too), else fit's ``resume``; a restarted worker, or one the launcher checked the run directory
+    for, continues from the newest checkpoint; else a fresh run, refused over a run directory with
+    checkpoints. What the user asked for is checked here, on every rank, before the group forms."""
+    if not isinstance(resume, (bool, str, Path)):
+        raise ConfigError(f"resume must be True (continue the run directory) or a checkpoint path, not "
+                          f"{type(resume).__name__}")
+    if env.resume and env.resume not in ("resume", "checked") and not env.resume.startswith("from:"):
+        raise ConfigError(f"RINGTRAIN_RESUME={env.resume!r}: use 'resume' (continue the run directory) or "
+                          "'from:PATH' (start from a checkpoint)")
+    source = env.resume.removeprefix("from:") if env.resume and env.resume.startswith("from:") else None
+    required = env.resume == "resume"
+    if source is None and not required:
+        source = str(resume) if isinstance(resume, (str, Path)) and str(resume) else None
+        required = resume is True
+    if source is not None or required:
+        if not env.is_restart:
+            check_resume(config, required, source, words, verify=False)
+        return ResumePlan(resume=True, source=Path(source) if source else None, required=source is None)
     if env.is_restart or env.resume == "checked":
         return ResumePlan(resume=True)
+    check_resume(config, False, None, words)  # a fresh run over checkpoints would lose them
     return ResumePlan.fresh()
 
 

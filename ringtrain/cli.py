@@ -192,10 +192,12 @@ def _train(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """`ringtrain run SCRIPT`: the script's ringtrain.fit() builds and checks its config on every worker; the
-    launcher checks what it can know first: the flags, the overrides' syntax, the run directory if named."""
+    launcher checks what it can know first: the flags, each override's key and value (against the schema), the
+    run directory if named. What only the workers see (the script's config, its parts) they report, and the
+    launcher prints it once (launch.py)."""
     import json
 
-    from ringtrain.config import parse_override
+    from ringtrain.config import check_overrides
     from ringtrain.dist.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
     from ringtrain.errors import ConfigError
     from ringtrain.launch import Program
@@ -204,8 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script {args.script!r} not found; pass the Python file that calls ringtrain.fit()")
-    for override in args.overrides:
-        parse_override(override)
+    check_overrides(args.overrides)
     if args.resume and args.resume_from:
         raise ConfigError("pass --resume (continue this run) or --resume-from PATH (start a new run from PATH), not both")
     if options.per_worker_agents and not args.run_dir:
@@ -227,9 +228,9 @@ def _run(args: argparse.Namespace) -> int:
 def _check_script_run_dir(run_dir: str, resume: bool, resume_from: str | None) -> None:
     """--run-dir named: the same checks as `ringtrain train` makes, before any worker starts."""
     from ringtrain.config import Config
-    from ringtrain.train.run import check_resume
+    from ringtrain.train.run import RUN_WORDS, check_resume
 
-    check_resume(Config(run_dir=run_dir), resume, resume_from)
+    check_resume(Config(run_dir=run_dir), resume, resume_from, RUN_WORDS)
 
 
 def _launch(options, program, run_dir: str) -> None:

@@ -16,6 +16,7 @@ worker instead (``elastic.py``); each of them is a ``launch`` with ``join=True``
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
 from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
+from ringtrain.dist.failure import failure_report
 from ringtrain.dist.jobstore import JobStore
 from ringtrain.dist.watch import host_answers
 from ringtrain.errors import LaunchError, RingtrainError
@@ -46,6 +48,8 @@ worker the others re-form within about 10 s. ``--rdzv-conf`` overrides any of th
 _RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
               "keep_alive_max_attempt", "read_timeout")
 """read_timeout: also how long a node waits for the rendezvous endpoint to answer (dist/addresses.py: 45 s)."""
+_WORKER_LOG = "torch.distributed.elastic.multiprocessing.api"
+"""The agent's logger of worker processes: 'Sending process N closing signal SIGTERM', 'failed (exitcode: 2)'."""
 
 
 class WorkerFailed(RingtrainError):
@@ -215,10 +219,15 @@ def launch(options: LaunchOptions, program: Program) -> None:
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
     )
     previous = signal.signal(signal.SIGUSR1, _dump_request_handler(host, port, config.run_id))
+    # The agent logs each worker it stops and each failed exit code (E/W lines); the launcher's own line below
+    # says which worker failed and why, once.
+    worker_log = logging.getLogger(_WORKER_LOG)
+    worker_log_level = worker_log.level
+    worker_log.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, sys.executable)("-u", *program.args)
     except ChildFailedError as err:
-        raise WorkerFailed(_describe_failure(err)) from None
+        raise _describe_failure(err) from None
     except SignalException as err:
         raise JobStopped(err.sigval) from None
     except RendezvousConnectionError:
@@ -229,6 +238,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
         raise LaunchError(f"rendezvous at {host}:{port} failed: {err}") from None
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        worker_log.setLevel(worker_log_level)
         # The rendezvous store lives exactly as long as this node's agent.
         del store
 
@@ -341,22 +351,45 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _describe_failure(err: ChildFailedError) -> str:
-    """One line naming the worker that failed first: a worker killed from outside (not by the agent's
-    SIGTERM) is the cause; otherwise the earliest error report."""
-    killed = [(rank, f) for rank, f in err.failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"]
-    rank, failure = killed[0] if killed else err.get_first_failure()
-    if failure.exitcode < 0:
-        how = f"was killed by {failure.signal_name()}"
+def _describe_failure(err: ChildFailedError) -> RingtrainError:
+    """One line naming why the job failed. A worker killed from outside (not by the agent's SIGTERM) is the
+    cause; otherwise the earliest worker whose own error started it (its error file says so: dist/failure.py),
+    named with its exception and where its traceback is; otherwise the earliest report. When the cause is a
+    usage error (a config or part that does not fit) and no worker failed in any other way, the line is the
+    worker's own message and the exit code 2, as for a mistake the launcher finds itself."""
+    failures = err.failures
+    killed = [(rank, f) for rank, f in failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"]
+    reports = {rank: failure_report(f.message) for rank, f in failures.items()}
+    if killed:
+        rank, failure = killed[0]
     else:
-        how = f"exited with code {failure.exitcode}"
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
-    lines = (message or "").strip().splitlines()
-    detail = lines[0] if lines and not lines[0].startswith(("To enable traceback", "Signal ")) else ""
-    others = len(err.failures) - 1
+        rank = _first_reported(reports, ("usage", "cause"))
+        rank = _first_reported(reports, ("consequence",)) if rank is None else rank
+        rank, failure = (rank, failures[rank]) if rank is not None else err.get_first_failure()
+    report = reports.get(rank) if not killed else None
+    if report is not None and report["kind"] == "usage" and all(
+            (r is not None and r["kind"] != "cause") or (failures[k].exitcode < 0 and failures[k].signal_name() == "SIGTERM")
+            for k, r in reports.items()):
+        return LaunchError(report["line"])
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    if report is not None:
+        detail = report["line"].split("] ", 1)[-1]
+        if report.get("traceback"):
+            detail += f" (traceback: {report['traceback']})"
+    else:
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        lines = (message or "").strip().splitlines()
+        detail = lines[0] if lines and not lines[0].startswith(("To enable traceback", "Signal ")) else ""
+    others = len(failures) - 1
     text = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
     if detail:
         text += f": {detail}"
     if others:
         text += f" ({others} other worker{'s' * (others > 1)} stopped too)"
-    return text
+    return WorkerFailed(text)
+
+
+def _first_reported(reports: dict[int, dict | None], kinds: tuple[str, ...]) -> int | None:
+    """The rank whose report of one of ``kinds`` is the earliest, or None."""
+    found = [(r["time"], rank) for rank, r in reports.items() if r is not None and r["kind"] in kinds]
+    return min(found)[1] if found else None

@@ -10,19 +10,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from ringtrain.config import load_config, validate_for_world_size
 from ringtrain.dist.env import DistEnv
+from ringtrain.dist.failure import record_failure, write_traceback
 from ringtrain.dist.group import init_distributed
 from ringtrain.dist.lifetime import exit_quickly, exit_with_parent
+from ringtrain.dist.watch import CollectiveFailed
 from ringtrain.errors import RingtrainError
+from ringtrain.heal.membership import Fenced, MemberFailed
 from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.run import check_run_dir, run_joined_training, run_training
 
-__all__ = ["main", "build_worker_parser", "resume_plan", "report_error"]
+__all__ = ["main", "build_worker_parser", "resume_plan", "report_error", "report_exception"]
 
 
 def build_worker_parser() -> argparse.ArgumentParser:
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     env = DistEnv.from_environ()
     # A worker never outlives its agent: an orphan would keep training against a group that moved on.
     exit_with_parent()
+    config = None
     try:
         config = load_config(args.config, args.overrides, run_dir=args.run_dir)
         if env.heal_join:  # `ringtrain join` of a --heal job: the running workers admit this one
@@ -68,16 +73,46 @@ def main(argv: list[str] | None = None) -> None:
     except RingtrainError as err:
         report_error(err, env)
         sys.exit(err.exit_code)
+    except Exception as err:  # a factory's own code (or a bug): its traceback in the run directory
+        report_exception(err, env, config.run_dir if config is not None else None)
+
+
+_CONSEQUENCES = (CollectiveFailed, Stopped, Fenced, MemberFailed)
+"""Errors a rank gets because another rank failed (or the job was stopped): never the cause to report."""
 
 
 def report_error(err: RingtrainError, env: DistEnv) -> None:
-    """One line on stderr, and the agent's error file. The launcher reports the first failed rank with this
-    message; the line here comes at once, while the agent may still be stopping the other workers."""
-    ErrorHandler().record_exception(err)
-    if not isinstance(err, Stopped):
-        print(f"ringtrain: error: [rank {env.rank}] {err}", file=sys.stderr, flush=True)
-    elif env.rank == 0:
-        print(f"ringtrain: [rank 0] {err}", file=sys.stderr, flush=True)
+    """One line on stderr, and the agent's error file, where the launcher finds why each worker failed.
+
+    A usage error (exit code 2) under ringtrain's launcher is left to the launcher, which prints it once for
+    all workers; any other line comes at once, while the agent may still be stopping the other workers."""
+    kind = "usage" if err.exit_code == 2 else "consequence" if isinstance(err, _CONSEQUENCES) else "cause"
+    line = f"[rank {env.rank}] {err}"
+    record_failure(env.error_file, kind, line, err)
+    if isinstance(err, Stopped):
+        if env.rank == 0:
+            print(f"ringtrain: [rank 0] {err}", file=sys.stderr, flush=True)
+    elif not (kind == "usage" and env.launched_by_ringtrain):
+        print(f"ringtrain: error: {line}", file=sys.stderr, flush=True)
+
+
+def report_exception(err: Exception, env: DistEnv, run_dir: str | None) -> NoReturn:
+    """An exception of the user's code (or a bug) ended this worker: its traceback goes to
+    RUN_DIR/logs/rank-R.traceback, the console gets one line naming the exception and the file (the
+    launcher's last line names them too), and the worker exits 1. A lone process (python train.py) shows
+    the traceback as Python does, and keeps the file as well."""
+    path = write_traceback(run_dir, env.rank, err)
+    line = f"[rank {env.rank}] {type(err).__name__}: {_first_line(err)}"
+    record_failure(env.error_file, "cause", line, err, traceback=path)
+    if not env.is_distributed or path is None:
+        raise err
+    print(f"ringtrain: error: {line} (traceback: {path})", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from ringtrain.config.checks import (
     validate_for_world_size,
     validate_for_world_sizes,
 )
-from ringtrain.config.loading import load_config, load_config_dict, parse_override
+from ringtrain.config.loading import check_overrides, load_config, load_config_dict, parse_override
 from ringtrain.config.schema import (
     CheckpointConfig,
     CommConfig,
@@ -49,6 +49,7 @@ __all__ = [
     "load_config",
     "load_config_dict",
     "parse_override",
+    "check_overrides",
     "validate_for_backend",
     "validate_for_world_size",
     "validate_for_world_sizes",

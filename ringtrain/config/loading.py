@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from ringtrain.config.schema import Config
 from ringtrain.errors import ConfigError
 
-__all__ = ["load_config", "load_config_dict", "parse_override"]
+__all__ = ["load_config", "load_config_dict", "parse_override", "check_overrides"]
 
 
 def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None) -> Config:
@@ -44,7 +44,25 @@ def load_config_dict(raw: dict[str, Any], overrides: Sequence[str] = (), run_dir
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_describe(err, source, origins)) from None
+        raise ConfigError(_describe(err.errors(), source, origins)) from None
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """What ``ringtrain run`` can check of ``--set`` overrides before any worker starts, without the script's
+    config: each names a field and gives it a value of the field's type and range. Rules across fields wait
+    for the script's config (every worker checks the whole config)."""
+    raw: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
+    for override in overrides:
+        keys, value = parse_override(override)
+        _set_nested(raw, keys, value)
+        origins[keys] = f"--set {override}"
+    try:
+        Config.model_validate(raw)
+    except ValidationError as err:
+        own = [e for e in err.errors() if any(_loc(e)[: len(keys)] == keys for keys in origins)]
+        if own:
+            raise ConfigError(_describe(own, "the overrides", origins)) from None
 
 
 def parse_override(override: str) -> tuple[tuple[str, ...], Any]:
@@ -80,10 +98,14 @@ def _set_nested(raw: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _describe(err: ValidationError, source: str, origins: dict[tuple[str, ...], str]) -> str:
+def _loc(error: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(str(part) for part in error["loc"] if not isinstance(part, int))
+
+
+def _describe(errors: list[dict[str, Any]], source: str, origins: dict[tuple[str, ...], str]) -> str:
     """One line for the first problem (and a count of the others)."""
-    first = err.errors()[0]
-    loc = tuple(str(part) for part in first["loc"] if not isinstance(part, int))
+    first = errors[0]
+    loc = _loc(first)
     where = next((origins[k] for k in origins if loc[: len(k)] == k), source)
     dotted = ".".join(loc)
     if first["type"] == "extra_forbidden":
@@ -94,7 +116,7 @@ def _describe(err: ValidationError, source: str, origins: dict[tuple[str, ...], 
         shown = first["input"]
         value = "" if isinstance(shown, dict) else f" = {_toml_repr(shown)}"
         message = f"{dotted}{value} in {where}: {_plain(first['msg'])}"
-    more = len(err.errors()) - 1
+    more = len(errors) - 1
     return message + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
 

@@ -30,6 +30,8 @@ __all__ = [
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 BUILTIN_LOSSES = ("cross_entropy", "mse", "model")
 """Losses by name ('model': the model's own outputs.loss); any other is 'package.module:function'."""
+BUILTIN_OPTIMIZERS = ("sgd", "adamw")
+BUILTIN_SCHEDULES = ("constant", "cosine")
 
 
 def _check_import_path(field: str, value: str | None, builtins: tuple[str, ...] = ()) -> None:
@@ -184,8 +186,13 @@ class TrainConfig(Section):
     ceil(global_batch_size / (local_batch_size * world_size)). Unset: derived. At fewer workers (an elastic
     job that lost some) the count is derived from local_batch_size."""
 
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    """Optimizer: 'sgd' (with momentum) or 'adamw'."""
+    optimizer: str = "sgd"
+    """Optimizer: 'sgd' (with momentum) or 'adamw'; or 'package.module:Class', any torch.optim.Optimizer class,
+    called with (parameters, lr=lr, **optimizer_args) (momentum and weight_decay then go in optimizer_args).
+    fit(optimizer=...) records the class of the optimizer it was given here, its lr and optimizer_args."""
+
+    optimizer_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of an optimizer named by its class, e.g. {betas = [0.9, 0.95], weight_decay = 0.1}."""
 
     lr: float = Field(default=0.1, gt=0.0, allow_inf_nan=False)
     """Peak learning rate."""
@@ -196,8 +203,10 @@ class TrainConfig(Section):
     weight_decay: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     """Weight decay (decoupled for adamw)."""
 
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
-    """Learning-rate schedule after warm-up: 'constant' or 'cosine' (decays to 0 at the last step)."""
+    lr_schedule: str = "cosine"
+    """Learning-rate schedule after warm-up: 'constant' or 'cosine' (decays to 0 at the last step); or
+    'package.module:function' taking the optimizer and returning a torch LRScheduler, stepped once per
+    optimizer step (warmup_steps then does not apply). fit(lr_scheduler=...) records its function here."""
 
     warmup_steps: int = Field(default=0, ge=0)
     """Optimizer steps of linear warm-up from 0 to lr."""
@@ -230,6 +239,15 @@ class TrainConfig(Section):
     """CPU memory (resident set, MB) one worker may use; going above it counts as out of memory
     (needs auto_micro_batch). Leave room beyond activations: with bf16 the CPU also keeps compiled
     kernels per tensor shape (megabytes each). Unset: no budget."""
+
+    @model_validator(mode="after")
+    def _optimizer_and_schedule(self) -> TrainConfig:
+        _check_import_path("train.optimizer", self.optimizer, BUILTIN_OPTIMIZERS)
+        _check_import_path("train.lr_schedule", self.lr_schedule, BUILTIN_SCHEDULES)
+        if self.optimizer_args and self.optimizer in BUILTIN_OPTIMIZERS:
+            raise ValueError(f"train.optimizer_args are keyword arguments of an optimizer class; train.optimizer = "
+                             f"'{self.optimizer}' takes lr, momentum and weight_decay from [train]")
+        return self
 
 
 HEALABLE_STRATEGIES = ("ddp", "manual")
@@ -517,6 +535,16 @@ class Config(Section):
         for section in ("model", "data"):
             if not values[section].get("args"):
                 values[section].pop("args", None)
+        train = values["train"]
+        # Only the fields the optimizer in use takes (an optimizer class takes its own in optimizer_args).
+        if train["optimizer"] != "sgd":
+            train.pop("momentum")
+        if train["optimizer"] not in BUILTIN_OPTIMIZERS:
+            train.pop("weight_decay")
+        else:
+            train.pop("optimizer_args")
+        if train["lr_schedule"] not in BUILTIN_SCHEDULES:
+            train.pop("warmup_steps")
         return tomli_w.dumps(values)
 
     def digest(self) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 __all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR",
-           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "forget_fault_plan"]
+           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "ERROR_FILE_VAR", "forget_fault_plan"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -31,14 +31,18 @@ FAULT_PLAN_VAR = "RINGTRAIN_FAULT_PLAN"
 """The path of a test's fault plan: the worker arms it (train/build.py) and drops the variable from its own
 environment; `ringtrain join` drops it too, so a joiner is never armed."""
 
-# Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user).
+# Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user); a
+# user sets RINGTRAIN_RUN_DIR and RINGTRAIN_RESUME under python or torchrun too (README "Your own model and data").
 SET_VAR = "RINGTRAIN_SET"
 """The --set overrides, a JSON list of 'section.field=value' strings."""
 RUN_DIR_VAR = "RINGTRAIN_RUN_DIR"
-"""--run-dir: overrides the run directory the script's config names."""
+"""--run-dir: overrides the run directory the script's config (or fit(run_dir=...)) names."""
 RESUME_VAR = "RINGTRAIN_RESUME"
-"""'resume' (--resume), 'from:PATH' (--resume-from PATH), 'checked' (the launcher checked the run directory:
-continue a checkpoint there if any), or unset (a fresh run: refuse a run directory with checkpoints)."""
+"""'resume' (--resume: continue the run directory's newest valid checkpoint), 'from:PATH' (--resume-from PATH),
+'checked' (set by `ringtrain run`: the launcher checked the run directory: continue a checkpoint there if any),
+or unset (a fresh run, unless fit(resume=...) asks: refuse a run directory with checkpoints)."""
+ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
+"""Set by torch's elastic agent (ringtrain's launcher, torchrun): where a worker records why it failed."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class DistEnv:
     """`ringtrain join` of a --heal job: admitted by the running workers, no rendezvous (dist/heal.py)."""
     fault_plan: str | None = None
     """A test harness's fault plan (FAULT_PLAN_VAR), armed by build_trainer; None in every user's run."""
+    error_file: str | None = None
+    """Where the elastic agent reads why this worker failed (ERROR_FILE_VAR); None without an agent."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -87,6 +93,7 @@ class DistEnv:
             "heal_max_workers": int(env[HEAL_VAR].split(":")[-1]) if env.get(HEAL_VAR) else None,
             "heal_join": HEAL_JOIN_VAR in env,
             "fault_plan": env.get(FAULT_PLAN_VAR) or None,
+            "error_file": env.get(ERROR_FILE_VAR) or None,
         }
         if "RANK" not in env:
             # A worker joining a --heal job gets its rank when admitted; it reaches the job store now.

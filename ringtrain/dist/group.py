@@ -193,9 +193,24 @@ def _create_gloo_backend(opts, backend_options: object | None) -> dist.ProcessGr
     return backend
 
 
+_stores: dict[tuple, tuple[dist.Store, int]] = {}
+"""The store each rendezvous address gave this process, and how many groups met on it so far."""
+
+
 def _build_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """Where the ranks meet. A process that makes a second default group at the same address (a script that
+    calls ``ringtrain.fit`` twice) meets on the same store under a fresh prefix: rank 0's store still listens
+    on MASTER_PORT (hosting it again fails with "address in use"), and the first group's keys are still in it.
+    Every rank makes its groups in the same order, so every rank picks the same prefix."""
     if not env.is_distributed:
         return dist.HashStore()
+    key = (env.master_addr, env.master_port, env.use_agent_store, env.restart_count, env.rank)
+    store, groups = _stores.get(key) or (_new_store(env, timeout), 0)
+    _stores[key] = (store, groups + 1)
+    return store if groups == 0 else dist.PrefixStore(f"/group_{groups + 1}", store)
+
+
+def _new_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     if env.use_agent_store:
         # Plain torchrun shares its rendezvous store; the prefix keeps restarts apart, as torch's env:// does.
         client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)

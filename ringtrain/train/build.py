@@ -19,7 +19,7 @@ from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.healing_hooks import NoHealing
 from ringtrain.train.loop import TrainParts, Trainer
-from ringtrain.train.optim import build_lr_scheduler, build_optimizer
+from ringtrain.train.optim import build_lr_scheduler, build_optimizer, record_optimizer
 from ringtrain.train.precision import Precision
 from ringtrain.errors import ConfigError
 from ringtrain.train.tasks import build_task
@@ -67,6 +67,8 @@ def build_trainer(
             raise ConfigError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     else:
         optimizer = build_optimizer(train_cfg, model.parameters())
+    if user is not None:  # the run directory records the optimizer and schedule the user's script made
+        config = record_optimizer(config, optimizer if user.optimizer else None, user.lr_scheduler)
     # Sharded strategies (zero1/2/3) step the same optimizer over this rank's shard only.
     optimizer = strategy.shard_optimizer(optimizer)
     sampler = ResumableSampler(len(data.train), train_cfg.global_batch_size, seed=train_cfg.seed)
@@ -99,7 +101,7 @@ def build_trainer(
         module=model,
         strategy=strategy,
         optimizer=optimizer,
-        scheduler=build_lr_scheduler(train_cfg, optimizer, total_steps),
+        scheduler=build_lr_scheduler(train_cfg, optimizer, total_steps, user.lr_scheduler if user else None),
         sampler=sampler,
         train_loader=train_loader,
         eval_loader=eval_loader,

@@ -48,10 +48,8 @@ def evaluate(
         with autocast():
             outputs = call_model(module, to_device(inputs, device))
         sums += task.eval_sums(outputs, targets).to(device)
-        if metrics:
-            predictions, expected = task.metric_inputs(outputs, targets)
-            for metric in metrics.values():
-                metric.update(predictions, expected)
+        for name, metric in metrics.items():
+            metric.update(*task.metric_inputs(outputs, targets, name))
     dist.all_reduce(sums)
     module.train(was_training)
     results = task.eval_metrics(sums.cpu())

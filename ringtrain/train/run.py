@@ -1,12 +1,22 @@
-"""Run one training job inside an initialised process group; check a run directory before that."""
+"""Run one training job inside an initialised process group; check a run directory before that.
+
+A run's user parts are checked together first (train/user_checks.py: the ranks' dataset lengths, one eval batch
+through model, loss and metrics); a resumed run that finished already is left as it is (its summary returned).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+from torch import nn
 
 from ringtrain.checkpoint.front import newest_verified
 from ringtrain.checkpoint.sharded import committed as committed_sharded
@@ -14,7 +24,8 @@ from ringtrain.checkpoint.sharded import check_loadable as check_sharded
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
-from ringtrain.config.schema import RELOADED_STRATEGIES
+from ringtrain.comm.objects import all_gather_json
+from ringtrain.config.schema import HEALABLE_STRATEGIES, RELOADED_STRATEGIES
 from ringtrain.dist.env import DistEnv
 from ringtrain.dist.group import DistContext, leave_default_group, prepare_process
 from ringtrain.dist.jobstore import NullJobStore, connect_job_store
@@ -25,13 +36,38 @@ from ringtrain.errors import CheckpointError, ConfigError
 from ringtrain.train.build import build_trainer
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.run_lock import RunDirLock
+from ringtrain.train.user_checks import check_lengths, check_one_batch
 from ringtrain.train.user_parts import UserParts
 
-__all__ = ["check_run_dir", "check_resume", "run_training", "run_joined_training", "RunDirLock"]
+__all__ = ["check_run_dir", "check_resume", "run_training", "run_joined_training", "RunDirLock", "FitResult",
+           "ResumeWords", "RUN_WORDS", "FIT_WORDS"]
 
 
 
-def check_run_dir(config: Config, resume: bool) -> None:
+@dataclass(frozen=True)
+class ResumeWords:
+    """How the user asks, in the launch mode in use, to continue a run, to start from a checkpoint, or to use
+    another run directory: the errors below name what works there (a flag of `ringtrain train`, or fit's
+    arguments and environment variables under python and torchrun)."""
+
+    resume: str = "add --resume to continue it"
+    resume_from: str = "--resume-from"
+    run_dir: str = "pass --run-dir NEW_DIR to start another run"
+    fresh: str = "run without --resume to start afresh"
+    asked: str = "--resume"
+
+
+RUN_WORDS = ResumeWords("add --resume to `ringtrain run` (or pass fit(resume=True)) to continue it", "--resume-from",
+                        "pass --run-dir NEW_DIR (or fit(run_dir=NEW_DIR)) to start another run",
+                        "run without --resume to start afresh")
+"""`ringtrain run SCRIPT`: its flags, or the script's fit() arguments."""
+FIT_WORDS = ResumeWords("pass fit(resume=True) (or set RINGTRAIN_RESUME=resume) to continue it", "fit(resume=PATH)",
+                        "pass fit(run_dir=NEW_DIR) (or set RINGTRAIN_RUN_DIR=NEW_DIR) to start another run",
+                        "drop fit(resume=...) (and RINGTRAIN_RESUME) to start afresh", "fit(resume=True)")
+"""python or torchrun: fit()'s arguments, or the environment variables it reads."""
+
+
+def check_run_dir(config: Config, resume: bool, words: ResumeWords = ResumeWords()) -> None:
     """Refuse to start a fresh run over a run directory that holds checkpoints: that would lose work."""
     if resume:
         return
@@ -40,59 +76,125 @@ def check_run_dir(config: Config, resume: bool) -> None:
     if latest is not None:
         raise ConfigError(
             f"run directory {config.run_dir} already holds checkpoints (latest {latest.name}); "
-            "add --resume to continue it, or pass --run-dir NEW_DIR to start another run"
+            f"{words.resume}, or {words.run_dir}"
         )
 
 
-def check_resume(config: Config, resume: bool, resume_from: str | None) -> None:
-    """Everything about resuming a user can get wrong, checked before any worker starts."""
+def check_resume(config: Config, resume: bool, resume_from: str | None, words: ResumeWords = ResumeWords(),
+                 verify: bool = True) -> None:
+    """Everything about resuming a user can get wrong, checked before any worker starts. ``verify``: read
+    the checkpoints too (the launcher does; every rank of fit() checks only that they are there, and the
+    trainer verifies the one it loads)."""
     if resume and resume_from:
         raise ConfigError("pass --resume (continue this run) or --resume-from PATH (start a new run from PATH), not both")
     if resume_from:
         path = Path(resume_from)
         if not path.is_file():
-            raise CheckpointError(f"--resume-from {path}: no such checkpoint file")
-        read_verified(path)  # CorruptCheckpoint names the file and what is wrong with it
+            raise CheckpointError(f"{words.resume_from} {path}: no such checkpoint file")
+        if verify:
+            read_verified(path)  # CorruptCheckpoint names the file and what is wrong with it
         latest = _manager(config).latest()
         if latest is not None:
             raise ConfigError(
-                f"--resume-from starts a new run, but {config.run_dir} already holds checkpoints (latest "
-                f"{latest.name}); pass --run-dir NEW_DIR, or use --resume to continue {config.run_dir}"
+                f"{words.resume_from} starts a new run, but {config.run_dir} already holds checkpoints (latest "
+                f"{latest.name}); {words.run_dir}, or {words.resume}"
             )
         return
     if not resume:
-        check_run_dir(config, resume=False)
+        check_run_dir(config, resume=False, words=words)
         return
     manager = _manager(config)
+    if not verify and (manager.checkpoints() or committed_sharded(manager.directory)):
+        return
     problems: list[str] = []
     # Corruption skips a checkpoint (the workers warn about it and take the next); UnsafeCheckpoint (tampered
     # sharded metadata) stops the job here.
     if newest_verified(manager.directory, problems.append, check_sharded=check_sharded) is not None:
         return
     found = f" ({'; '.join(p.split('; skipping')[0] for p in problems)})" if problems else ""
-    raise CheckpointError(f"--resume: no valid checkpoint in {manager.directory}{found}; run without --resume to start afresh")
+    raise CheckpointError(f"{words.asked}: no valid checkpoint in {manager.directory}{found}; {words.fresh}")
 
 
-def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None = None) -> dict[str, Any]:
-    """Build the trainer (on the user's parts, if given), continue from a checkpoint when the plan says so,
-    train, return the summary."""
+class FitResult(dict):
+    """What ``ringtrain.fit`` returns: the run's summary (the dict of summary.json, so ``summary = fit(...)``
+    reads as before), with the trained model as ``result.model``."""
+
+    def __init__(self, summary: dict[str, Any], model: nn.Module | None = None):
+        super().__init__(summary)
+        self.model = model
+        """The trained module: the one fit() was given (trained in place) or the factory's. Under zero3 or
+        fsdp, a new module from the factory holding the gathered weights (None for a module instance)."""
+
+
+def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None = None,
+                 on_start: Callable[[], None] | None = None, keep_model: bool = False) -> FitResult:
+    """Build the trainer (on the user's parts, if given), check them together, continue from a checkpoint
+    when the plan says so, train, return the summary (with the trained model if ``keep_model``). A resumed
+    run that finished already returns its summary.json and touches nothing. ``on_start``: called (rank 0)
+    once training is about to start."""
     job_store = connect_job_store(ctx.env, is_writer=ctx.rank == 0)
+    if user is None and config.user_parts:
+        user = UserParts.from_config(config)
+    if user is not None:
+        check_lengths(user)  # before anything is built: the sampler deals from the length
     if config.dist.heal:
-        return _run_healing(config, ctx, plan, user, job_store)
+        return _run_healing(config, ctx, plan, user, job_store, on_start, keep_model)
     trainer = build_trainer(config, ctx, job_store, user)
+    if user is not None:
+        check_one_batch(trainer, user, config.train.local_batch_size)
     # The heartbeat lets a failed collective name the rank that stopped responding.
     # It is also the watchdog that writes the flight recorder when asked (SIGUSR1 to the launcher).
     with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, HEARTBEAT_INTERVAL_S,
                                               on_dump_request=trainer.dump_flight):
         trainer.resume(plan)
         try:
-            return trainer.fit()
+            summary = _finished(trainer, plan)
+            if summary is None:
+                if on_start is not None:
+                    on_start()
+                summary = trainer.fit()
+            return FitResult(summary, _trained_model(trainer, user) if keep_model else None)
         finally:
             trainer.end_threads()
 
 
+def _finished(trainer, plan: ResumePlan) -> dict[str, Any] | None:
+    """A resumed run whose newest checkpoint is its last step and whose summary.json is written is done: its
+    summary (every rank), one line from rank 0, and nothing written (no evaluation, summary or record)."""
+    if not plan.resume:  # the same plan on every rank (one launch, one environment): no collective for it
+        return None
+    path = Path(trainer.config.run_dir) / "summary.json"
+    done = trainer.finished and path.is_file()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        done = all(all_gather_json(bool(done)))  # every rank trains, or none does
+    if not done:
+        return None
+    if trainer.ctx.rank == 0:
+        print(f"ringtrain: run directory {trainer.config.run_dir} already finished at step {trainer.state.step} "
+              f"({path.name}); nothing to do", file=sys.stderr, flush=True)
+    return json.loads(path.read_text())
+
+
+def _trained_model(trainer, user: UserParts | None) -> nn.Module | None:
+    """The trained module, released from the strategy: replicated strategies (and zero1/zero2, whose module
+    holds every parameter) hand back the module itself; zero3 and fsdp gather the full weights (a collective,
+    every rank) into a new module from the user's factory."""
+    if trainer.config.comm.strategy in HEALABLE_STRATEGIES:
+        trainer.leave_group()  # DDP's or the manual strategy's hooks and buckets go
+        return trainer.module
+    if trainer.config.comm.strategy in ("zero1", "zero2"):
+        return trainer.module
+    state = trainer.parts.strategy.model_state_dict(trainer.model)
+    if user is None or isinstance(user.model, nn.Module):
+        return None
+    model = user.build_model(trainer.config.train.seed)
+    model.load_state_dict(state)
+    return model
+
+
 def _run_healing(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None,
-                 job_store: NullJobStore) -> dict[str, Any]:
+                 job_store: NullJobStore, on_start: Callable[[], None] | None = None,
+                 keep_model: bool = False) -> FitResult:
     """``--heal``: the launched workers are generation 0's members (member id = first rank); a supervisor
     drives the trainer through every failure and admission (ringtrain/heal/supervisor.py)."""
     generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
@@ -103,11 +205,18 @@ def _run_healing(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
         membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
     supervisor = _supervisor(config, ctx.env, job_store, user, membership)
     trainer = build_trainer(config, ctx, job_store, user, healing=supervisor)
+    if user is not None:
+        check_one_batch(trainer, user, config.train.local_batch_size)
     with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, HEAL_BEAT_S,
                                               on_dump_request=lambda reason: supervisor.dump(reason)):
         trainer.resume(plan)
         try:
-            return supervisor.run(trainer)
+            summary = _finished(trainer, plan)
+            if summary is None:
+                if on_start is not None:
+                    on_start()
+                summary = supervisor.run(trainer)
+            return FitResult(summary, _trained_model(supervisor.trainer, user) if keep_model else None)
         finally:
             supervisor.trainer.end_threads()
 

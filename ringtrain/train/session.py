@@ -36,6 +36,7 @@ Launch with ``torchrun``, ``ringtrain run``, or ``python`` (one worker).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import contextlib
 import math
 import signal
@@ -74,7 +75,6 @@ from ringtrain.train.guards import StepGuard, StopSignal, Verdict, check_replica
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
 from ringtrain.train.resume import ResumePlan, check_same_choice
-from ringtrain.train.run import check_run_dir
 from ringtrain.train.run_lock import RunDirLock
 from ringtrain.train.state import TrainState
 from ringtrain.train.user_parts import describe_callable
@@ -102,9 +102,7 @@ class Session:
         try:
             self.config = _resolve(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
-            self.plan = _resume_plan(resume, env)
-            if not self.plan.resume:
-                check_run_dir(self.config, resume=False)
+            self.plan = _resume_plan(resume, env, self.config)
         except RingtrainError as err:
             _exit_with(err, env)
         self._group = init_distributed(env, self.config.dist)
@@ -532,14 +530,16 @@ def _script_name() -> str:
     return Path(path).stem if path else "session"
 
 
-def _resume_plan(resume: bool | str | Path | None, env: DistEnv) -> ResumePlan:
-    if resume is True:
-        return ResumePlan(resume=True, required=True)
-    if isinstance(resume, (str, Path)) and resume:
-        return ResumePlan(resume=True, source=Path(resume))
-    from ringtrain.api import _resume_plan as from_environment
+def _resume_plan(resume: bool | str | Path | None, env: DistEnv, config: Config) -> ResumePlan:
+    """As ``fit``'s: ``ringtrain run --resume`` / RINGTRAIN_RESUME, else ``resume``; a fresh run is refused over
+    a run directory with checkpoints, in words that name what works in the launch mode in use."""
+    from ringtrain.api import _resume_plan as plan_of
+    from ringtrain.train.run import FIT_WORDS, RUN_WORDS, ResumeWords
 
-    return from_environment(env)
+    fit_words = dataclasses.asdict(FIT_WORDS)
+    words = RUN_WORDS if env.launched_by_ringtrain else ResumeWords(
+        **{field: text.replace("fit(", "Session(") for field, text in fit_words.items()})
+    return plan_of(env, resume if resume is not None else False, config, words)
 
 
 def _usage(message: str) -> None:

@@ -42,10 +42,11 @@ class UserParts:
     metrics: dict[str, Any] = field(default_factory=dict)
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
     collate_fn: Callable | None = None
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
 
     @classmethod
     def checked(cls, model, train_data, eval_data=None, loss="cross_entropy", loss_reduction="mean",
-                count_items=None, metrics=None, optimizer=None, collate_fn=None) -> UserParts:
+                count_items=None, metrics=None, optimizer=None, collate_fn=None, lr_scheduler=None) -> UserParts:
         """Check each part; raise ConfigError naming the first that does not fit."""
         if not isinstance(model, nn.Module) and not callable(model):
             raise ConfigError(f"model must be an nn.Module or a zero-argument callable returning one, not "
@@ -55,20 +56,20 @@ class UserParts:
             _check_dataset("eval_data", eval_data)
         if metrics is not None and not isinstance(metrics, Mapping):
             raise ConfigError(f"metrics must be a dict {{name: torchmetrics.Metric}}, not {type(metrics).__name__}")
-        for name, metric in (metrics or {}).items():
-            if not (callable(getattr(metric, "update", None)) and callable(getattr(metric, "compute", None))):
-                raise ConfigError(f"metrics[{name!r}] is a {type(metric).__name__}, not a torchmetrics Metric "
-                                  "(it needs update() and compute())")
+        metrics, metric_inputs = _split_metrics(metrics or {})
         if optimizer is not None and not callable(optimizer):
             raise ConfigError("optimizer must be a callable taking the model and returning a torch.optim.Optimizer")
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise ConfigError("lr_scheduler must be a callable taking the optimizer and returning a torch LRScheduler, "
+                              "e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)")
         if collate_fn is not None and not callable(collate_fn):
             raise ConfigError("collate_fn must be a callable, as DataLoader's")
-        task = build_user_task(loss, loss_reduction, count_items, example_target=example[1])
-        taken = {"loss", "count", "accuracy", "top5_accuracy", "ppl"} & set(metrics or {})
+        task = build_user_task(loss, loss_reduction, count_items, example_target=example[1], metric_inputs=metric_inputs)
+        taken = {"loss", "count", "accuracy", "top5_accuracy", "ppl"} & set(metrics)
         if taken:
             raise ConfigError(f"metrics[{sorted(taken)[0]!r}] would replace ringtrain's own evaluation result of that "
                               "name; give the metric another name")
-        return cls(model, train_data, eval_data, task, dict(metrics or {}), optimizer, collate_fn)
+        return cls(model, train_data, eval_data, task, metrics, optimizer, collate_fn, lr_scheduler)
 
     @classmethod
     def from_config(cls, config: Config) -> UserParts:
@@ -150,6 +151,24 @@ def describe_callable(value: Any) -> str:
     name = ".".join(part for part in name.split(".") if part.isidentifier()) or "model"
     module = getattr(target, "__module__", None) or "__main__"
     return f"{module}:{name}"
+
+
+def _split_metrics(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Callable]]:
+    """``{name: metric | (metric, inputs)}`` -> the metrics, and each one's ``inputs(outputs, targets) ->
+    (predictions, targets)`` where given (the default hands a metric the logits and the targets)."""
+    found, inputs = {}, {}
+    for name, value in metrics.items():
+        metric, transform = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+        if not (callable(getattr(metric, "update", None)) and callable(getattr(metric, "compute", None))):
+            raise ConfigError(f"metrics[{name!r}] is a {type(metric).__name__}, not a torchmetrics Metric "
+                              "(it needs update() and compute()), nor a pair (metric, inputs)")
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"metrics[{name!r}] = (metric, {type(transform).__name__}): the second item must be a "
+                              "callable inputs(outputs, targets) -> (predictions, targets)")
+        found[name] = metric
+        if transform is not None:
+            inputs[name] = transform
+    return found, inputs
 
 
 def _check_dataset(name: str, dataset: Any) -> tuple:

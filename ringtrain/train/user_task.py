@@ -52,12 +52,14 @@ class UserTask:
     """Loss sums and item counts for the loop; loss (and accuracy for classifiers) for evaluation."""
 
     def __init__(self, loss: str | LossFn, reduction: str, count_items: Callable[[torch.Tensor], int] | None,
-                 token_targets: bool, name: str):
+                 token_targets: bool, name: str, metric_inputs: dict[str, Callable] | None = None):
         self.warn: Callable[[str], None] = _python_warning
         """Where the one warning about a model's own loss goes; build_trainer hands rank 0's logger (other
         ranks: the null logger), so it is one line on the console and one record in metrics.jsonl."""
         self._warned_model_loss = False
         self.loss = loss
+        self.metric_transforms = dict(metric_inputs or {})
+        """Per metric name: ``inputs(outputs, targets) -> (predictions, targets)``, where the user gave one."""
         self.reduction = reduction
         self.name = name
         self.token_targets = token_targets
@@ -146,8 +148,12 @@ class UserTask:
         metrics.update(self.train_metrics(metrics["loss"]))
         return metrics
 
-    def metric_inputs(self, outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(predictions, targets) for torchmetrics: the logits, shaped like the targets for a regression."""
+    def metric_inputs(self, outputs: Any, targets: torch.Tensor, name: str | None = None) -> tuple[Any, Any]:
+        """(predictions, targets) for the torchmetrics metric ``name``: what its ``inputs`` callable makes of the
+        model's outputs, else the logits (shaped like the targets for a regression)."""
+        transform = self.metric_transforms.get(name)
+        if transform is not None:
+            return transform(outputs, targets)
         logits = logits_of(outputs)
         if self.loss == "mse" and logits.shape != targets.shape and logits.numel() == targets.numel():
             logits = logits.reshape(targets.shape)
@@ -155,7 +161,7 @@ class UserTask:
 
 
 def build_user_task(loss: str | LossFn, loss_reduction: str, count_items: Callable | None,
-                    example_target: Any) -> UserTask:
+                    example_target: Any, metric_inputs: dict[str, Callable] | None = None) -> UserTask:
     """The task for a user's loss; ``example_target`` (one dataset item's target) tells per-sample targets
     (a number) from per-token ones (a sequence)."""
     if loss_reduction not in ("mean", "sum"):
@@ -174,7 +180,7 @@ def build_user_task(loss: str | LossFn, loss_reduction: str, count_items: Callab
     target = torch.as_tensor(example_target)
     token_targets = loss == "cross_entropy" and target.dim() >= 1
     name = loss if isinstance(loss, str) else getattr(loss, "__qualname__", type(loss).__name__)
-    return UserTask(loss, loss_reduction, count_items, token_targets, repr(name))
+    return UserTask(loss, loss_reduction, count_items, token_targets, repr(name), metric_inputs)
 
 
 def model_loss(outputs: Any) -> torch.Tensor | None:

@@ -149,8 +149,138 @@ def main() -> None:
         train = Stream()
     elif args.case == "triples":
         train = Triples()
+    case = FRONT_DOOR.get(args.case)
+    if case is not None:
+        case(config, train, test)
+        return
     summary = ringtrain.fit(model=model, train_data=train, eval_data=test, config=config, **kwargs)
     print("SUMMARY " + json.dumps({k: summary[k] for k in ("steps", "eval", "param_sha256")}), flush=True)
+
+
+# --- the front door's cases (tests/fit/test_front_door.py): what a new user's script does ----------------------
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def model_digest(model: nn.Module) -> str:
+    from ringtrain.train.guards import check_replicas
+
+    return check_replicas(model, 0)[0]  # after fit(): no group, this process's own digest
+
+
+def lengths_differ(config, train, test):
+    """Every rank loads 'its' dataset: rank R gets 256 + R samples (a per-rank split gone wrong)."""
+    import os
+
+    import ringtrain
+    from torch.utils.data import Subset
+
+    mine = 256 + int(os.environ.get("RANK", "0"))
+    ringtrain.fit(model=digits_mlp, train_data=Subset(train, range(mine)), eval_data=test, config=config)
+
+
+def wrong_keys(config, train, test):
+    """Dict inputs {"pixel": x} for a forward(pixels)."""
+    import ringtrain
+
+    class Renamed(DictInputs):
+        def __getitem__(self, index):
+            x, y = self.base[index]
+            return {"pixel": x}, y
+
+    ringtrain.fit(model=DictMLP, train_data=Renamed(train), eval_data=Renamed(test), config=config)
+
+
+def metric_misfit(config, train, test):
+    """A binary metric on 10-class logits: it fails in torchmetrics' update."""
+    import ringtrain
+    from torchmetrics.classification import BinaryAccuracy
+
+    ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
+                  metrics={"binary_acc": BinaryAccuracy()})
+
+
+def metric_inputs(config, train, test):
+    """The fix: the same metric given what it needs (class 0 against the rest)."""
+    import ringtrain
+    from torchmetrics.classification import BinaryAccuracy
+
+    result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
+                           metrics={"zero_acc": (BinaryAccuracy(), lambda outputs, targets: (
+                               outputs.argmax(-1) == 0, (targets == 0).long()))})
+    print("SUMMARY " + json.dumps(result["eval"]), flush=True)
+
+
+def raises_on_rank_1(config, train, test):
+    """A wrong dict key in the loss, on rank 1 only, at its first training step."""
+    import ringtrain
+
+    calls = []
+
+    def loss(outputs, targets):
+        calls.append(1)
+        if rank() == 1 and len(calls) > 1:  # call 1: the check of one eval batch before step 1
+            return {"logits": outputs}["logit"]
+        return F.cross_entropy(outputs, targets)
+
+    ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config, loss=loss)
+
+
+def pretrain_then_fine_tune(config, train, test):
+    """fit() twice in one script, the second on the module the first trained; one run directory named (the
+    default, or --run-dir): the second call gets its own."""
+    import ringtrain
+
+    model = digits_mlp()
+    first = ringtrain.fit(model=model, train_data=train, eval_data=test, config=config)
+    second = ringtrain.fit(model=first.model, train_data=train, eval_data=test,
+                           config={**config, "train": {**config["train"], "lr": 0.01}})
+    print("SUMMARY " + json.dumps({"first": first["param_sha256"][0], "second": second["param_sha256"][0],
+                                   "same_module": second.model is model, "restarts": second["restarts"],
+                                   "model": model_digest(second.model)}), flush=True)
+
+
+def own_optimizer(config, train, test):
+    """The user's AdamW, and the default schedule (no lr_scheduler)."""
+    import ringtrain
+
+    result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
+                           optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01))
+    print("SUMMARY " + json.dumps({"param_sha256": result["param_sha256"], "model": model_digest(result.model)}),
+          flush=True)
+
+
+def halve_every_5(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+
+
+def own_scheduler(config, train, test):
+    """The user's scheduler: StepLR computes each lr from the last (a resume must step it to the step)."""
+    import ringtrain
+
+    result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
+                           lr_scheduler=halve_every_5)
+    print("SUMMARY " + json.dumps({"param_sha256": result["param_sha256"]}), flush=True)
+
+
+def fit_arguments(config, train, test):
+    """Resume and run directory as fit() arguments (under python or torchrun there are no flags)."""
+    import os
+
+    import ringtrain
+
+    resume = os.environ.get("USER_RESUME", "")
+    result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
+                           run_dir=os.environ["USER_RUN_DIR"], resume=resume == "true" or resume)
+    print("SUMMARY " + json.dumps({"steps": result["steps"], "param_sha256": result["param_sha256"]}), flush=True)
+
+
+FRONT_DOOR = {f.__name__: f for f in (lengths_differ, wrong_keys, metric_misfit, metric_inputs, raises_on_rank_1,
+                                      pretrain_then_fine_tune, own_optimizer, own_scheduler, fit_arguments)}
 
 
 if __name__ == "__main__":

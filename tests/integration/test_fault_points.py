@@ -48,10 +48,11 @@ def test_a_plan_naming_an_unknown_point_stops_the_worker_in_one_line(tmp_path):
     plan.write_text('{"faults": [{"point": "ring.run_step", "action": "kill"}]}\n')  # a point renamed since
     result = run_cli("train", "configs/debug_mlp.toml", "--nproc", "1", "--run-dir", str(tmp_path / "run"),
                      env={"RINGTRAIN_FAULT_PLAN": str(plan)})
-    # The worker's one line, then the launcher's (a worker failed: exit code 1), no traceback; nothing trained.
-    assert result.returncode == 1, result.stderr
+    # A usage error of every worker: the launcher prints the worker's line once, exit code 2; no traceback;
+    # nothing trained.
+    assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: error:")]
-    assert errors and all("unknown fault point 'ring.run_step'" in line for line in errors), result.stderr
+    assert len(errors) == 1 and "unknown fault point 'ring.run_step'" in errors[0], result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run" / "metrics.jsonl").exists(), result.stderr
 
 

@@ -16,7 +16,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 PUBLIC = {
-    "__version__", "fit", "Session",
+    "__version__", "fit", "FitResult", "Session",
     "DistEnv", "DistConfig", "init_distributed",
     "ResumableSampler", "StepBatch", "build_train_loader", "Ledger", "check_ledger",
     "DDPStrategy", "ManualStrategy",
