@@ -47,9 +47,9 @@ _LAZY = {
     "fit": "ringtrain.api",
     "Session": "ringtrain.train.session",
     "FitResult": "ringtrain.api",
-    "DistEnv": "ringtrain.dist.env",
+    "DistEnv": "ringtrain.group.env",
     "DistConfig": "ringtrain.config",
-    "init_distributed": "ringtrain.dist.group",
+    "init_distributed": "ringtrain.group.init",
     "ResumableSampler": "ringtrain.data.sampler",
     "StepBatch": "ringtrain.data.loader",
     "build_train_loader": "ringtrain.data.loader",
@@ -77,8 +77,8 @@ if TYPE_CHECKING:
     from ringtrain.data.ledger import Ledger, check_ledger
     from ringtrain.data.loader import StepBatch, build_train_loader
     from ringtrain.data.sampler import ResumableSampler
-    from ringtrain.dist.env import DistEnv
-    from ringtrain.dist.group import init_distributed
+    from ringtrain.group.env import DistEnv
+    from ringtrain.group.init import init_distributed
     from ringtrain.monitor.loggers import NullLogger, RunDirLogger
     from ringtrain.monitor.metrics import StepClock
     from ringtrain.parallel.ddp import DDPStrategy

@@ -34,9 +34,9 @@ from torch.utils.data import Dataset
 
 from ringtrain.checkpoint.manifest import write_atomic
 from ringtrain.config import Config, load_config_dict, validate_for_world_size
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import init_distributed
-from ringtrain.dist.lifetime import exit_with_parent
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import init_distributed
+from ringtrain.group.lifetime import exit_with_parent
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.run import (FIT_WORDS, RUN_WORDS, FitResult, ResumeWords, check_resume, run_joined_training,

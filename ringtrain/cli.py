@@ -156,7 +156,7 @@ def _train(args: argparse.Namespace) -> int:
     # Imported here so `ringtrain --help` stays fast.
     from ringtrain.config import load_config, validate_for_backend, validate_for_world_sizes
     from ringtrain.data import check_data
-    from ringtrain.dist.group import resolve_backend
+    from ringtrain.group.init import resolve_backend
     from ringtrain.launch import Program
     from ringtrain.train.run import check_resume
     from ringtrain.train.user_parts import check_factories
@@ -198,7 +198,7 @@ def _run(args: argparse.Namespace) -> int:
     import json
 
     from ringtrain.config import check_overrides
-    from ringtrain.dist.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
+    from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
     from ringtrain.errors import ConfigError
     from ringtrain.launch import Program
 
@@ -332,7 +332,7 @@ def _join(args: argparse.Namespace) -> int:
     if args.spec is None and args.run_dir is None:
         raise ConfigError("join needs the job's RUN_DIR, e.g. ringtrain join runs/digits_mlp")
     if args.spec:
-        from ringtrain.dist.lifetime import exit_with_parent
+        from ringtrain.group.lifetime import exit_with_parent
 
         # One of the launcher's own agents: it goes when the launcher (and its rendezvous store) goes.
         exit_with_parent()
@@ -416,10 +416,10 @@ def _export(args: argparse.Namespace) -> int:
 
 def entry() -> None:
     """The ``ringtrain`` command: ``main``, then a quick exit once torch is loaded (the interpreter's teardown
-    of torch costs a launcher a third of a second after its workers are done; see dist/lifetime.py)."""
+    of torch costs a launcher a third of a second after its workers are done; see group/lifetime.py)."""
     code = main()
     if "torch" in sys.modules:
-        from ringtrain.dist.lifetime import exit_quickly
+        from ringtrain.group.lifetime import exit_quickly
 
         exit_quickly(code)
     sys.exit(code)

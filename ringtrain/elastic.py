@@ -35,8 +35,8 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR, forget_fault_plan
-from ringtrain.dist.jobstore import JobStore
+from ringtrain.group.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR, forget_fault_plan
+from ringtrain.group.jobstore import JobStore
 from ringtrain.errors import LaunchError
 from ringtrain.heal.liveness import ExitReporter, exit_key
 from ringtrain.heal.membership import job_keys

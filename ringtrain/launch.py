@@ -7,7 +7,7 @@ worker, restarting them up to ``max_restarts`` times when one fails.
 Every listening socket binds to loopback (127.0.0.1) unless the user names another address:
 - the rendezvous store is hosted here, by node 0's launcher, on a socket bound to the endpoint's address
   (torch's own would listen on every interface), and every agent joins it as a client;
-- the workers' store is hosted by worker 0 the same way (``dist/group.py``), and Gloo/NCCL are told the
+- the workers' store is hosted by worker 0 the same way (``group/init.py``), and Gloo/NCCL are told the
   interface that holds the bind address.
 
 A job that may shrink and grow (``--min-nproc M`` below ``--nproc N``) runs one single-worker agent per
@@ -31,11 +31,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
-from ringtrain.dist.env import BIND_ADDR_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
-from ringtrain.dist.failure import failure_report
-from ringtrain.dist.jobstore import JobStore
-from ringtrain.dist.watch import host_answers
+from ringtrain.group.addresses import RENDEZVOUS_WAIT_S, bind_address
+from ringtrain.group.env import BIND_ADDR_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
+from ringtrain.group.failure import failure_report
+from ringtrain.group.jobstore import JobStore
+from ringtrain.group.watch import host_answers
 from ringtrain.errors import LaunchError, RingtrainError
 
 __all__ = ["LaunchOptions", "Program", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS"]
@@ -47,7 +47,7 @@ RDZV_DEFAULTS = {"last_call_timeout": 5, "keep_alive_interval": 1, "keep_alive_m
 worker the others re-form within about 10 s. ``--rdzv-conf`` overrides any of these (seconds)."""
 _RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
               "keep_alive_max_attempt", "read_timeout")
-"""read_timeout: also how long a node waits for the rendezvous endpoint to answer (dist/addresses.py: 45 s)."""
+"""read_timeout: also how long a node waits for the rendezvous endpoint to answer (group/addresses.py: 45 s)."""
 _WORKER_LOG = "torch.distributed.elastic.multiprocessing.api"
 """The agent's logger of worker processes: 'Sending process N closing signal SIGTERM', 'failed (exitcode: 2)'."""
 
@@ -293,11 +293,11 @@ def parse_rdzv_conf(text: str) -> dict[str, int]:
 def _export_worker_env(bind_addr: str | None, job_store: str) -> None:
     # The agent passes this process's environment on to every worker it starts.
     os.environ[LAUNCHER_VAR] = "1"
-    # The rendezvous store outlives every worker: they keep progress and heartbeats there (dist/jobstore.py).
+    # The rendezvous store outlives every worker: they keep progress and heartbeats there (group/jobstore.py).
     os.environ[JOB_STORE_VAR] = job_store
     if bind_addr:
         os.environ[BIND_ADDR_VAR] = bind_addr
-    # Workers host their own loopback-bound store (dist/group.py) instead of sharing the agent's,
+    # Workers host their own loopback-bound store (group/init.py) instead of sharing the agent's,
     # which torch would open on every interface.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
@@ -353,7 +353,7 @@ def _bracket(host: str) -> str:
 
 def _describe_failure(err: ChildFailedError) -> RingtrainError:
     """One line naming why the job failed. A worker killed from outside (not by the agent's SIGTERM) is the
-    cause; otherwise the earliest worker whose own error started it (its error file says so: dist/failure.py),
+    cause; otherwise the earliest worker whose own error started it (its error file says so: group/failure.py),
     named with its exception and where its traceback is; otherwise the earliest report. When the cause is a
     usage error (a config or part that does not fit) and no worker failed in any other way, the line is the
     worker's own message and the exit code 2, as for a mistake the launcher finds itself."""

@@ -15,11 +15,11 @@ from typing import NoReturn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ringtrain.config import load_config, validate_for_world_size
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.failure import record_failure, write_traceback
-from ringtrain.dist.group import init_distributed
-from ringtrain.dist.lifetime import exit_quickly, exit_with_parent
-from ringtrain.dist.watch import CollectiveFailed
+from ringtrain.group.env import DistEnv
+from ringtrain.group.failure import record_failure, write_traceback
+from ringtrain.group.init import init_distributed
+from ringtrain.group.lifetime import exit_quickly, exit_with_parent
+from ringtrain.group.watch import CollectiveFailed
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.membership import Fenced, MemberFailed
 from ringtrain.train.guards import Stopped

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ringtrain.dist.env import FAULT_PLAN_VAR
+from ringtrain.group.env import FAULT_PLAN_VAR
 from ringtrain.testing import faults
 from ringtrain.testing.faults import Fault
 

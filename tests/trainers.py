@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 
 from ringtrain.config import load_config, validate_for_world_size
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import DistContext
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import DistContext
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.train.build import build_trainer
 from ringtrain.train.loop import Trainer

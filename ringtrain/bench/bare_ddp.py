@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from ringtrain.config import load_config
 from ringtrain.data import build_datasets
 from ringtrain.data.sampler import grad_accum_steps_for_window
-from ringtrain.dist.allocator import keep_freed_memory
+from ringtrain.host.allocator import keep_freed_memory
 from ringtrain.models import build_model
 from ringtrain.train.user_parts import UserParts
 

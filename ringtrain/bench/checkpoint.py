@@ -42,8 +42,8 @@ def _worker(config_path: str, repeat: int, out: Path) -> None:
     from ringtrain.checkpoint.sharded import ShardedCheckpointer
     from ringtrain.config import DistConfig, load_config
     from ringtrain.data import build_datasets
-    from ringtrain.dist.env import DistEnv
-    from ringtrain.dist.group import init_distributed
+    from ringtrain.group.env import DistEnv
+    from ringtrain.group.init import init_distributed
     from ringtrain.models import build_model
 
     config = load_config(config_path)

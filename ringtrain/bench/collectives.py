@@ -49,9 +49,9 @@ from ringtrain.bench.plot import plot_busbw
 from ringtrain.comm import shm
 from ringtrain.comm.shm_group import get_shm_group
 from ringtrain.config import DistConfig
-from ringtrain.dist.addresses import RENDEZVOUS_WAIT_S, bind_address
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import init_distributed
+from ringtrain.group.addresses import RENDEZVOUS_WAIT_S, bind_address
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import init_distributed
 from ringtrain.errors import RingtrainError
 from ringtrain.launch import split_endpoint
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.dist.group import interface_for_address
+from ringtrain.group.init import interface_for_address
 from ringtrain.errors import RingtrainError
 from ringtrain.launch import LOOPBACK
 

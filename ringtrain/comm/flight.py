@@ -14,7 +14,7 @@ keeps a ring buffer of what it issued, in order:
 
 ``dump(path, reason)`` writes both as one JSON file; ``ringtrain diagnose RUN_DIR`` (monitor/diagnose.py)
 lines up every rank's file. A rank stuck inside a collective cannot run Python in its main thread, so the
-dump on request comes from a watchdog thread (the heartbeat's, dist/watch.py).
+dump on request comes from a watchdog thread (the heartbeat's, group/watch.py).
 
     flight.enable(capacity=2000)
     with flight.region("DDP gradient sync", step=37):

@@ -7,7 +7,7 @@ import gc
 import torch.distributed as dist
 
 from ringtrain.comm import shm_group
-from ringtrain.dist.sockets import forget_group_sockets, shutdown_group_sockets
+from ringtrain.group.sockets import forget_group_sockets, shutdown_group_sockets
 
 __all__ = ["abandon_group"]
 
@@ -15,7 +15,7 @@ __all__ = ["abandon_group"]
 def abandon_group(failed: bool = True) -> None:
     """Leave the default group (and every group made from it) without waiting on it. A ``failed`` group's
     collectives failed, so nothing of it is waited for again: its TCP sockets are shut down first
-    (``dist/sockets.py``: the default group's and those of the groups ringtrain made beside it, such as
+    (``group/sockets.py``: the default group's and those of the groups ringtrain made beside it, such as
     sharded checkpoints' own), which tells a peer still blocked in one of its collectives (on a live rank) that
     the group is gone at once, not after timeout_s, and makes a collective of this rank still in flight on it
     fail, so the destroy returns at once instead of waiting for it until timeout_s. (``failed=False``: a

@@ -43,8 +43,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ringtrain.dist.jobstore import JobStore, NullJobStore
-from ringtrain.dist.sockets import recording_group_sockets
+from ringtrain.group.jobstore import JobStore, NullJobStore
+from ringtrain.group.sockets import recording_group_sockets
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.liveness import Registration, exit_key
 

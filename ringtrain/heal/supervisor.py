@@ -45,9 +45,10 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ringtrain.comm.errors import CollectiveError
-from ringtrain.dist.group import DistContext, host_placement
-from ringtrain.dist.sockets import new_recorded_group
-from ringtrain.dist.watch import CollectiveFailed, first_line, is_comm_error
+from ringtrain.group.init import DistContext
+from ringtrain.host.pinning import host_placement
+from ringtrain.group.sockets import new_recorded_group
+from ringtrain.group.watch import CollectiveFailed, first_line, is_comm_error
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.groups import abandon_group
 from ringtrain.heal.membership import (

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ringtrain.dist.watch import FLIGHT_DIR
+from ringtrain.group.watch import FLIGHT_DIR
 from ringtrain.errors import RingtrainError
 
 __all__ = ["DiagnoseError", "Finding", "diagnose", "load_dumps"]

@@ -12,7 +12,7 @@ Nothing is armed in a user's run, and then ``point()`` is a call and one global 
 "faults.point('ring.step')"``, best of 5, on the 2-core test machine at load 15), beside a ring step's
 tens of microseconds at least. A test arms a *plan*: a JSON file it writes with ``write_plan`` (a list of
 ``Fault``). The launched job learns its path from one environment variable (``RINGTRAIN_FAULT_PLAN``, read in
-``dist/env.py`` only); each worker arms it as it builds its trainer (``train/build.py``) and takes the variable
+``group/env.py`` only); each worker arms it as it builds its trainer (``train/build.py``) and takes the variable
 out of its own environment, so nothing it starts inherits it, and ``ringtrain join`` takes it out too, so a
 joiner is never armed. No config field, function name or inherited environment arms a point.
 

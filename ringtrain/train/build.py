@@ -10,9 +10,9 @@ import torch.distributed as dist
 from ringtrain.config import Config, validate_for_backend
 from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
-from ringtrain.dist.env import forget_fault_plan
-from ringtrain.dist.group import DistContext
-from ringtrain.dist.jobstore import NullJobStore
+from ringtrain.group.env import forget_fault_plan
+from ringtrain.group.init import DistContext
+from ringtrain.group.jobstore import NullJobStore
 from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy

@@ -20,8 +20,8 @@ import torch
 
 from ringtrain.data.ledger import NullLedger
 from ringtrain.data.sampler import ResumableSampler
-from ringtrain.dist.jobstore import NullJobStore
-from ringtrain.dist.watch import CollectiveWatch
+from ringtrain.group.jobstore import NullJobStore
+from ringtrain.group.watch import CollectiveWatch
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.parallel.base import ReplicatedStrategy
 from ringtrain.train.guards import PendingVerdict, StepGuard, Verdict

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S
+from ringtrain.group.watch import HEARTBEAT_INTERVAL_S
 from ringtrain.monitor.loggers import Logger
 
 __all__ = ["NoHealing"]

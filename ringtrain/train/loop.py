@@ -27,8 +27,8 @@ from ringtrain.checkpoint.sharded import PendingSave
 from ringtrain.config import Config
 from ringtrain.data.loader import StepBatch
 from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
-from ringtrain.dist.group import DistContext
-from ringtrain.dist.jobstore import PreviousAttempt
+from ringtrain.group.init import DistContext
+from ringtrain.group.jobstore import PreviousAttempt
 from ringtrain.monitor.loggers import Logger
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.testing import faults

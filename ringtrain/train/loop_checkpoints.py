@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful
 from ringtrain.checkpoint.manager import checkpoint_step
-from ringtrain.dist.watch import first_line
+from ringtrain.group.watch import first_line
 from ringtrain.errors import CheckpointError
 from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan, check_same_choice, resume_record

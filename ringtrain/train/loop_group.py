@@ -9,8 +9,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ringtrain.data.ledger import build_ledger
-from ringtrain.dist.group import DistContext, host_placement
-from ringtrain.dist.watch import CollectiveWatch, flight_dumper
+from ringtrain.group.init import DistContext
+from ringtrain.host.pinning import host_placement
+from ringtrain.group.watch import CollectiveWatch, flight_dumper
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher

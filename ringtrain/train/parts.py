@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from ringtrain.data.ledger import NullLedger
 from ringtrain.data.sampler import ResumableSampler
-from ringtrain.dist.jobstore import NullJobStore
+from ringtrain.group.jobstore import NullJobStore
 from ringtrain.parallel import Strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.precision import Precision
@@ -46,7 +46,7 @@ class TrainParts:
     ledger: NullLedger = field(default_factory=NullLedger)
     """Records each step's sample ids (``[data] ledger``); the null ledger records nothing."""
     job_store: NullJobStore = field(default_factory=NullJobStore)
-    """Keys that outlive the workers: progress and heartbeats (``dist/jobstore.py``)."""
+    """Keys that outlive the workers: progress and heartbeats (``group/jobstore.py``)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """The user's torchmetrics, {name: Metric}, computed over the evaluation set (synchronised by torchmetrics)."""
     data_stats: dict[str, Any] = field(default_factory=dict)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.config import Config
-from ringtrain.dist.jobstore import PreviousAttempt
+from ringtrain.group.jobstore import PreviousAttempt
 from ringtrain.errors import CheckpointError
 
 __all__ = ["ResumePlan", "pick_checkpoint", "check_same_choice", "config_changes", "resume_record"]

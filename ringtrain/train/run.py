@@ -26,10 +26,10 @@ from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.config.schema import HEALABLE_STRATEGIES, RELOADED_STRATEGIES
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import DistContext, leave_default_group, prepare_process
-from ringtrain.dist.jobstore import NullJobStore, connect_job_store
-from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, Heartbeat
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import DistContext, leave_default_group, prepare_process
+from ringtrain.group.jobstore import NullJobStore, connect_job_store
+from ringtrain.group.watch import HEARTBEAT_INTERVAL_S, Heartbeat
 from ringtrain.heal.membership import HEAL_BEAT_S, Generation, Membership, request_join
 from ringtrain.heal.supervisor import Supervisor
 from ringtrain.errors import CheckpointError, ConfigError

@@ -58,11 +58,11 @@ from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch, build_eval_loader, build_train_loader
 from ringtrain.data.sampler import ResumableSampler
 from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import init_distributed
-from ringtrain.dist.jobstore import connect_job_store
-from ringtrain.dist.lifetime import exit_with_parent
-from ringtrain.dist.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbeat
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import init_distributed
+from ringtrain.group.jobstore import connect_job_store
+from ringtrain.group.lifetime import exit_with_parent
+from ringtrain.group.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbeat
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock

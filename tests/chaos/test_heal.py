@@ -196,7 +196,7 @@ def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_on
     assert len(heals) == 5 and len(joins) == 4, logs
     assert all(h["world_size"] == 2 and len(h["lost_ranks"]) == 1 for h in heals), heals
     # Recorded for each, and none waits out dist.timeout_s (20 s): the broken group's sockets are shut down
-    # (dist/sockets.py), so a survivor blocked in a collective on a live peer learns of the failure at once.
+    # (group/sockets.py), so a survivor blocked in a collective on a live peer learns of the failure at once.
     assert all(0 < h["recovery_s"] < 10.0 for h in heals), heals
     assert heals[0]["lost_ranks"] == [1] and all(0 not in h["lost_ranks"] for h in heals), heals
     assert all(j["world_size"] == 3 and j["joined_ranks"] == [2] for j in joins), joins

@@ -39,7 +39,7 @@ def kill_plan(folder: str, algorithm: str, world_size: int) -> str:
 
 def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir: str, plan: str) -> dict:
     # A fault waiting at shm.arrive puts the host on shm's Python path, whose barriers a point sits between (the
-    # native path is one C++ call; a rank killed inside it is tests/dist/test_shm_native.py's).
+    # native path is one C++ call; a rank killed inside it is tests/multiproc/test_shm_native.py's).
     overrides = [f"comm.algorithm={algorithm}", "model.hidden_sizes=[512, 512]", "train.max_steps=10",
                  f"train.global_batch_size={16 * world_size}", "train.local_batch_size=16",
                  f"dist.timeout_s={TIMEOUT_S}", "monitor.log_every_steps=1"]

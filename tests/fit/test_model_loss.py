@@ -13,8 +13,8 @@ from torch.utils.data import Dataset
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ringtrain.config import load_config_dict
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import DistContext
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import DistContext
 from ringtrain.train.build import build_trainer
 from ringtrain.train.user_parts import UserParts
 from tests.distributed import run_distributed

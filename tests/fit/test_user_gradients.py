@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.utils import vector_to_parameters
 
 from ringtrain.config import load_config_dict
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import DistContext
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import DistContext
 from ringtrain.train.build import build_trainer
 from ringtrain.train.user_parts import UserParts
 from tests.distributed import run_distributed

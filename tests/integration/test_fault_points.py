@@ -20,7 +20,7 @@ PROVEN_ELSEWHERE = {
     "heal.form": "tests/chaos/test_heal_compound.py",
     "heal.settle": "tests/chaos/test_heal_compound.py",
     "heal.planned": "tests/chaos/test_heal_compound.py",
-    "heal.transfer": "tests/dist/test_heal_state.py",
+    "heal.transfer": "tests/multiproc/test_heal_state.py",
 }
 
 JOB = ["train", "configs/debug_mlp.toml", "--nproc", "2", "--set", "train.max_steps=4",

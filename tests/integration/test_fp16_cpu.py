@@ -3,7 +3,7 @@
 torch's GradScaler scales CPU gradients as it does CUDA ones, so fp16 is no longer refused over Gloo. One
 run of the sharded case through the command line (FSDP2: each rank unscales its own gradient shard, the
 overflow verdict rides on the step agreement); that the sharded strategies step and skip bit for bit like
-the replicated one under fp16 is tests/dist/test_zero.py's fp16 test.
+the replicated one under fp16 is tests/multiproc/test_zero.py's fp16 test.
 """
 
 from __future__ import annotations

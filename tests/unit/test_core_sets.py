@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringtrain.dist.group import cores_for_worker
+from ringtrain.host.pinning import cores_for_worker
 
 
 def test_two_threads_per_worker_get_disjoint_pairs_of_the_allowed_cores():

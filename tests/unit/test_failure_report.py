@@ -1,4 +1,4 @@
-"""The launcher's one line about a failed job, from the error files its workers wrote (dist/failure.py).
+"""The launcher's one line about a failed job, from the error files its workers wrote (group/failure.py).
 
 torch's agent hands the launcher every failed worker at once (``ChildFailedError``); each worker's error file
 says whether its failure started the job's end (``cause``), was a usage error (``usage``) or came from a peer's
@@ -11,7 +11,7 @@ import signal
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from ringtrain.dist.failure import record_failure
+from ringtrain.group.failure import record_failure
 from ringtrain.errors import LaunchError
 from ringtrain.launch import WorkerFailed, _describe_failure
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringtrain.dist.env import FAULT_PLAN_VAR, DistEnv
-from ringtrain.dist.group import DistContext
+from ringtrain.group.env import FAULT_PLAN_VAR, DistEnv
+from ringtrain.group.init import DistContext
 from ringtrain.elastic import JobSpec, join_job
 from ringtrain.errors import LaunchError
 from ringtrain.launch import Program

@@ -1,4 +1,4 @@
-"""dist/sockets.py on real loopback TCP connections: the sockets opened inside ``recording_group_sockets`` are the
+"""group/sockets.py on real loopback TCP connections: the sockets opened inside ``recording_group_sockets`` are the
 ones ``shutdown_group_sockets`` shuts down; a descriptor closed since, or closed and reused for another socket,
 is left alone; and a descriptor closed by another thread while the shutdown runs (as Gloo's threads close a
 failed pair's) never makes it raise (it did: ``OSError: [Errno 9] Bad file descriptor`` ended a healing worker).
@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from ringtrain.dist import sockets
-from ringtrain.dist.sockets import group_sockets, recording_group_sockets, shutdown_group_sockets
+from ringtrain.group import sockets
+from ringtrain.group.sockets import group_sockets, recording_group_sockets, shutdown_group_sockets
 
 
 def connected_pairs(count: int) -> tuple[socket.socket, list[tuple[socket.socket, socket.socket]]]:

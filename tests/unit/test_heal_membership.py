@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from ringtrain.heal.membership import Fenced, Generation, Membership
-from ringtrain.dist.jobstore import JobStore
+from ringtrain.group.jobstore import JobStore
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def test_after_a_heal_the_watch_reads_each_ranks_heartbeat_and_host_under_its_me
     """Under --heal every worker beats and records its host under its member id (its first rank, or 1000 + n);
     after a heal ranks and ids differ (here members 0, 2 and 1001 are ranks 0, 1, 2). The watch must read
     rank 1's host and heartbeat under id 2, not under id 1 (a worker lost long ago)."""
-    from ringtrain.dist.watch import CollectiveWatch
+    from ringtrain.group.watch import CollectiveWatch
 
     store = connect(job_store_port)
     for member, address in ((0, "198.18.0.1"), (1, "198.18.0.9"), (2, "198.18.0.2"), (1001, "198.18.0.3")):

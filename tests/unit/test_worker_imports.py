@@ -38,7 +38,7 @@ def test_exit_quickly_still_joins_threads_runs_atexit_and_flushes_output(tmp_pat
     marks = tmp_path / "marks"
     script = f"""
 import atexit, sys, threading, time
-from ringtrain.dist.lifetime import exit_quickly
+from ringtrain.group.lifetime import exit_quickly
 marks = open({str(marks)!r}, "a")
 atexit.register(lambda: (marks.write("atexit\\n"), marks.flush()))
 def late():

@@ -1,4 +1,4 @@
-"""Every Gloo group a worker makes listens on the job's address (dist/group.py ``bind_gloo_groups``), on real
+"""Every Gloo group a worker makes listens on the job's address (group/init.py ``bind_gloo_groups``), on real
 Gloo processes: a heal's next generation (``Membership.form``) and a group of ``dist.new_group`` (the
 sharded checkpoints'). The address is 127.0.0.2, which loopback answers for without being its first address:
 the harness names the interface (``GLOO_SOCKET_IFNAME=lo``), by which torch would take 127.0.0.1. (The same
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.dist.group import bind_gloo_groups
+from ringtrain.group.init import bind_gloo_groups
 from ringtrain.heal.membership import Generation, Membership
-from ringtrain.dist.jobstore import JobStore
+from ringtrain.group.jobstore import JobStore
 from tests.distributed import run_distributed
 
 JOB_ADDR = "127.0.0.2"

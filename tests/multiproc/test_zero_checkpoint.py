@@ -20,7 +20,7 @@ from ringtrain.checkpoint.sharded import ShardedCheckpointer, verify
 from ringtrain.config import CommConfig
 from ringtrain.errors import CorruptCheckpoint
 from ringtrain.parallel import build_strategy
-from tests.dist.test_zero import _batches, _model, _optimizer
+from tests.multiproc.test_zero import _batches, _model, _optimizer
 from tests.distributed import run_distributed
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.config import load_config
-from tests.dist.test_accumulation import PLAIN_SGD, full_batch_gradient
+from tests.multiproc.test_accumulation import PLAIN_SGD, full_batch_gradient
 from tests.distributed import run_distributed
 from tests.trainers import REPO, build_test_trainer
 

@@ -15,7 +15,7 @@ import ipaddress
 import socket
 import time
 
-from ringtrain.dist.group import interface_for_address
+from ringtrain.group.init import interface_for_address
 from ringtrain.errors import LaunchError
 
 __all__ = ["bind_address", "check_local_addr", "reach_rendezvous", "RENDEZVOUS_WAIT_S"]

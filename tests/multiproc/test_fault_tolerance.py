@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.dist.jobstore import JobStore
-from ringtrain.dist.watch import CollectiveFailed, CollectiveWatch, Heartbeat
+from ringtrain.group.jobstore import JobStore
+from ringtrain.group.watch import CollectiveFailed, CollectiveWatch, Heartbeat
 from ringtrain.errors import CheckpointError
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import DistributedTestError, run_distributed

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from ringtrain import comm
 from ringtrain.comm import flight
-from ringtrain.dist.jobstore import JobStore
-from ringtrain.dist.watch import CollectiveWatch, Heartbeat, flight_dumper
+from ringtrain.group.jobstore import JobStore
+from ringtrain.group.watch import CollectiveWatch, Heartbeat, flight_dumper
 from ringtrain.monitor.diagnose import DiagnoseError, diagnose
 from tests.distributed import run_distributed
 

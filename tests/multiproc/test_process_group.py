@@ -17,8 +17,8 @@ _WORKER = """
 import json, os, sys
 import torch.distributed as dist
 from ringtrain.config import DistConfig
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import init_distributed
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import init_distributed
 
 with init_distributed(DistEnv.from_environ(), DistConfig(backend="gloo", pin_cpu=True)) as ctx:
     threads = {}
@@ -72,8 +72,8 @@ _TWO_THREAD_WORKER = """
 import ctypes, json, os, threading
 import torch
 from ringtrain.config import DistConfig
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.group import init_distributed
+from ringtrain.group.env import DistEnv
+from ringtrain.group.init import init_distributed
 
 torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 mapped = {line.split()[-1] for line in open("/proc/self/maps")}
@@ -134,7 +134,7 @@ def test_two_threads_per_worker_are_pinned_to_the_worker_s_two_cores_even_if_ope
 _ALLOCATE_AND_FREE = """
 import ctypes, json, sys
 import torch
-from ringtrain.dist.allocator import keep_freed_memory
+from ringtrain.host.allocator import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

@@ -1,4 +1,4 @@
-"""Abandoning a failed group on real Gloo processes (heal/groups.py ``abandon_group``, dist/sockets.py): a rank
+"""Abandoning a failed group on real Gloo processes (heal/groups.py ``abandon_group``, group/sockets.py): a rank
 leaves the group while its own all-reduce is still in flight on it; the peer, blocked in a collective on that
 live rank, must learn of it at once (its sockets shut down), not after the group's timeout, and the
 abandoning rank's destroy must return at once, leaving nothing of the group for a later garbage collection.
@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from ringtrain.heal.groups import abandon_group
 from ringtrain.heal.membership import Generation, Membership
-from ringtrain.dist.jobstore import JobStore
-from ringtrain.dist.sockets import _socket_fds, group_sockets
+from ringtrain.group.jobstore import JobStore
+from ringtrain.group.sockets import _socket_fds, group_sockets
 from tests.distributed import run_distributed
 
 GROUP_TIMEOUT_S = 20.0

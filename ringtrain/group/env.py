@@ -76,7 +76,7 @@ class DistEnv:
     heal_max_workers: int | None = None
     """`--heal`: the most workers the job admits (``ringtrain join`` brings it back up to this)."""
     heal_join: bool = False
-    """`ringtrain join` of a --heal job: admitted by the running workers, no rendezvous (dist/heal.py)."""
+    """`ringtrain join` of a --heal job: admitted by the running workers, no rendezvous (heal/membership.py)."""
     fault_plan: str | None = None
     """A test harness's fault plan (FAULT_PLAN_VAR), armed by build_trainer; None in every user's run."""
     error_file: str | None = None

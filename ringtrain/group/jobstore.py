@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ringtrain.dist.env import DistEnv
+from ringtrain.group.env import DistEnv
 
 __all__ = ["JobStore", "NullJobStore", "PreviousAttempt", "connect_job_store"]
 

@@ -302,7 +302,7 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank_under_zero2(
     """An infinite gradient on rank 1 at step 3 under zero2: each rank holds another gradient shard, so the
     flag travels in the step agreement (StepGuard.check + agree); both ranks skip step 3 and the parameters
     stay those of step 2."""
-    from tests.dist.test_fault_tolerance import records, train as train_job
+    from tests.multiproc.test_fault_tolerance import records, train as train_job
 
     zero2 = ["comm.strategy=zero2", "comm.bucket_mb=0.001"]
     skipped = run_distributed(train_job, 2, str(tmp_path / "inf"), ["train.max_steps=3", *zero2], False,

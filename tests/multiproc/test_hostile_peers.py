@@ -117,7 +117,7 @@ def _victim_ledger(rank: int) -> None:
 
 
 def _victim_placement(rank: int) -> None:
-    from ringtrain.dist.group import host_placement
+    from ringtrain.host.pinning import host_placement
 
     host_placement(None)
 
@@ -165,7 +165,7 @@ SITES = {
     "batch_size.failed_ranks": (_victim_oom_messages, _attack_after_oom_flags),
     "comm_state.gather_rank_states": (_victim_rank_states, _attack_gather),
     "ledger.record": (_victim_ledger, _attack_gather),
-    "group.host_placement": (_victim_placement, _attack_all_gather),
+    "pinning.host_placement": (_victim_placement, _attack_all_gather),
     "shm_group.build": (_victim_shm, _attack_all_gather),
     "heal.transfer.agree_on_state": (_victim_heal_transfer, _attack_heal_transfer),
 }

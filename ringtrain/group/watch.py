@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from ringtrain.comm import flight
 from ringtrain.comm.groups import host_id
-from ringtrain.dist.env import DistEnv
-from ringtrain.dist.jobstore import NullJobStore
+from ringtrain.group.env import DistEnv
+from ringtrain.group.jobstore import NullJobStore
 from ringtrain.comm.errors import CollectiveError
 from ringtrain.errors import RingtrainError
 
@@ -117,7 +117,7 @@ class CollectiveWatch:
                  members: Sequence[int] | None = None):
         self.job_store = job_store
         self.members = list(members) if members is not None else list(range(world_size))
-        """Whose heartbeat each rank beats under (its rank; under --heal its member id, see dist/heal.py)."""
+        """Whose heartbeat each rank beats under (its rank; under --heal its member id, see heal/membership.py)."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s

@@ -1,0 +1,1 @@
+"""The host's tuning: core pinning and the allocator (apart from the process group's lifetime)."""
