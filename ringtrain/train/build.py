@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.config import Config, validate_for_backend
-from ringtrain.data import ResumableSampler, build_datasets, build_eval_loader, build_train_loader
+from ringtrain.data import ResumableSampler, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
 from ringtrain.group.env import forget_fault_plan
 from ringtrain.group.init import DistContext
 from ringtrain.group.jobstore import NullJobStore
-from ringtrain.models import build_model
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.train.batch_size import MicroBatcher
@@ -22,7 +21,6 @@ from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer, record_optimizer
 from ringtrain.train.precision import Precision
 from ringtrain.errors import ConfigError
-from ringtrain.train.tasks import build_task
 from ringtrain.testing import faults
 from ringtrain.train.user_parts import UserParts
 
@@ -30,45 +28,36 @@ __all__ = ["build_trainer", "planned_steps", "broadcast_from_rank0", "arm_fault_
 
 
 def build_trainer(
-    config: Config, ctx: DistContext, job_store: NullJobStore | None = None, user: UserParts | None = None,
+    config: Config, ctx: DistContext, job_store: NullJobStore | None = None, parts: UserParts | None = None,
     healing: NoHealing | None = None, joining: bool = False,
 ) -> Trainer:
-    """The trainer of ``config``: its built-in model and data, or the user's (``user``, from ``fit`` or the
-    config's factories). ``healing``: the seams of a --heal job (ringtrain/heal/). ``joining``: a worker admitted
-    into a running --heal job, built before its group forms: the module is not wrapped (no collective) until it
-    has received the running workers' state (``Trainer.regroup``)."""
+    """The trainer of ``config`` on ``parts`` (``fit``'s, or ``UserParts.from_config``: the config's
+    factories or its built-in workload). ``healing``: the seams of a --heal job (ringtrain/heal/). ``joining``:
+    a worker admitted into a running --heal job, built before its group forms: the module is not wrapped (no
+    collective) until it has received the running workers' state (``Trainer.regroup``)."""
     run_dir = Path(config.run_dir)
     train_cfg = config.train
     validate_for_backend(config, ctx.backend)
     if ctx.env.fault_plan and not faults.is_armed():  # a test harness's fault plan: nothing in a user's run
         arm_fault_plan(ctx, healing)
-    if user is None and config.user_parts:
-        user = UserParts.from_config(config)
-    if user is None:
-        # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's anyway).
-        torch.manual_seed(train_cfg.seed)
-        data = build_datasets(config.data)
-        model = build_model(config.model, data)
-        task = build_task(config.data.dataset)
-    else:
-        data = user.data_split()
-        model = user.build_model(train_cfg.seed)  # seeded like the built-in models
-        if isinstance(user.model, torch.nn.Module):
-            # A module built before fit(): rank 0's weights for every rank (a --heal joiner receives them in
-            # the state the running workers send it: they run no broadcast here).
-            if not joining:
-                broadcast_from_rank0(model)
-        task = user.task
+    parts = parts if parts is not None else UserParts.from_config(config)
+    data = parts.data_split()
+    model = parts.build_model(train_cfg.seed)  # seeded: every rank builds the same weights
+    if isinstance(parts.model, torch.nn.Module) and not joining:
+        # A module built before fit(): rank 0's weights for every rank (a --heal joiner receives them in the
+        # state the running workers send it: they run no broadcast here).
+        broadcast_from_rank0(model)
+    task = parts.task
     strategy = build_strategy(config.comm, ctx.device)
     wrapped = model if joining else strategy.wrap(model)
-    if user is not None and user.optimizer is not None:
-        optimizer = user.optimizer(model)
+    if parts.optimizer is not None:
+        optimizer = parts.optimizer(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     else:
         optimizer = build_optimizer(train_cfg, model.parameters())
-    if user is not None:  # the run directory records the optimizer and schedule the user's script made
-        config = record_optimizer(config, optimizer if user.optimizer else None, user.lr_scheduler)
+    # The run directory records the optimizer and schedule the user's script made (the config's otherwise).
+    config = record_optimizer(config, optimizer if parts.optimizer else None, parts.lr_scheduler)
     # Sharded strategies (zero1/2/3) step the same optimizer over this rank's shard only.
     optimizer = strategy.shard_optimizer(optimizer)
     sampler = ResumableSampler(len(data.train), train_cfg.global_batch_size, seed=train_cfg.seed)
@@ -101,12 +90,12 @@ def build_trainer(
         module=model,
         strategy=strategy,
         optimizer=optimizer,
-        scheduler=build_lr_scheduler(train_cfg, optimizer, total_steps, user.lr_scheduler if user else None),
+        scheduler=build_lr_scheduler(train_cfg, optimizer, total_steps, parts.lr_scheduler),
         sampler=sampler,
         train_loader=train_loader,
         eval_loader=eval_loader,
         task=task,
-        metrics=_on_device(user.metrics if user else {}, ctx.device),
+        metrics=_on_device(parts.metrics, ctx.device),
         total_steps=total_steps,
         ledger=build_ledger(config.data.ledger, run_dir, len(data.train), ctx.rank),
         job_store=job_store or NullJobStore(),
@@ -116,8 +105,8 @@ def build_trainer(
         loaders=loaders,
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), healing)
-    if user is not None:  # the user's task warns (once) through rank 0's logger: a console line and a record
-        task.warn = lambda message: trainer.logger.log({"type": "warning", "message": message})
+    # The task warns (once) through rank 0's logger: a console line and a record.
+    task.warn = lambda message: trainer.logger.log({"type": "warning", "message": message})
     return trainer
 
 

@@ -18,7 +18,6 @@ from ringtrain.parallel import Strategy
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.precision import Precision
 from ringtrain.train.tasks import Task
-from ringtrain.train.user_task import UserTask
 
 __all__ = ["TrainParts"]
 
@@ -38,7 +37,7 @@ class TrainParts:
     train_loader: DataLoader
     eval_loader: DataLoader | None
     """None: no evaluation set."""
-    task: Task | UserTask
+    task: Task
     total_steps: int
     """Optimizer steps of the whole run (the lr schedule spans them)."""
     precision: Precision

@@ -128,34 +128,32 @@ class FitResult(dict):
 
 def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None = None,
                  on_start: Callable[[], None] | None = None, keep_model: bool = False) -> FitResult:
-    """Build the trainer (on the user's parts, if given), check them together, continue from a checkpoint
-    when the plan says so, train, return the summary (with the trained model if ``keep_model``). A resumed
-    run that finished already returns its summary.json and touches nothing. ``on_start``: called (rank 0)
-    once training is about to start."""
+    """Build the trainer on ``user``'s parts (else the config's: its factories or its built-in workload), check
+    them together, continue from a checkpoint when the plan says so, train (under --heal, driven by the heal's
+    supervisor), return the summary (with the trained model if ``keep_model``). A resumed run that finished
+    already returns its summary.json and touches nothing. ``on_start``: called (rank 0) once training is about
+    to start."""
     job_store = connect_job_store(ctx.env, is_writer=ctx.rank == 0)
-    if user is None and config.user_parts:
-        user = UserParts.from_config(config)
-    if user is not None:
-        check_lengths(user)  # before anything is built: the sampler deals from the length
-    if config.dist.heal:
-        return _run_healing(config, ctx, plan, user, job_store, on_start, keep_model)
-    trainer = build_trainer(config, ctx, job_store, user)
-    if user is not None:
-        check_one_batch(trainer, user, config.train.local_batch_size)
+    parts = user if user is not None else UserParts.from_config(config)
+    check_lengths(parts)  # before anything is built: the sampler deals from the length
+    supervisor = _start_healing(config, ctx, job_store, parts) if config.dist.heal else None
+    trainer = build_trainer(config, ctx, job_store, parts, healing=supervisor)
+    check_one_batch(trainer, parts, config.train.local_batch_size)
     # The heartbeat lets a failed collective name the rank that stopped responding.
     # It is also the watchdog that writes the flight recorder when asked (SIGUSR1 to the launcher).
-    with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, HEARTBEAT_INTERVAL_S,
-                                              on_dump_request=trainer.dump_flight):
+    beat_s, dump = (HEAL_BEAT_S, supervisor.dump) if supervisor else (HEARTBEAT_INTERVAL_S, trainer.dump_flight)
+    with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, beat_s, on_dump_request=dump):
         trainer.resume(plan)
         try:
             summary = _finished(trainer, plan)
             if summary is None:
                 if on_start is not None:
                     on_start()
-                summary = trainer.fit()
-            return FitResult(summary, _trained_model(trainer, user) if keep_model else None)
+                summary = supervisor.run(trainer) if supervisor else trainer.fit()
+            final = supervisor.trainer if supervisor else trainer  # a heal rebuilds the trainer
+            return FitResult(summary, _trained_model(final, parts) if keep_model else None)
         finally:
-            trainer.end_threads()
+            (supervisor.trainer if supervisor else trainer).end_threads()
 
 
 def _finished(trainer, plan: ResumePlan) -> dict[str, Any] | None:
@@ -175,7 +173,7 @@ def _finished(trainer, plan: ResumePlan) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
-def _trained_model(trainer, user: UserParts | None) -> nn.Module | None:
+def _trained_model(trainer, parts: UserParts) -> nn.Module | None:
     """The trained module, released from the strategy: replicated strategies (and zero1/zero2, whose module
     holds every parameter) hand back the module itself; zero3 and fsdp gather the full weights (a collective,
     every rank) into a new module from the user's factory."""
@@ -185,16 +183,14 @@ def _trained_model(trainer, user: UserParts | None) -> nn.Module | None:
     if trainer.config.comm.strategy in ("zero1", "zero2"):
         return trainer.module
     state = trainer.parts.strategy.model_state_dict(trainer.model)
-    if user is None or isinstance(user.model, nn.Module):
+    if isinstance(parts.model, nn.Module):
         return None
-    model = user.build_model(trainer.config.train.seed)
+    model = parts.build_model(trainer.config.train.seed)
     model.load_state_dict(state)
     return model
 
 
-def _run_healing(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None,
-                 job_store: NullJobStore, on_start: Callable[[], None] | None = None,
-                 keep_model: bool = False) -> FitResult:
+def _start_healing(config: Config, ctx: DistContext, job_store: NullJobStore, parts: UserParts) -> Supervisor:
     """``--heal``: the launched workers are generation 0's members (member id = first rank); a supervisor
     drives the trainer through every failure and admission (ringtrain/heal/supervisor.py)."""
     generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
@@ -203,28 +199,13 @@ def _run_healing(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
     membership.register()
     if ctx.rank == 0:
         membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
-    supervisor = _supervisor(config, ctx.env, job_store, user, membership)
-    trainer = build_trainer(config, ctx, job_store, user, healing=supervisor)
-    if user is not None:
-        check_one_batch(trainer, user, config.train.local_batch_size)
-    with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, HEAL_BEAT_S,
-                                              on_dump_request=lambda reason: supervisor.dump(reason)):
-        trainer.resume(plan)
-        try:
-            summary = _finished(trainer, plan)
-            if summary is None:
-                if on_start is not None:
-                    on_start()
-                summary = supervisor.run(trainer)
-            return FitResult(summary, _trained_model(supervisor.trainer, user) if keep_model else None)
-        finally:
-            supervisor.trainer.end_threads()
+    return _supervisor(config, ctx.env, job_store, parts, membership)
 
 
-def _supervisor(config: Config, env: DistEnv, job_store: NullJobStore, user: UserParts | None,
+def _supervisor(config: Config, env: DistEnv, job_store: NullJobStore, parts: UserParts,
                 membership: Membership) -> Supervisor:
     supervisor = Supervisor(membership, env.heal_min_workers or 1, env.heal_max_workers,
-                            rebuild=lambda ctx: build_trainer(config, ctx, job_store, user, healing=supervisor),
+                            rebuild=lambda ctx: build_trainer(config, ctx, job_store, parts, healing=supervisor),
                             reloads=config.comm.strategy in RELOADED_STRATEGIES)
     return supervisor
 
@@ -239,6 +220,7 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
             "it has (grow it with a restart: ringtrain train ... --resume)"
         )
     job_store = connect_job_store(env, is_writer=False)
+    parts = user if user is not None else UserParts.from_config(config)
     beating: list[Heartbeat] = []
 
     def beat(member: int) -> None:  # from the request on: the members tell a live joiner from a hung one
@@ -250,8 +232,8 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
         backend, device = prepare_process(env, config.dist)
         # Built before its group forms (no collective: the module is wrapped once it received the state).
         ctx = DistContext(env, backend, device, host_rank=0, host_world_size=1)
-        supervisor = _supervisor(config, env, job_store, user, membership)
-        trainer = build_trainer(config, ctx, job_store, user, healing=supervisor, joining=True)
+        supervisor = _supervisor(config, env, job_store, parts, membership)
+        trainer = build_trainer(config, ctx, job_store, parts, healing=supervisor, joining=True)
         beating[0].on_dump_request = supervisor.dump
         try:
             return supervisor.run(trainer, joining=True)

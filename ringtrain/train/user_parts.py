@@ -1,8 +1,10 @@
-"""A user's own model, data, loss, metrics and optimizer: checked, then turned into what the builders use.
+"""What a run trains: a model factory, data, loss, metrics, optimizer; checked, then handed to the builders.
 
-Both doors lead here: ``ringtrain.fit(model=..., train_data=...)`` hands the objects themselves, and a
-config with ``[model] factory`` / ``[data] factory`` names callables that ``from_config`` imports. Every
-check gives one line naming the part and the fix (exit code 2), before any step runs.
+Every door leads here: ``ringtrain.fit(model=..., train_data=...)`` hands the objects themselves, a config
+with ``[model] factory`` / ``[data] factory`` names callables that ``from_config`` imports, and a config
+naming a built-in workload (``[model] name``, ``[data] dataset``) gets ringtrain's own factories the same
+way (``builtin``): the trainer is built one way whatever the door. Every check gives one line naming the
+part and the fix (exit code 2), before any step runs.
 
     parts = UserParts.checked(model=build_model, train_data=train, eval_data=val, loss="cross_entropy")
 """
@@ -26,7 +28,7 @@ from ringtrain.config.schema import BUILTIN_LOSSES
 from ringtrain.data.batch import describe
 from ringtrain.data.split import DatasetSplit
 from ringtrain.errors import ConfigError
-from ringtrain.train.user_task import UserTask, build_user_task
+from ringtrain.train.tasks import Task, build_task, builtin_task
 
 __all__ = ["UserParts", "import_callable", "check_factories", "describe_callable"]
 
@@ -38,11 +40,25 @@ class UserParts:
     model: Callable[[], nn.Module] | nn.Module
     train_data: Dataset
     eval_data: Dataset | None
-    task: UserTask
+    task: Task
     metrics: dict[str, Any] = field(default_factory=dict)
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
     collate_fn: Callable | None = None
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    split: DatasetSplit | None = None
+    """A built-in workload's data, with its facts (classes, input shape, the corpus's statistics)."""
+
+    @classmethod
+    def builtin(cls, config: Config) -> UserParts:
+        """The built-in workload ``config`` names: its datasets, its model (built from the data's classes and
+        input shape) and cross-entropy (per sample, or per token for text)."""
+        # Imported here: the launcher imports this module to check a config's factories, and needs neither.
+        from ringtrain.data import build_datasets
+        from ringtrain.models import build_model
+
+        data = build_datasets(config.data)
+        return cls(lambda: build_model(config.model, data), data.train, data.test, builtin_task(config.data.dataset),
+                   collate_fn=data.collate_fn, split=data)
 
     @classmethod
     def checked(cls, model, train_data, eval_data=None, loss="cross_entropy", loss_reduction="mean",
@@ -64,7 +80,7 @@ class UserParts:
                               "e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)")
         if collate_fn is not None and not callable(collate_fn):
             raise ConfigError("collate_fn must be a callable, as DataLoader's")
-        task = build_user_task(loss, loss_reduction, count_items, example_target=example[1], metric_inputs=metric_inputs)
+        task = build_task(loss, loss_reduction, count_items, example_target=example[1], metric_inputs=metric_inputs)
         taken = {"loss", "count", "accuracy", "top5_accuracy", "ppl"} & set(metrics)
         if taken:
             raise ConfigError(f"metrics[{sorted(taken)[0]!r}] would replace ringtrain's own evaluation result of that "
@@ -73,7 +89,10 @@ class UserParts:
 
     @classmethod
     def from_config(cls, config: Config) -> UserParts:
-        """Import and call the config's factories ([model] factory, [data] factory, [task])."""
+        """Import and call the config's factories ([model] factory, [data] factory, [task]), or build the
+        built-in workload it names."""
+        if not config.user_parts:
+            return cls.builtin(config)
         model_factory = import_callable("model.factory", config.model.factory)
         model_args = dict(config.model.args)
         made = _call("data.factory", import_callable("data.factory", config.data.factory), config.data.args)
@@ -104,6 +123,8 @@ class UserParts:
         return model
 
     def data_split(self) -> DatasetSplit:
+        if self.split is not None:
+            return self.split
         return DatasetSplit(train=self.train_data, test=self.eval_data, num_classes=0, input_shape=(),
                             collate_fn=self.collate_fn)
 

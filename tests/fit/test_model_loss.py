@@ -81,7 +81,7 @@ def train(rank: int, world_size: int, run_dir: str, loss: str):
     train_data, eval_data = labelled_digits()
     user = UserParts.checked(LabelledClassifier, train_data, eval_data,
                              loss=smoothed_loss if loss == "smoothed" else loss)
-    trainer = build_trainer(config, ctx, user=user)
+    trainer = build_trainer(config, ctx, parts=user)
     trainer.fit()
     return flat_params(trainer.module)
 

@@ -74,7 +74,7 @@ def one_step(rank: int, world_size: int, run_root: str) -> dict:
                                    "data": {"factory": "tests.fit.user_code:digits"},
                                    "train": {**PLAIN_SGD, **train}, "monitor": {"progress": False}},
                                   run_dir=f"{run_root}/{name}")
-        trainer = build_trainer(config, ctx, user=user_parts(spec))
+        trainer = build_trainer(config, ctx, parts=user_parts(spec))
         sampler = trainer.parts.sampler
         if left is not None:
             sampler.load_state_dict({**sampler.state_dict(), "cursor": sampler.num_samples - left})

@@ -10,7 +10,7 @@ from ringtrain.data import ResumableSampler, build_eval_loader, build_train_load
 from ringtrain.data.digits import load_digits_split
 from ringtrain.models import MLP
 from ringtrain.train.evaluate import evaluate
-from ringtrain.train.tasks import ClassificationTask
+from ringtrain.train.tasks import builtin_task
 from tests.distributed import run_distributed
 
 
@@ -48,7 +48,7 @@ def eval_metrics(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = MLP(64, [32], 10)
     loader = build_eval_loader(data.test, rank, world_size, batch_size=64)
-    return evaluate(model, loader, ClassificationTask(), torch.device("cpu"))
+    return evaluate(model, loader, builtin_task("digits"), torch.device("cpu"))
 
 
 def test_eval_counts_each_test_sample_once_at_any_world_size():

@@ -10,12 +10,11 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ringtrain.errors import ConfigError
-from ringtrain.train.tasks import ClassificationTask
-from ringtrain.train.user_task import build_user_task
+from ringtrain.train.tasks import build_task, builtin_task
 
 
 def user_cross_entropy():
-    return build_user_task("cross_entropy", "mean", None, example_target=torch.tensor(0))
+    return build_task("cross_entropy", "mean", None, example_target=torch.tensor(0))
 
 
 def metrics_of(task, logits: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -23,7 +22,7 @@ def metrics_of(task, logits: torch.Tensor, targets: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("classes", [2, 5, 6, 10])
-@pytest.mark.parametrize("make_task", [ClassificationTask, user_cross_entropy], ids=["built-in", "fit"])
+@pytest.mark.parametrize("make_task", [lambda: builtin_task("digits"), user_cross_entropy], ids=["built-in", "fit"])
 def test_top5_accuracy_is_reported_only_with_more_than_five_classes(make_task, classes):
     generator = torch.Generator().manual_seed(classes)
     logits = torch.randn(40, classes, generator=generator)
@@ -39,7 +38,7 @@ def test_top5_accuracy_is_reported_only_with_more_than_five_classes(make_task, c
 
 def test_the_top5_count_travels_with_the_sums_so_a_rank_with_no_eval_batch_agrees():
     """Sums of two ranks' batches, one of them empty (the all-reduce adds zeros): top-5 is still reported."""
-    task = ClassificationTask()
+    task = builtin_task("digits")
     logits, targets = torch.randn(8, 10), torch.randint(10, (8,))
     busy = task.eval_sums(logits, targets)
     assert "top5_accuracy" in task.eval_metrics(busy + torch.zeros_like(busy))
@@ -75,7 +74,7 @@ def test_no_warning_when_the_model_computes_no_loss():
 
 @pytest.mark.parametrize(("reduction", "weight"), [("mean", 6), ("sum", 1)])
 def test_loss_model_trains_on_the_models_own_loss_with_its_reduction(reduction, weight):
-    task, warnings = build_user_task("model", reduction, None, example_target=torch.tensor(0)), []
+    task, warnings = build_task("model", reduction, None, example_target=torch.tensor(0)), []
     task.warn = warnings.append
     logits, targets = torch.randn(6, 10), torch.randint(10, (6,))
     own = SequenceClassifierOutput(loss=torch.tensor(0.25), logits=logits)  # not the targets' cross-entropy
@@ -86,7 +85,7 @@ def test_loss_model_trains_on_the_models_own_loss_with_its_reduction(reduction, 
 
 
 def test_loss_model_without_a_model_loss_is_one_line():
-    task = build_user_task("model", "mean", None, example_target=torch.tensor(0))
+    task = build_task("model", "mean", None, example_target=torch.tensor(0))
     with pytest.raises(ConfigError) as caught:
         task.loss_sum(hf_outputs(torch.randn(4, 10), None), torch.zeros(4, dtype=torch.long))
     message = str(caught.value)

@@ -10,7 +10,7 @@ from ringtrain.models.resnet import build_resnet
 from ringtrain.models.transformer import TransformerLM
 from ringtrain.monitor.metrics import model_flops_utilization
 from ringtrain.train.precision import Precision
-from ringtrain.train.tasks import ClassificationTask, LanguageModelTask
+from ringtrain.train.tasks import builtin_task
 
 
 def test_transformer_is_causal_and_ties_its_embeddings():
@@ -47,15 +47,15 @@ def test_resnet_stems(small_stem, size, final_px):
 def test_classification_reports_top1_and_top5():
     outputs = torch.tensor([[9.0, 8, 7, 6, 5, 4, 0], [0.0, 1, 2, 3, 4, 5, 6], [0.0, 0, 0, 0, 0, 0, 9]])
     targets = torch.tensor([0, 0, 6])  # right; outside the top 5; right
-    metrics = ClassificationTask().eval_metrics(ClassificationTask().eval_sums(outputs, targets))
+    metrics = builtin_task("digits").eval_metrics(builtin_task("digits").eval_sums(outputs, targets))
     assert metrics["accuracy"] == pytest.approx(2 / 3) and metrics["top5_accuracy"] == pytest.approx(2 / 3)
     outputs[1, 0] = 4.5  # now fifth
-    metrics = ClassificationTask().eval_metrics(ClassificationTask().eval_sums(outputs, targets))
+    metrics = builtin_task("digits").eval_metrics(builtin_task("digits").eval_sums(outputs, targets))
     assert metrics["top5_accuracy"] == 1.0 and metrics["count"] == 3
 
 
 def test_language_model_loss_counts_real_tokens_only():
-    task = LanguageModelTask()
+    task = builtin_task("text")
     logits = torch.zeros(2, 4, 256)  # uniform: log 256 nats per token
     targets = torch.tensor([[1, 2, 3, -100], [4, -100, -100, -100]])
     assert task.count_items(targets) == 4
