@@ -71,6 +71,12 @@ class RecordKeeping:
             self.parts.job_store.add_steps_lost(record["steps_lost"])
         self.logger.log(record)
 
+    def _steps_lost(self) -> int | None:
+        """Steps redone after restarts over the whole job, from the job store; 0 for a lone process (nothing
+        restarts it), None where no store outlives the workers (plain torchrun: unknown)."""
+        lost = self.parts.job_store.steps_lost()
+        return 0 if lost is None and not self.ctx.env.is_distributed else lost
+
     def _utilization(self, tokens_per_s: float | None) -> dict[str, float]:
         """MFU of a language model, when the config names the device's peak."""
         flops_per_token = getattr(self.module, "flops_per_token", None)
@@ -94,7 +100,7 @@ class RecordKeeping:
             "micro_batch_size": self.batcher.micro_batch_size,
             "restarts": self.previous.starts - 1,
             "heals": self.healing.count,
-            "steps_lost": self.parts.job_store.steps_lost(),
+            "steps_lost": self._steps_lost(),
             "skipped_steps": self.state.skipped_steps,
             "param_sha256": digests,
             "model_state_mb": model_state_mb,

@@ -28,6 +28,7 @@ from tests.faults import Fault, fault_plan
 PLAIN = REPO / "examples" / "digits_cnn.py"
 SESSION = REPO / "examples" / "digits_cnn_session.py"
 ACCELERATE = REPO / "tests" / "fit" / "conversions" / "digits_cnn_accelerate.py"
+FIT = REPO / "examples" / "digits_cnn_fit.py"
 EPOCHS, STEPS = 2, 46  # 1,437 training samples, 64 a step: 23 steps an epoch
 RUN = ["run", str(SESSION), "--nproc", "2", "--set", "data.ledger=true", "--set", "monitor.progress=false"]
 
@@ -51,6 +52,23 @@ def test_the_plain_script_converts_in_no_more_lines_than_accelerate_takes():
           f"Accelerate's pattern +{accelerate[0]}/-{accelerate[1]}")
     assert sum(session) <= sum(accelerate), (session, accelerate)
     assert sum(session) <= 16  # the issue's bound: Accelerate's +11/-5 on its 74-line script
+
+
+def test_the_fit_conversion_hands_the_loop_over_and_trains_on_two_workers(tmp_path):
+    """examples/digits_cnn_fit.py: the same model, Dataset, AdamW and cosine schedule through fit (the loop and
+    the evaluation are fit's); the README quotes its line count beside the Session's."""
+    added, removed = changed_lines(PLAIN, FIT)
+    print(f"ringtrain.fit +{added}/-{removed} of {len(code_lines(PLAIN))} lines ({len(code_lines(FIT))} left)")
+    assert len(code_lines(FIT)) < len(code_lines(PLAIN)) and added <= 12, (added, removed)
+    run_dir = tmp_path / "fit"
+    done = run_cli("run", str(FIT), "--nproc", "2", "--run-dir", str(run_dir), "--set", "monitor.progress=false",
+                   "--", "--epochs", str(EPOCHS))
+    assert done.returncode == 0, done.stderr
+    recorded = (run_dir / "config.toml").read_text()
+    assert 'optimizer = "torch.optim.adamw:AdamW"' in recorded and "lr = 0.003" in recorded, recorded
+    result = summary(run_dir)
+    assert result["steps"] == STEPS and len(set(result["param_sha256"])) == 1, result
+    assert result["eval"]["accuracy"] > 0.8  # chance: 0.1
 
 
 def summary(run_dir: Path) -> dict:
