@@ -1,6 +1,6 @@
 """A plain PyTorch script, one process: a small CNN on scikit-learn's digits, its own Dataset, AdamW, a cosine
 schedule, validation accuracy. examples/digits_cnn_session.py is the same script on ringtrain.Session (diff them:
-9 lines changed), examples/digits_cnn_fit.py the same training through ringtrain.fit."""
++9/-6 lines), examples/digits_cnn_fit.py the same training through ringtrain.fit."""
 import argparse
 
 import torch

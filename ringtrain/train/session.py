@@ -36,8 +36,6 @@ Launch with ``torchrun``, ``ringtrain run``, or ``python`` (one worker).
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import contextlib
 import math
 import signal
 import sys
@@ -52,12 +50,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ringtrain.checkpoint.front import CheckpointFront
-from ringtrain.config import Config, validate_for_world_size
-from ringtrain.data.batch import map_tensors
+from ringtrain.config import validate_for_world_size
 from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch, build_eval_loader, build_train_loader
 from ringtrain.data.sampler import ResumableSampler
-from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
 from ringtrain.group.env import DistEnv
 from ringtrain.group.init import init_distributed
 from ringtrain.group.jobstore import connect_job_store
@@ -74,19 +70,16 @@ from ringtrain.train.commit import StepCommit
 from ringtrain.train.guards import StepGuard, StopSignal, Verdict, check_replicas
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
-from ringtrain.train.resume import ResumePlan, check_same_choice
+from ringtrain.train.resume import check_same_choice
 from ringtrain.train.run_lock import RunDirLock
 from ringtrain.train.state import TrainState
 from ringtrain.train.user_parts import describe_callable
 from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunInfo, ScheduleState, ShardedTensors
 
+from ringtrain.train.session_parts import (EvalLoader, Samples, SessionLoader, SessionOptimizer, SessionScheduler,
+                                           current_lr, exit_with, planned_steps, resolve_config, resume_plan, usage)
+
 __all__ = ["Session"]
-
-
-class _Samples:
-    """The micro-batch plan's task when a user's loop computes the loss: items are samples."""
-
-    items_are_samples = True
 
 
 class Session:
@@ -100,11 +93,11 @@ class Session:
         env = DistEnv.from_environ()
         exit_with_parent()  # under a launcher: a worker never outlives its agent
         try:
-            self.config = _resolve(config, env, run_dir)
+            self.config = resolve_config(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
-            self.plan = _resume_plan(resume, env, self.config)
+            self.plan = resume_plan(resume, env, self.config)
         except RingtrainError as err:
-            _exit_with(err, env)
+            exit_with(err, env)
         self._group = init_distributed(env, self.config.dist)
         self.ctx = self._group.__enter__()
         if self.ctx.env.fault_plan and not faults.is_armed():  # a test harness's fault plan: nothing in a user's run
@@ -163,7 +156,7 @@ class Session:
         optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. Returns the
         model, optimizer, scheduler and loader (those given or made), in that order."""
         if self.model is not None:
-            _usage("Session.setup was called twice; set up the model and optimizer in one call")
+            usage("Session.setup was called twice; set up the model and optimizer in one call")
         module = model.to(self.device)
         broadcast_from_rank0(module)  # every replica starts from rank 0's weights
         # For the record (config.toml): what this run trains.
@@ -179,34 +172,34 @@ class Session:
         if self._made_scheduler:  # [train]'s schedule: positioned at the step on resume, never carried
             scheduler = build_lr_scheduler(self.config.train, self.optimizer, self.total_steps)
         self.scheduler = scheduler
-        outputs = [self.model, _SessionOptimizer(self, self.optimizer)]
+        outputs = [self.model, SessionOptimizer(self, self.optimizer)]
         if scheduler is not None:
-            outputs.append(_SessionScheduler(self, scheduler))
+            outputs.append(SessionScheduler(self, scheduler))
         return tuple(outputs if loader is None else [*outputs, loader])
 
-    def loader(self, data: Dataset, collate_fn: Any = None) -> _SessionLoader:
+    def loader(self, data: Dataset, collate_fn: Any = None) -> SessionLoader:
         """Deal ``data`` (a map-style Dataset of (input, target) items) exactly once per epoch: each step takes
         the next ``[train] global_batch_size`` samples of the epoch's order, this rank's share cut into
         micro-batches of at most ``local_batch_size``; iterating yields this rank's micro-batches of each step
         left in the epoch (``len``: steps per epoch). A resume goes on from the cursor, mid-epoch."""
         if self.sampler is not None:
-            _usage("Session.loader was called twice; a session deals one training set")
+            usage("Session.loader was called twice; a session deals one training set")
         self.config = self.config.model_copy(update={
             "data": self.config.data.model_copy(update={"factory": describe_callable(data)})})
         self.sampler = ResumableSampler(len(data), self.config.train.global_batch_size, seed=self.config.train.seed)
         self._loader = build_train_loader(data, self.sampler, self.rank, self.world_size,
                                           num_workers=self.config.data.num_workers, collate_fn=collate_fn)
         self.ledger = build_ledger(self.config.data.ledger, self.config.run_dir, len(data), self.rank)
-        self.batcher = MicroBatcher(self.config.train, _Samples(), self.rank, self.world_size, self.device)
-        self.total_steps = _planned_steps(self.config, self.sampler.steps_per_epoch)
-        return _SessionLoader(self)
+        self.batcher = MicroBatcher(self.config.train, Samples(), self.rank, self.world_size, self.device)
+        self.total_steps = planned_steps(self.config, self.sampler.steps_per_epoch)
+        return SessionLoader(self)
 
     def _ready(self) -> None:
         """Before the first step: continue from a checkpoint when the session resumes, open the records."""
         if self._is_ready:
             return
         if self.model is None or self.sampler is None:
-            _usage("a Session needs its model (session.setup) and its data (session.loader) before "
+            usage("a Session needs its model (session.setup) and its data (session.loader) before "
                               "training: call both first")
         self._is_ready = True
         self._resume()
@@ -227,7 +220,7 @@ class Session:
         count = self.config.train.epochs if count is None else count
         self.config = self.config.model_copy(update={"train": self.config.train.model_copy(update={"epochs": count})})
         if self.sampler is not None:
-            self.total_steps = _planned_steps(self.config, self.sampler.steps_per_epoch, count)
+            self.total_steps = planned_steps(self.config, self.sampler.steps_per_epoch, count)
         self._ready()
         with self.stop_signal:
             while self.state.epoch < count and self.state.step < self.total_steps:
@@ -241,7 +234,7 @@ class Session:
         divided by the step's sample count; DDP's average over the ranks is allowed for. Gradients synchronise
         on the step's last micro-batch only."""
         if reduction not in ("mean", "sum"):
-            _usage(f"Session.backward(reduction={reduction!r}): use 'mean' or 'sum'")
+            usage(f"Session.backward(reduction={reduction!r}): use 'mean' or 'sum'")
         rows, _, items = self._micro
         weight = rows if reduction == "mean" else 1
         if rows == 0:  # an empty share (the step's samples do not divide over the ranks): no loss, every hook
@@ -271,7 +264,7 @@ class Session:
         if self.state.step % self.config.monitor.log_every_steps == 0:
             self.logger.log({"type": "train", "step": self.state.step, "epoch": self.state.epoch,
                              "loss": loss_sum.item() / max(1, self._window),
-                             "lr": _lr(self.optimizer), **self.clock.flush(), **self.strategy.comm_timer.flush()})
+                             "lr": current_lr(self.optimizer), **self.clock.flush(), **self.strategy.comm_timer.flush()})
         self.logger.on_step(self.state.step, self.state.epoch)
         if verdict.skip:
             self.logger.log({"type": "skip", "step": self.state.step, "reason": verdict.describe()})
@@ -326,7 +319,7 @@ class Session:
         check_same_choice(-1 if found is None else found.step)
         if found is None:
             if self.plan.required:
-                _exit_with(ConfigError(f"resume: no valid checkpoint in {self.checkpoints.directory}; start afresh "
+                exit_with(ConfigError(f"resume: no valid checkpoint in {self.checkpoints.directory}; start afresh "
                                        "without resume"), self.ctx.env)
             return
         self.checkpoints.load(found, self.parts(), ShardedTensors(self.strategy, self.model, self.optimizer))
@@ -339,7 +332,7 @@ class Session:
         collective (DDP's buffers, zero3 and FSDP gathering parameters)."""
         loader = build_eval_loader(data, self.rank, self.world_size, batch_size, collate_fn=collate_fn)
         counts = [math.ceil(len(range(rank, len(data), self.world_size)) / batch_size) for rank in range(self.world_size)]
-        return _EvalLoader(loader, max(counts))
+        return EvalLoader(loader, max(counts))
 
     def sum(self, value: Any) -> Any:
         """``value`` (a number or a tensor) summed over every rank."""
@@ -392,163 +385,3 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _EvalLoader:
-    """A rank's evaluation batches, padded with empty ones to ``count`` (the most any rank has)."""
-
-    def __init__(self, loader: Any, count: int):
-        self.loader, self.count = loader, count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        first, count = None, self.count
-        for batch in self.loader:
-            first = batch if first is None else first
-            count -= 1
-            yield batch
-        while count > 0 and first is not None:
-            count -= 1
-            inputs, targets = first
-            yield map_tensors(inputs, lambda t: t[:0]), targets[:0]
-
-
-class _SessionLoader:
-    """This rank's micro-batches of each step of the epoch, from the sampler's cursor (see ``Session``)."""
-
-    def __init__(self, session: Session):
-        self.session = session
-        """The micro-batches' session: its sampler, plan and step."""
-
-    def __len__(self) -> int:
-        return self.session.sampler.steps_per_epoch
-
-    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        s = self.session
-        s._ready()
-        for batch in s._loader:
-            step = s.state.step + 1
-            s._window = s.sampler.next_window_size()
-            s._batch = batch = batch.to(s.device)
-            s._step_loss = torch.zeros(())
-            s._stepped = False
-            # The model's randomness (dropout) from (seed, step, rank): the same after a resume.
-            seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.rank))
-            plan = s.batcher.plan(batch, s._window)
-            last = len(plan.micro_batches) - 1
-            for index, (inputs, targets) in enumerate(plan.micro_batches):
-                s._micro = (len(targets), index == last, plan.global_items)
-                s._first = index == 0
-                # Accumulation micro-batches do not synchronise (their forward and backward in no_sync).
-                with contextlib.nullcontext() if index == last else s.strategy.no_sync(s.model):
-                    yield inputs, targets
-            if not s._stepped:
-                _usage(f"step {step}: optimizer.step() was not called for the step's last micro-batch; "
-                                  "call it once per micro-batch, after session.backward(loss)")
-            if s.state.step >= s.total_steps or s.sampler.cursor == 0:
-                break  # the epoch (or the run) is over: the next epoch starts with a fresh iterator
-
-
-class _SessionOptimizer:
-    """The optimizer, stepped once a step: ``step()`` on a step's last micro-batch commits the step (on the
-    others it does nothing), ``zero_grad()`` clears the gradients on a step's first micro-batch only."""
-
-    def __init__(self, session: Session, optimizer: torch.optim.Optimizer):
-        self.session, self.optimizer = session, optimizer
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if getattr(self.session, "_first", True):
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Any = None) -> None:
-        s = self.session
-        if not s._micro[1]:
-            return
-        if s._stepped:
-            _usage("optimizer.step() was called twice on a step's last micro-batch")
-        verdict = s._commit_step()
-        s._stepped = True
-        s._after_step(verdict, s._step_loss)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-
-class _SessionScheduler:
-    """The lr scheduler, stepped by the session once a step as it commits the step (so a checkpoint made then
-    holds it stepped); the loop's own ``step()`` calls do nothing."""
-
-    def __init__(self, session: Session, scheduler: Any):
-        self.session, self.scheduler = session, scheduler
-
-    def step(self, *args: Any) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
-
-
-def _lr(optimizer: torch.optim.Optimizer) -> float:
-    return optimizer.param_groups[0]["lr"]
-
-
-def _planned_steps(config: Config, steps_per_epoch: int, epochs: int | None = None) -> int:
-    planned = (config.train.epochs if epochs is None else epochs) * steps_per_epoch
-    return min(planned, config.train.max_steps) if config.train.max_steps else planned
-
-
-def _resolve(config: Any, env: DistEnv, run_dir: str | Path | None) -> Config:
-    from ringtrain.api import config_sections
-    from ringtrain.config import load_config_dict
-
-    raw, source = config_sections(config, caller="Session()")
-    for section, keys in {"model": ("name", "factory"), "data": ("dataset", "factory"), "task": ("loss",)}.items():
-        for key in keys:
-            if key in raw.get(section, {}):
-                _usage(f"a Session trains the model and data you set up; remove {section}.{key} from the config")
-    return load_config_dict(raw, env.overrides, env.run_dir or (str(run_dir) if run_dir else None), source=source,
-                            name=_script_name())
-
-
-def _script_name() -> str:
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    return Path(path).stem if path else "session"
-
-
-def _resume_plan(resume: bool | str | Path | None, env: DistEnv, config: Config) -> ResumePlan:
-    """As ``fit``'s: ``ringtrain run --resume`` / RINGTRAIN_RESUME, else ``resume``; a fresh run is refused over
-    a run directory with checkpoints, in words that name what works in the launch mode in use."""
-    from ringtrain.api import _resume_plan as plan_of
-    from ringtrain.train.run import FIT_WORDS, RUN_WORDS, ResumeWords
-
-    fit_words = dataclasses.asdict(FIT_WORDS)
-    words = RUN_WORDS if env.launched_by_ringtrain else ResumeWords(
-        **{field: text.replace("fit(", "Session(") for field, text in fit_words.items()})
-    return plan_of(env, resume if resume is not None else False, config, words)
-
-
-def _usage(message: str) -> None:
-    """A loop that uses the Session wrong: one line naming the fix, exit code 2 (as every usage error)."""
-    _exit_with(ConfigError(message), DistEnv.from_environ())
-
-
-def _exit_with(err: RingtrainError, env: DistEnv) -> None:
-    from ringtrain.worker import report_error
-
-    report_error(err, env)
-    sys.exit(err.exit_code)

@@ -1,0 +1,190 @@
+"""The pieces a ``Session`` hands to a user's loop and the checks around it: the step loader, the optimizer and
+scheduler wrappers that commit a step, the evaluation loader, and the start-up helpers (config, resume plan,
+one-line usage errors). Split from ``session.py``, which holds the ``Session`` itself."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ringtrain.config import Config
+from ringtrain.data.batch import map_tensors
+from ringtrain.data.seeding import STEP_STREAM, derive_seed, seed_everything
+from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.group.env import DistEnv
+from ringtrain.train.resume import ResumePlan
+
+if TYPE_CHECKING:
+    from ringtrain.train.session import Session
+
+
+class Samples:
+    """The micro-batch plan's task when a user's loop computes the loss: items are samples."""
+
+    items_are_samples = True
+
+
+class EvalLoader:
+    """A rank's evaluation batches, padded with empty ones to ``count`` (the most any rank has)."""
+
+    def __init__(self, loader: Any, count: int):
+        self.loader, self.count = loader, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        first, count = None, self.count
+        for batch in self.loader:
+            first = batch if first is None else first
+            count -= 1
+            yield batch
+        while count > 0 and first is not None:
+            count -= 1
+            inputs, targets = first
+            yield map_tensors(inputs, lambda t: t[:0]), targets[:0]
+
+
+class SessionLoader:
+    """This rank's micro-batches of each step of the epoch, from the sampler's cursor (see ``Session``)."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        """The micro-batches' session: its sampler, plan and step."""
+
+    def __len__(self) -> int:
+        return self.session.sampler.steps_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        s = self.session
+        s._ready()
+        for batch in s._loader:
+            step = s.state.step + 1
+            s._window = s.sampler.next_window_size()
+            s._batch = batch = batch.to(s.device)
+            s._step_loss = torch.zeros(())
+            s._stepped = False
+            # The model's randomness (dropout) from (seed, step, rank): the same after a resume.
+            seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.rank))
+            plan = s.batcher.plan(batch, s._window)
+            last = len(plan.micro_batches) - 1
+            for index, (inputs, targets) in enumerate(plan.micro_batches):
+                s._micro = (len(targets), index == last, plan.global_items)
+                s._first = index == 0
+                # Accumulation micro-batches do not synchronise (their forward and backward in no_sync).
+                with contextlib.nullcontext() if index == last else s.strategy.no_sync(s.model):
+                    yield inputs, targets
+            if not s._stepped:
+                usage(f"step {step}: optimizer.step() was not called for the step's last micro-batch; "
+                                  "call it once per micro-batch, after session.backward(loss)")
+            if s.state.step >= s.total_steps or s.sampler.cursor == 0:
+                break  # the epoch (or the run) is over: the next epoch starts with a fresh iterator
+
+
+class SessionOptimizer:
+    """The optimizer, stepped once a step: ``step()`` on a step's last micro-batch commits the step (on the
+    others it does nothing), ``zero_grad()`` clears the gradients on a step's first micro-batch only."""
+
+    def __init__(self, session: Session, optimizer: torch.optim.Optimizer):
+        self.session, self.optimizer = session, optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if getattr(self.session, "_first", True):
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        s = self.session
+        if not s._micro[1]:
+            return
+        if s._stepped:
+            usage("optimizer.step() was called twice on a step's last micro-batch")
+        verdict = s._commit_step()
+        s._stepped = True
+        s._after_step(verdict, s._step_loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class SessionScheduler:
+    """The lr scheduler, stepped by the session once a step as it commits the step (so a checkpoint made then
+    holds it stepped); the loop's own ``step()`` calls do nothing."""
+
+    def __init__(self, session: Session, scheduler: Any):
+        self.session, self.scheduler = session, scheduler
+
+    def step(self, *args: Any) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    return optimizer.param_groups[0]["lr"]
+
+
+def planned_steps(config: Config, steps_per_epoch: int, epochs: int | None = None) -> int:
+    planned = (config.train.epochs if epochs is None else epochs) * steps_per_epoch
+    return min(planned, config.train.max_steps) if config.train.max_steps else planned
+
+
+def resolve_config(config: Any, env: DistEnv, run_dir: str | Path | None) -> Config:
+    from ringtrain.api import config_sections
+    from ringtrain.config import load_config_dict
+
+    raw, source = config_sections(config, caller="Session()")
+    for section, keys in {"model": ("name", "factory"), "data": ("dataset", "factory"), "task": ("loss",)}.items():
+        for key in keys:
+            if key in raw.get(section, {}):
+                usage(f"a Session trains the model and data you set up; remove {section}.{key} from the config")
+    return load_config_dict(raw, env.overrides, env.run_dir or (str(run_dir) if run_dir else None), source=source,
+                            name=script_name())
+
+
+def script_name() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return Path(path).stem if path else "session"
+
+
+def resume_plan(resume: bool | str | Path | None, env: DistEnv, config: Config) -> ResumePlan:
+    """As ``fit``'s: ``ringtrain run --resume`` / RINGTRAIN_RESUME, else ``resume``; a fresh run is refused over
+    a run directory with checkpoints, in words that name what works in the launch mode in use."""
+    from ringtrain.api import _resume_plan as plan_of
+    from ringtrain.train.run import FIT_WORDS, RUN_WORDS, ResumeWords
+
+    fit_words = dataclasses.asdict(FIT_WORDS)
+    words = RUN_WORDS if env.launched_by_ringtrain else ResumeWords(
+        **{field: text.replace("fit(", "Session(") for field, text in fit_words.items()})
+    return plan_of(env, resume if resume is not None else False, config, words)
+
+
+def usage(message: str) -> None:
+    """A loop that uses the Session wrong: one line naming the fix, exit code 2 (as every usage error)."""
+    exit_with(ConfigError(message), DistEnv.from_environ())
+
+
+def exit_with(err: RingtrainError, env: DistEnv) -> None:
+    from ringtrain.worker import report_error
+
+    report_error(err, env)
+    sys.exit(err.exit_code)
