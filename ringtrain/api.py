@@ -38,9 +38,7 @@ from ringtrain.group.env import DistEnv
 from ringtrain.group.init import init_distributed
 from ringtrain.group.lifetime import exit_with_parent
 from ringtrain.errors import ConfigError, RingtrainError
-from ringtrain.train.resume import ResumePlan
-from ringtrain.train.run import (FIT_WORDS, RUN_WORDS, FitResult, ResumeWords, check_resume, run_joined_training,
-                                 run_training)
+from ringtrain.train.run import FIT_WORDS, RUN_WORDS, FitResult, plan_resume, run_joined_training, run_training
 from ringtrain.train.user_parts import UserParts, describe_callable
 
 __all__ = ["fit", "FitResult"]
@@ -116,7 +114,7 @@ def fit(
         if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
             return FitResult(run_joined_training(resolved, env, user=parts))
         validate_for_world_size(resolved, env.world_size)
-        plan = _resume_plan(env, resume, resolved, words)
+        plan = plan_resume(env, resume, resolved, words)
         with init_distributed(env, resolved.dist) as ctx:
             on_start = (lambda: _record_program(resolved)) if ctx.rank == 0 else None
             return run_training(resolved, ctx, plan, user=parts, on_start=on_start, keep_model=True)
@@ -189,32 +187,6 @@ def _script_name() -> str:
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     return Path(path).stem if path else "fit"
-
-
-def _resume_plan(env: DistEnv, resume: bool | str | Path, config: Config, words: ResumeWords) -> ResumePlan:
-    """``ringtrain run``'s --resume / --resume-from (RINGTRAIN_RESUME, which a user may set under python or
-    torchrun too), else fit's ``resume``; a restarted worker, or one the launcher checked the run directory
-    for, continues from the newest checkpoint; else a fresh run, refused over a run directory with
-    checkpoints. What the user asked for is checked here, on every rank, before the group forms."""
-    if not isinstance(resume, (bool, str, Path)):
-        raise ConfigError(f"resume must be True (continue the run directory) or a checkpoint path, not "
-                          f"{type(resume).__name__}")
-    if env.resume and env.resume not in ("resume", "checked") and not env.resume.startswith("from:"):
-        raise ConfigError(f"RINGTRAIN_RESUME={env.resume!r}: use 'resume' (continue the run directory) or "
-                          "'from:PATH' (start from a checkpoint)")
-    source = env.resume.removeprefix("from:") if env.resume and env.resume.startswith("from:") else None
-    required = env.resume == "resume"
-    if source is None and not required:
-        source = str(resume) if isinstance(resume, (str, Path)) and str(resume) else None
-        required = resume is True
-    if source is not None or required:
-        if not env.is_restart:
-            check_resume(config, required, source, words, verify=False)
-        return ResumePlan(resume=True, source=Path(source) if source else None, required=source is None)
-    if env.is_restart or env.resume == "checked":
-        return ResumePlan(resume=True)
-    check_resume(config, False, None, words)  # a fresh run over checkpoints would lose them
-    return ResumePlan.fresh()
 
 
 def _record_program(config: Config) -> None:

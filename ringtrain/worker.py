@@ -23,10 +23,9 @@ from ringtrain.group.watch import CollectiveFailed
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.membership import Fenced, MemberFailed
 from ringtrain.train.guards import Stopped
-from ringtrain.train.resume import ResumePlan
-from ringtrain.train.run import check_run_dir, run_joined_training, run_training
+from ringtrain.train.run import ResumeWords, plan_resume, run_joined_training, run_training
 
-__all__ = ["main", "build_worker_parser", "resume_plan", "report_error", "report_exception"]
+__all__ = ["main", "build_worker_parser", "report_error", "report_exception"]
 
 
 def build_worker_parser() -> argparse.ArgumentParser:
@@ -38,18 +37,6 @@ def build_worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     parser.add_argument("--resume-from", metavar="PATH", help="start from this checkpoint (a new run directory)")
     return parser
-
-
-def resume_plan(args: argparse.Namespace, env: DistEnv) -> ResumePlan:
-    """What to continue from. Under ``ringtrain train`` the launcher has checked the run directory, and a
-    worker that restarts or joins a running job continues from the job's latest checkpoint."""
-    if args.resume_from:
-        return ResumePlan(resume=True, source=Path(args.resume_from))
-    if args.resume:
-        return ResumePlan(resume=True, required=True)
-    if env.is_restart or env.launched_by_ringtrain:
-        return ResumePlan(resume=True)
-    return ResumePlan.fresh()
 
 
 @record
@@ -65,9 +52,8 @@ def main(argv: list[str] | None = None) -> None:
             run_joined_training(config, env)
             return
         validate_for_world_size(config, env.world_size)
-        plan = resume_plan(args, env)
-        if not plan.resume:
-            check_run_dir(config, resume=False)
+        asked = Path(args.resume_from) if args.resume_from else bool(args.resume)
+        plan = plan_resume(env, asked, config, ResumeWords(), checked=env.launched_by_ringtrain)
         with init_distributed(env, config.dist) as ctx:
             run_training(config, ctx, plan)
     except RingtrainError as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import io
+import json
 import os
 import signal
 import subprocess
@@ -257,8 +258,31 @@ def alone():
         fcntl.flock(_lock_file, fcntl.LOCK_SH)  # back to sharing, until the test ends
 
 
+def _record_time(item, started: float, ran: float) -> None:
+    """With RINGTRAIN_TEST_TIMES=FILE, one JSON line per test: where its time went (waiting for the lock or
+    running), to find what makes the suite long (tests that run alone hold the other test processes)."""
+    path = os.environ.get("RINGTRAIN_TEST_TIMES")
+    if path:
+        worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
+        line = {"test": item.nodeid, "worker": worker, "exclusive": item.get_closest_marker("exclusive") is not None,
+                "start": started, "wait_s": round(ran - started, 2), "run_s": round(time.time() - ran, 2)}
+        with open(path, "a") as file:
+            file.write(json.dumps(line) + "\n")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    started = time.time()
+    try:
+        return (yield from _run_protocol(item, started))
+    finally:
+        _record_time(item, started, _ran_at.pop(item.nodeid, started))
+
+
+_ran_at: dict[str, float] = {}
+
+
+def _run_protocol(item, started: float):
     global _lock_file
     paths = _lock_paths(item.config)
     if paths is None:
@@ -271,7 +295,9 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(_lock_file, fcntl.LOCK_SH)
         if item.get_closest_marker("exclusive") is not None:
             with alone():
+                _ran_at[item.nodeid] = time.time()
                 return (yield)
+        _ran_at[item.nodeid] = time.time()
         return (yield)
     finally:
         _lock_file.close()  # releases the lock

@@ -115,6 +115,36 @@ def check_resume(config: Config, resume: bool, resume_from: str | None, words: R
     raise CheckpointError(f"{words.asked}: no valid checkpoint in {manager.directory}{found}; {words.fresh}")
 
 
+def plan_resume(env: DistEnv, resume: bool | str | Path, config: Config, words: ResumeWords,
+                checked: bool = False) -> ResumePlan:
+    """What a worker continues from, for every way in (``ringtrain train``'s workers, ``fit``, ``Session``):
+    ``ringtrain run``'s --resume / --resume-from (RINGTRAIN_RESUME, which a user may set under python or torchrun
+    too), else ``resume`` (True: the run directory's newest checkpoint; a path: a new run from it). A restarted
+    worker, or one whose launcher checked the run directory (``checked``; RINGTRAIN_RESUME=checked), continues
+    from the newest checkpoint; else a fresh run, refused over a run directory with checkpoints. What the user
+    asked for is checked here, on every rank, before the group forms (not again where the launcher did)."""
+    if not isinstance(resume, (bool, str, Path)):
+        raise ConfigError(f"resume must be True (continue the run directory) or a checkpoint path, not "
+                          f"{type(resume).__name__}")
+    if env.resume and env.resume not in ("resume", "checked") and not env.resume.startswith("from:"):
+        raise ConfigError(f"RINGTRAIN_RESUME={env.resume!r}: use 'resume' (continue the run directory) or "
+                          "'from:PATH' (start from a checkpoint)")
+    checked = checked or env.resume == "checked"
+    source = env.resume.removeprefix("from:") if env.resume and env.resume.startswith("from:") else None
+    required = env.resume == "resume"
+    if source is None and not required:
+        source = str(resume) if isinstance(resume, (str, Path)) and str(resume) else None
+        required = resume is True
+    if source is not None or required:
+        if not (env.is_restart or checked):
+            check_resume(config, required, source, words, verify=False)
+        return ResumePlan(resume=True, source=Path(source) if source else None, required=source is None)
+    if env.is_restart or checked:
+        return ResumePlan(resume=True)
+    check_resume(config, False, None, words)  # a fresh run over checkpoints would lose them
+    return ResumePlan.fresh()
+
+
 class FitResult(dict):
     """What ``ringtrain.fit`` returns: the run's summary (the dict of summary.json, so ``summary = fit(...)``
     reads as before), with the trained model as ``result.model``."""

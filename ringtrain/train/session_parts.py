@@ -169,13 +169,12 @@ def script_name() -> str:
 def resume_plan(resume: bool | str | Path | None, env: DistEnv, config: Config) -> ResumePlan:
     """As ``fit``'s: ``ringtrain run --resume`` / RINGTRAIN_RESUME, else ``resume``; a fresh run is refused over
     a run directory with checkpoints, in words that name what works in the launch mode in use."""
-    from ringtrain.api import _resume_plan as plan_of
-    from ringtrain.train.run import FIT_WORDS, RUN_WORDS, ResumeWords
+    from ringtrain.train.run import FIT_WORDS, RUN_WORDS, ResumeWords, plan_resume
 
     fit_words = dataclasses.asdict(FIT_WORDS)
     words = RUN_WORDS if env.launched_by_ringtrain else ResumeWords(
         **{field: text.replace("fit(", "Session(") for field, text in fit_words.items()})
-    return plan_of(env, resume if resume is not None else False, config, words)
+    return plan_resume(env, resume if resume is not None else False, config, words)
 
 
 def usage(message: str) -> None:
