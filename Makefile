@@ -25,10 +25,9 @@ run: install
 	$(BIN)/ringtrain train configs/digits_mlp.toml --nproc 2 --run-dir runs/digits_mlp-$$(date +%Y%m%d-%H%M%S)
 
 test: install
-	# Three test processes side by side on the two cores (pytest-xdist), a module to each, in the order
-	# tests/conftest.py gives (modules with tests that run alone first, then the longest); tests marked
+	# Three test processes side by side on the two cores (pytest-xdist), a module to each; tests marked
 	# exclusive run alone. Most of a test's time is waiting, so a third overlaps it (18 min against 20.5 with two).
-	$(BIN)/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 3 --dist loadscope
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -97,27 +97,6 @@ DEEPSPEED_TEST = "test_bench_deepspeed.py::test_deepspeed_shm_runs_beside_ringtr
 _deepspeed_build: subprocess.Popen | None = None
 
 
-DURATIONS = Path(__file__).parent / "durations.json"
-"""Seconds each module took in a recorded run (RINGTRAIN_TEST_TIMES, summed by module): the order below only."""
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Under pytest-xdist (`make test`: --dist loadscope --no-loadscope-reorder, a module to a process in this
-    order): the modules with tests that run alone first, while nothing else waits to start, then the rest longest
-    first, so that no long module starts last. The order only; a module never recorded counts as a median one."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    median = sorted(seconds.values())[len(seconds) // 2] if seconds else 0
-    alone = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("exclusive") is not None}
-
-    def key(item):
-        module = item.nodeid.split("::")[0]
-        return (module not in alone, -seconds.get(module, median))
-
-    items.sort(key=key)  # stable: a module's own tests keep their order
-
-
 def pytest_collection_finish(session):
     global _deepspeed_build
     # Under pytest-xdist every worker collects every test: one worker (gw0) builds, and a test on another worker

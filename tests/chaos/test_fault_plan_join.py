@@ -9,13 +9,15 @@ fire in it; instead only the first fires, the joiner trains to the end, and no a
 
 from __future__ import annotations
 
+import pytest
+
 from ringtrain.heal.membership import JOINER_BASE
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.faults import Fault, fault_plan
 
-# Beside other tests: a --heal member is lost only when its exit is known (ringtrain/heal/liveness.py), never
-# for a quiet heartbeat, so a loaded machine evicts no one (bench/heal_busy.py runs the five kills beside busy
-# processes). Only a test timed against a bound runs alone (@pytest.mark.exclusive on it).
+# A test with joiners runs alone: a joiner is a Python process that takes seconds to start, and beside other
+# tests' jobs it started after the job it was to join had finished (seen in a full run).
+pytestmark = pytest.mark.exclusive
 
 SETS = ["train.global_batch_size=96", "train.local_batch_size=16", "train.epochs=2", "data.ledger=true",
         "monitor.log_every_steps=1", "dist.timeout_s=20", "checkpoint.every_steps=1000"]

@@ -24,7 +24,9 @@ from tests.faults import Fault, fault_plan
 
 # Beside other tests: a --heal member is lost only when its exit is known (ringtrain/heal/liveness.py), never
 # for a quiet heartbeat, so a loaded machine evicts no one (bench/heal_busy.py runs the five kills beside busy
-# processes). Only a test timed against a bound runs alone (@pytest.mark.exclusive on it).
+# processes). Only a test timed against a bound runs alone (@pytest.mark.exclusive on it), and one with joiners:
+# a joiner is a Python process that takes seconds to start, and beside other
+# tests' jobs it started after the job it was to join had finished (seen in a full run).
 
 STEPS_PER_EPOCH = 15  # 1,437 training samples, 96 a step
 
@@ -105,6 +107,7 @@ def _worker_of(joiner: Job) -> psutil.Process:
     return found[0]
 
 
+@pytest.mark.exclusive  # joiners: see the module's note
 def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finishes(tmp_path):
     """The job is full (3 of 3); two workers ask to join and leave before they are admitted: one by Ctrl-C (it
     withdraws its request), one SIGKILLed (it cannot: its death is seen). Then a worker is lost: the group has
@@ -138,6 +141,7 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
     assert_exactly_once(run_dir, epochs=6)
 
 
+@pytest.mark.exclusive  # joiners: see the module's note
 def test_an_admission_cut_short_by_a_heal_is_scheduled_again_by_the_next_writer(tmp_path):
     """One worker was lost (3 -> 2); a joiner asks; rank 0 (the writer) schedules its admission and dies right
     after (heal.planned). The survivor that becomes rank 0 must find the request again and admit it."""

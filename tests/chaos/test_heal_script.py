@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.heal_cycles import kill_and_join
 from tests.chaos.jobs import Job, ledger_steps, records
 
-# Beside other tests: a --heal member is lost only when its exit is known (ringtrain/heal/liveness.py), never
-# for a quiet heartbeat, so a loaded machine evicts no one (bench/heal_busy.py runs the five kills beside busy
-# processes). Only a test timed against a bound runs alone (@pytest.mark.exclusive on it).
+# A test with joiners runs alone: a joiner is a Python process that takes seconds to start, and beside other
+# tests' jobs it started after the job it was to join had finished (seen in a full run).
+pytestmark = pytest.mark.exclusive
 
 SCRIPT = "tests/fit/user_code.py"
 EPOCHS = 8
