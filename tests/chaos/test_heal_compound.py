@@ -125,7 +125,9 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
                 proc.send_signal(signal.SIGINT)
             _worker_of(killed).kill()
             polite_code, killed_code = polite.finish(timeout=60), killed.finish(timeout=60)
-            assert polite_code == 130 and killed_code != 0, (polite_code, killed_code, polite.stderr, killed.stderr)
+            assert polite_code == 130 and killed_code != 0, (
+                f"exit codes: Ctrl-C'd joiner {polite_code}, killed one {killed_code}\n[Ctrl-C'd]\n{polite.stderr}\n"
+                f"[killed]\n{killed.stderr}")
             assert "its request was withdrawn" in polite.stderr, polite.stderr
             step = len(ledger_steps(run_dir))
             job.wait_for(lambda: len(ledger_steps(run_dir)) >= step + 2, what=f"step {step + 2}")
