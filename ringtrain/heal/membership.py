@@ -365,6 +365,9 @@ def request_join(job_store: NullJobStore, timeout_s: float, wait_s: float = 600.
         try:
             membership.store.set(f"join/withdrawn/{member}", "1")  # the members must not wait for a worker that left
         except (RuntimeError, dist.DistError):
+            if isinstance(err, KeyboardInterrupt):  # Ctrl-C is what the user did: exit 130 whether or not the job is gone
+                raise JoinInterrupted(f"ringtrain join: interrupted before the job admitted member {member} (the job "
+                                      "had ended)") from None
             raise HealFailed("ringtrain join: the job ended (its job store went away) before it admitted this "
                              "worker; nothing to join") from None
         if isinstance(err, KeyboardInterrupt):

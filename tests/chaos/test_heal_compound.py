@@ -115,7 +115,7 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
     run_dir = tmp_path / "run"
     plan = fault_plan(tmp_path, PACE)
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
-             str(run_dir), *sets(epochs=6), env=plan.env) as job:
+             str(run_dir), *sets(epochs=12), env=plan.env) as job:
         job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
         polite, killed = Job("join", str(run_dir)).__enter__(), Job("join", str(run_dir)).__enter__()
         try:
@@ -139,8 +139,8 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
     assert code == 0, job.stderr + polite.stderr + killed.stderr
     assert len(records(run_dir, "heal")) == 1 and not records(run_dir, "join")
     done = summary(run_dir)
-    assert done["world_size"] == 2 and done["steps"] == 6 * STEPS_PER_EPOCH
-    assert_exactly_once(run_dir, epochs=6)
+    assert done["world_size"] == 2 and done["steps"] == 12 * STEPS_PER_EPOCH
+    assert_exactly_once(run_dir, epochs=12)
 
 
 @pytest.mark.exclusive  # joiners: see the module's note
