@@ -2,7 +2,7 @@
 worker): BUSY processes spin on the same cores (plain Python loops, the default nice level) while the test
 runs RUNS times; prints one line per run and writes them, with the count of passes, to OUT.
 
-    .venv/bin/python bench/heal_busy.py --runs 20 --busy 6 --epochs 60 --out bench-out/heal-busy
+    .venv/bin/python bench/heal_busy.py --runs 20 --busy 6 --epochs 80 --out bench-out/heal-busy
 
 Exit code 1 when any run failed (its pytest output is kept in OUT/run-N.log).
 """
@@ -25,9 +25,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--busy", type=int, default=6, help="spinning processes beside the test (default 6)")
-    parser.add_argument("--epochs", type=int, default=60,
+    parser.add_argument("--epochs", type=int, default=80,
                         help="the job's length (the test's default is 20): beside busy processes the joiners start "
-                             "several times slower than alone, the job's steps much less so (default 60)")
+                             "several times slower than alone, the job's steps much less so (default 80)")
     parser.add_argument("--out", default="bench-out/heal-busy")
     args = parser.parse_args()
     out = Path(args.out)

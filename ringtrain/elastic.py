@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,6 +56,15 @@ from ringtrain.launch import (
 __all__ = ["JobSpec", "launch_worker_agents", "join_job", "join_healing_job", "write_job_file", "JOB_FILE"]
 
 JOB_FILE = "job.json"
+
+START_BARRIER_VAR = "RINGTRAIN_START_BARRIER"
+"""Set by the launcher for its own agents only, 'DIR:N': each agent marks DIR when it is about to rendezvous and
+waits there for all N (or for DIR/go: an agent exited first). The c10d rendezvous closes ``last_call_timeout``
+(5 s) after the minimum of agents arrived; on a loaded host one agent's start (importing torch) can lag the
+others' by more than that, and the job would begin without a worker the user asked for (seen: 2 of 3 beside
+busy processes, the third agent's rendezvous then failed)."""
+START_BARRIER_S = 300.0
+"""The most a launched agent waits for its siblings before it rendezvouses anyway (one that hangs while starting)."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +141,13 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
     # Node 0's workers bind where its rendezvous listens; other nodes' to --local-addr (or torch's choice).
     local_addr = options.local_addr or (host if options.node_rank == 0 else None)
     watch = _HealWatch(host, port, spec.run_id) if options.heal else None
+    barrier = Path(tempfile.mkdtemp(prefix="ringtrain-start-"))
     try:
         with watch or nullcontext():
-            agents = [_Agent(spec, local_addr, index) for index in range(options.nproc)]
-            _wait(agents, min_workers, watch)
+            agents = [_Agent(spec, local_addr, index, f"{barrier}:{options.nproc}") for index in range(options.nproc)]
+            _wait(agents, min_workers, watch, release=lambda: (barrier / "go").touch())
     finally:
+        shutil.rmtree(barrier, ignore_errors=True)
         del store  # the rendezvous lives exactly as long as this launcher
 
 
@@ -188,9 +202,12 @@ def join_job(spec: JobSpec, local_addr: str | None = None, launched_agent: bool 
     """Run one agent (for ``spec.nproc`` workers) that joins the job's rendezvous (``ringtrain join``).
     ``launched_agent``: one of the launcher's own agents (``join --spec``), whose workers are the launched job's
     and keep a test's fault plan; any other joiner's workers never get it."""
+    barrier = os.environ.pop(START_BARRIER_VAR, None)  # the agent passes its environment on to its workers
     if not launched_agent:
-        forget_fault_plan()  # the agent passes this environment on to its workers
+        forget_fault_plan()
     _check_running(spec)
+    if launched_agent and barrier:
+        _start_together(barrier)
     options = LaunchOptions(
         nproc=spec.nproc,
         nnodes=f"{spec.min_workers // spec.nproc}:{spec.max_workers // spec.nproc}",
@@ -206,15 +223,31 @@ def join_job(spec: JobSpec, local_addr: str | None = None, launched_agent: bool 
     launch(options, spec.program)
 
 
+def _start_together(barrier: str) -> None:
+    """A launched agent about to rendezvous: wait for the launcher's other agents (see START_BARRIER_VAR)."""
+    directory, _, count = barrier.rpartition(":")
+    path = Path(directory)
+    try:
+        (path / f"ready-{os.getpid()}").touch()
+    except OSError:
+        return  # the launcher is gone (and with it the barrier): the rendezvous says what is left
+    deadline = time.monotonic() + START_BARRIER_S
+    while time.monotonic() < deadline and path.is_dir():
+        if (path / "go").exists() or len(list(path.glob("ready-*"))) >= int(count):
+            return
+        time.sleep(0.02)
+
+
 class _Agent:
     """One ``ringtrain join`` child; its stderr is relayed line by line and its last error kept."""
 
-    def __init__(self, spec: JobSpec, local_addr: str | None, index: int):
+    def __init__(self, spec: JobSpec, local_addr: str | None, index: int, start_barrier: str):
         command = [sys.executable, "-m", "ringtrain", "join", "--spec", spec.to_json()]
         if local_addr:
             command += ["--local-addr", local_addr]
         self.index = index
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                        env={**os.environ, START_BARRIER_VAR: start_barrier})
         self.last_error = ""
         self._relay = threading.Thread(target=self._forward, daemon=True)
         self._relay.start()
@@ -269,8 +302,10 @@ CUT_OFF_GRACE_S = 15.0
 still running then holds a worker that was cut off from the job (stopped, or hung) and will never finish."""
 
 
-def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None) -> None:
-    """Wait for every agent; forward SIGINT/SIGTERM to them; decide the job's outcome."""
+def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None,
+          release: Callable[[], object] = lambda: None) -> None:
+    """Wait for every agent; forward SIGINT/SIGTERM to them; decide the job's outcome. ``release``: called when
+    an agent exits (its siblings stop waiting for it at the start barrier)."""
     received: list[int] = []
 
     def forward(signum, frame) -> None:
@@ -281,7 +316,7 @@ def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = Non
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        outcomes = _collect(agents, min_workers, watch)
+        outcomes = _collect(agents, min_workers, watch, release)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -294,7 +329,8 @@ def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = Non
     raise WorkerFailed(first + (f" (and {others} other agent{'s' * (others > 1)} failed)" if others else ""))
 
 
-def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None) -> list[tuple[int, str]]:
+def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None,
+             release: Callable[[], object] = lambda: None) -> list[tuple[int, str]]:
     """(exit code, description) of each agent, in the order they exited. Under --heal, once the job is done the
     agents still running get CUT_OFF_GRACE_S, then they are stopped (their workers were cut off)."""
     outcomes: list[tuple[int, str]] = []
@@ -316,6 +352,7 @@ def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = 
             if agent.process.poll() is None:
                 continue
             running.remove(agent)
+            release()
             code = agent.finish()
             outcomes.append((code, agent.describe_exit(code)))
             if code < 0 and running:  # an agent lost from outside; a failure of its own ends the job anyway

@@ -235,7 +235,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
             raise LaunchError(f"rendezvous at {host}:{port} failed: this launcher's own store stopped answering") from None
         raise LaunchError(_rendezvous_host_lost(host, port)) from None
     except RendezvousError as err:
-        raise LaunchError(f"rendezvous at {host}:{port} failed: {err}") from None
+        raise LaunchError(f"rendezvous at {host}:{port} failed: {str(err) or type(err).__name__}") from None
     finally:
         signal.signal(signal.SIGUSR1, previous)
         worker_log.setLevel(worker_log_level)

@@ -59,18 +59,25 @@ def kill_and_join(job: Job, run_dir: Path, kills: int, steps_between: int, join:
         # Every joiner started ahead has asked to join before the first kill (none is late for its turn).
         job.wait_for(lambda: all("asked to join" in j.stderr for j in joiners), timeout=timeout_s,
                      what="the joiners to ask")
+    killed: list[str] = []  # what each kill hit, for the failure message
     try:
+        job.wait_for(lambda: ledger_steps(run_dir), timeout=timeout_s, what="step 1")
+        launched, first = len(job.workers()), ledger_steps(run_dir)[0]["world_size"]
+        assert first == launched, f"the job began with {first} of its {launched} launched workers"
         for kill in range(kills):
             target = len(ledger_steps(run_dir)) + steps_between
             job.wait_for(lambda: len(ledger_steps(run_dir)) >= target, timeout=timeout_s, what=f"step {target}")
             kind = victims[kill] if victims else ("launched", "joiner")[kill % 2]
-            _victim(job, joiners, kind).kill()
+            victim = _victim(job, joiners, kind)
+            killed.append(f"kill {kill + 1} ({kind}) at step {len(ledger_steps(run_dir))}: pid {victim.pid}, "
+                          f"{_who(job, joiners, victim)}")
+            victim.kill()
             job.wait_for(lambda: len(records(run_dir, "heal")) > kill, timeout=timeout_s, what=f"heal {kill + 1}")
             if kill < joins_wanted:
                 job.wait_for(lambda: len(records(run_dir, "join")) > kill, timeout=timeout_s, what=f"join {kill + 1}")
                 start_joiners()
     except AssertionError as err:
-        logs = "\n".join(f"[joiner {n}]\n{j.stderr}" for n, j in enumerate(joiners))
+        logs = "\n".join([*killed, *(f"[joiner {n}]\n{j.stderr}" for n, j in enumerate(joiners))])
         for joiner in joiners:
             joiner.__exit__(None, None, None)
         raise AssertionError(f"{err}\n{logs}") from None
@@ -90,6 +97,14 @@ def _victim(job: Job, joiners: list[Job], kind: str) -> psutil.Process:
     if not candidates:
         raise AssertionError(f"no live {kind} worker to kill but rank 0")
     return candidates[0]
+
+
+def _who(job: Job, joiners: list[Job], proc: psutil.Process) -> str:
+    launched = {p.pid: rank for rank, p in job.workers().items()}
+    if proc.pid in launched:
+        return f"the worker launched as rank {launched[proc.pid]}"
+    return next((f"joiner {n}'s worker" for n, j in enumerate(joiners) if worker_of(j) == proc), "unknown")
+
 
 def _alive(proc: psutil.Process) -> bool:
     try:

@@ -152,3 +152,31 @@ def test_shrink_three_to_two_with_a_global_batch_that_divides_by_neither(tmp_pat
     assert [r.world_sizes for r in reports] == [(3, 2), (2,)]
     assert all(r.exactly_once and r.complete and r.used == 1437 for r in reports), reports
     assert run_main("ledger", str(run_dir)).returncode == 0
+
+
+def test_a_launched_agent_that_starts_late_is_in_the_first_group(tmp_path):
+    """The launcher's agents rendezvous together (elastic.py START_BARRIER_VAR): one agent stopped for 15 s as it
+    starts (a loaded host: it imports torch last) is still in the first group. Without the barrier the c10d
+    rendezvous closes 5 s after two of three arrived (--min-nproc 2), and the job trains on at 2 workers of the 3
+    asked for (seen in bench/heal_busy.py beside six busy processes)."""
+    run_dir = tmp_path / "late"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), "--set", "data.ledger=true", "--set", "train.epochs=1") as job:
+        def agents():
+            return [p for p in job.tree()[1:] if "--spec" in _cmdline(p)]
+        late = job.wait_for(lambda: agents()[2:3], timeout=30, what="the third agent")[0]
+        late.suspend()
+        try:
+            time.sleep(15)
+        finally:
+            late.resume()
+        code = job.finish()
+    assert code == 0, job.stderr
+    sizes = {r["world_size"] for r in ledger_steps(run_dir)}
+    assert sizes == {3}, (sizes, job.stderr)
+
+
+def _cmdline(proc) -> str:
+    with contextlib.suppress(Exception):
+        return " ".join(proc.cmdline())
+    return ""
