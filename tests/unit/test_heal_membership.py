@@ -240,3 +240,32 @@ def test_a_member_on_another_host_is_dead_once_the_process_that_started_it_recor
         finally:
             child.kill()
             child.wait()
+
+
+def test_ctrl_c_before_admission_is_an_interruption_even_when_the_job_store_is_gone():
+    """`ringtrain join` interrupted (Ctrl-C) while it waits for admission withdraws its request; when the job's
+    store has already gone (the job ended meanwhile) the withdrawal fails, and the interruption is still what
+    the user did: JoinInterrupted (exit 130), not HealFailed ("the job ended", exit 1)."""
+    import subprocess
+    import sys
+
+    from ringtrain.heal.membership import JoinInterrupted, request_join
+
+    host = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as dist; from datetime import "
+                             "timedelta; s = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+                             "timeout=timedelta(seconds=10)); print(s.port, flush=True); time.sleep(120)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        store = connect(int(host.stdout.readline()))
+        store.store.set("heal/current", "0")
+
+        def job_ends_then_ctrl_c(member: int) -> None:
+            host.kill()
+            host.wait()
+            raise KeyboardInterrupt
+
+        with pytest.raises(JoinInterrupted, match="interrupted before the job admitted member 1001"):
+            request_join(store, timeout_s=5, wait_s=30, on_member=job_ends_then_ctrl_c)
+    finally:
+        host.kill()
+        host.wait()
