@@ -207,7 +207,7 @@ def join_job(spec: JobSpec, local_addr: str | None = None, launched_agent: bool 
         forget_fault_plan()
     _check_running(spec)
     if launched_agent and barrier:
-        _start_together(barrier)
+        _rendezvous_together(barrier)
     options = LaunchOptions(
         nproc=spec.nproc,
         nnodes=f"{spec.min_workers // spec.nproc}:{spec.max_workers // spec.nproc}",
@@ -221,6 +221,22 @@ def join_job(spec: JobSpec, local_addr: str | None = None, launched_agent: bool 
         heal=spec.heal,
     )
     launch(options, spec.program)
+
+
+def _rendezvous_together(barrier: str) -> None:
+    """This launched agent's first rendezvous waits for its siblings (START_BARRIER_VAR) at the last moment: in
+    torch's ``next_rendezvous`` itself, after every import and set-up, which take seconds of CPU on a loaded host
+    (a barrier before them left the agents that far apart)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    first_round = DynamicRendezvousHandler.next_rendezvous
+
+    def next_rendezvous(self):
+        DynamicRendezvousHandler.next_rendezvous = first_round  # later rounds as torch has them
+        _start_together(barrier)
+        return first_round(self)
+
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
 
 
 def _start_together(barrier: str) -> None:

@@ -62,8 +62,9 @@ def kill_and_join(job: Job, run_dir: Path, kills: int, steps_between: int, join:
     killed: list[str] = []  # what each kill hit, for the failure message
     try:
         job.wait_for(lambda: ledger_steps(run_dir), timeout=timeout_s, what="step 1")
-        launched, first = len(job.workers()), ledger_steps(run_dir)[0]["world_size"]
-        assert first == launched, f"the job began with {first} of its {launched} launched workers"
+        agents = [p for p in job.tree() if "--spec" in _cmdline(p)]  # the launcher's own: one per worker asked
+        first = ledger_steps(run_dir)[0]["world_size"]
+        assert first == len(agents), f"the job began with {first} of the {len(agents)} workers it launched"
         for kill in range(kills):
             target = len(ledger_steps(run_dir)) + steps_between
             job.wait_for(lambda: len(ledger_steps(run_dir)) >= target, timeout=timeout_s, what=f"step {target}")
@@ -104,6 +105,13 @@ def _who(job: Job, joiners: list[Job], proc: psutil.Process) -> str:
     if proc.pid in launched:
         return f"the worker launched as rank {launched[proc.pid]}"
     return next((f"joiner {n}'s worker" for n, j in enumerate(joiners) if worker_of(j) == proc), "unknown")
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -264,7 +264,7 @@ def test_ctrl_c_before_admission_is_an_interruption_even_when_the_job_store_is_g
             host.wait()
             raise KeyboardInterrupt
 
-        with pytest.raises(JoinInterrupted, match="interrupted before the job admitted member 1001"):
+        with pytest.raises(JoinInterrupted, match="interrupted before the job admitted member 1001 .the job had ended"):
             request_join(store, timeout_s=5, wait_s=30, on_member=job_ends_then_ctrl_c)
     finally:
         host.kill()
