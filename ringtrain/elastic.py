@@ -42,6 +42,7 @@ from ringtrain.heal.liveness import ExitReporter, exit_key
 from ringtrain.heal.membership import job_keys
 from ringtrain.launch import (
     JobStopped,
+    stop_signals,
     LaunchOptions,
     Program,
     WorkerFailed,
@@ -132,7 +133,7 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
     try:
         with watch or nullcontext():
             agents = [_Agent(spec, local_addr, index) for index in range(options.nproc)]
-            _wait(agents, min_workers, watch)
+            _wait(agents, min_workers, watch, stop_signals(options))
     finally:
         del store  # the rendezvous lives exactly as long as this launcher
 
@@ -269,8 +270,10 @@ CUT_OFF_GRACE_S = 15.0
 still running then holds a worker that was cut off from the job (stopped, or hung) and will never finish."""
 
 
-def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None) -> None:
-    """Wait for every agent; forward SIGINT/SIGTERM to them; decide the job's outcome."""
+def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None,
+          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Wait for every agent; forward ``signals`` (SIGINT, SIGTERM; SIGUSR1 in a SLURM job) to them as SIGTERM;
+    decide the job's outcome."""
     received: list[int] = []
 
     def forward(signum, frame) -> None:
@@ -279,7 +282,7 @@ def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = Non
             if agent.process.poll() is None:
                 agent.process.send_signal(signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
         outcomes = _collect(agents, min_workers, watch)
     finally:
