@@ -162,7 +162,11 @@ class MlflowLogger(Logger):
     def finish(self, summary: dict[str, Any]) -> None:
         step = int(summary.get("steps", 0))
         self._metrics({**_flat_summary(summary), **step_breakdown(self.run_dir)}, step)
-        self.client.log_dict(self.run_id, summary, "summary.json")
+        # The rest of the summary (the digests) as tags: an artifact would land in MLflow's default artifact root,
+        # ./mlruns under the working folder, outside the run directory.
+        for key, value in summary.items():
+            if not isinstance(value, (int, float, dict)) or isinstance(value, bool):
+                self.client.set_tag(self.run_id, f"summary/{key}", json.dumps(value)[:5000])
         self.client.set_terminated(self.run_id, status="FINISHED")
         self.run_id = None
 

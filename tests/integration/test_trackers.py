@@ -48,6 +48,8 @@ def test_mlflow_and_wandb_get_what_metrics_jsonl_has(tmp_path):
     assert run.data.metrics["eval/accuracy"] == evaluation["accuracy"]
     assert run.data.metrics["summary/final_loss"] == summary["final_loss"]
     assert run.data.metrics["summary/eval/accuracy"] == summary["eval"]["accuracy"]
+    assert json.loads(run.data.tags["summary/param_sha256"]) == summary["param_sha256"]
+    assert not (REPO / "mlruns").exists(), "MLflow wrote outside the run directory"
     assert run.data.metrics["breakdown/step_s"] > 0 and run.data.metrics["breakdown/forward_backward_s"] > 0
 
     [offline] = list((run_dir / "wandb").glob("offline-run-*"))
