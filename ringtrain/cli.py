@@ -98,10 +98,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default: str) -> None:
 
 def _add_launch_arguments(train: argparse.ArgumentParser) -> None:
     launch = train.add_argument_group("launch (as torchrun)")
-    launch.add_argument("--nproc", type=int, default=1, help="workers on this node (default 1)")
-    launch.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (default 1)")
-    launch.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the rendezvous")
-    launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: a free port on 127.0.0.1)")
+    # Left out under srun or in a PyTorchJob, the scheduler's values fill these in (cluster.py).
+    launch.add_argument("--nproc", type=int, help="workers on this node (default 1; PyTorchJob: PET_NPROC_PER_NODE)")
+    launch.add_argument("--nnodes", help="nodes, N or MIN:MAX (default 1; under srun: SLURM_NNODES; "
+                        "PyTorchJob: PET_NNODES or WORLD_SIZE); --nnodes 1 ignores the scheduler")
+    launch.add_argument("--node-rank", type=int, help="this node's index; node 0 hosts the rendezvous (default 0; "
+                        "under srun: SLURM_NODEID; PyTorchJob: PET_NODE_RANK or RANK)")
+    launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: a free port on 127.0.0.1; under "
+                        "srun: the node list's first host, port 15000 + job id %% 20000; PyTorchJob: MASTER_ADDR:MASTER_PORT)")
     launch.add_argument("--local-addr", help="this node's address for worker sockets (default: loopback on one node; "
                         "node 0: the --rdzv-endpoint host; other nodes: their address that reaches it)")
     launch.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker failure (default 0)")
@@ -135,20 +139,29 @@ def _add_config(commands) -> None:
 
 
 def _launch_options(args: argparse.Namespace):
+    from ringtrain.cluster import LaunchFlags, fill_launch_flags
+    from ringtrain.group.env import cluster_environ
     from ringtrain.launch import LaunchOptions
 
+    # The one place a scheduler's allocation (SLURM under srun, a PyTorchJob) becomes launch flags.
+    given = LaunchFlags(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    filled = fill_launch_flags(given, cluster_environ())
+    flags = filled.flags
     options = LaunchOptions(
-        nproc=args.nproc,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint,
+        nproc=flags.nproc,
+        nnodes=flags.nnodes,
+        node_rank=flags.node_rank,
+        rdzv_endpoint=flags.rdzv_endpoint,
         local_addr=args.local_addr,
         max_restarts=args.max_restarts,
         min_nproc=args.min_nproc,
         rdzv_conf=args.rdzv_conf,
         heal=args.heal,
+        sigusr1_stops=filled.slurm,
     )
     options.validate()
+    if filled.line:
+        print(filled.line, file=sys.stderr, flush=True)
     return options
 
 

@@ -51,6 +51,7 @@ from ringtrain.launch import (
     host_rendezvous_store,
     launch,
     split_endpoint,
+    stop_signals,
 )
 
 __all__ = ["JobSpec", "launch_worker_agents", "join_job", "join_healing_job", "write_job_file", "JOB_FILE"]
@@ -145,7 +146,7 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
     try:
         with watch or nullcontext():
             agents = [_Agent(spec, local_addr, index, f"{barrier}:{options.nproc}") for index in range(options.nproc)]
-            _wait(agents, min_workers, watch, release=lambda: (barrier / "go").touch())
+            _wait(agents, min_workers, watch, stop_signals(options), release=lambda: (barrier / "go").touch())
     finally:
         shutil.rmtree(barrier, ignore_errors=True)
         del store  # the rendezvous lives exactly as long as this launcher
@@ -319,9 +320,10 @@ still running then holds a worker that was cut off from the job (stopped, or hun
 
 
 def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None,
-          release: Callable[[], object] = lambda: None) -> None:
-    """Wait for every agent; forward SIGINT/SIGTERM to them; decide the job's outcome. ``release``: called when
-    an agent exits (its siblings stop waiting for it at the start barrier)."""
+          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM), release: Callable[[], object] = lambda: None) -> None:
+    """Wait for every agent; forward ``signals`` (SIGINT, SIGTERM; SIGUSR1 in a SLURM job) to them as SIGTERM;
+    decide the job's outcome. ``release``: called when an agent exits (its siblings stop waiting for it at the
+    start barrier)."""
     received: list[int] = []
 
     def forward(signum, frame) -> None:
@@ -330,7 +332,7 @@ def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = Non
             if agent.process.poll() is None:
                 agent.process.send_signal(signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
         outcomes = _collect(agents, min_workers, watch, release)
     finally:

@@ -38,7 +38,8 @@ from ringtrain.group.jobstore import JobStore
 from ringtrain.group.watch import host_answers
 from ringtrain.errors import LaunchError, RingtrainError
 
-__all__ = ["LaunchOptions", "Program", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS"]
+__all__ = ["LaunchOptions", "Program", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS",
+           "stop_signals"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -124,6 +125,10 @@ class LaunchOptions:
     """Where the agent keeps per-attempt error files (default: a temporary folder)."""
     heal: bool = False
     """--heal: workers heal in place when one is lost (``[dist] heal``); the agents never restart them."""
+    sigusr1_stops: bool = False
+    """A SLURM job (cluster.py): SIGUSR1, SLURM's warning before the time limit (``--signal=USR1@90``), stops the
+    job as SIGTERM does: the workers save the step they reached and the launcher exits 138 (128 + SIGUSR1), which
+    the batch script answers with ``scontrol requeue``; the flight recorder's dump request moves to SIGUSR2."""
 
     def node_range(self) -> tuple[int, int]:
         text = self.nnodes.strip()
@@ -218,7 +223,11 @@ def launch(options: LaunchOptions, program: Program) -> None:
         local_addr=bind_addr,
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
     )
-    previous = signal.signal(signal.SIGUSR1, _dump_request_handler(host, port, config.run_id))
+    dump_signal = signal.SIGUSR2 if options.sigusr1_stops else signal.SIGUSR1
+    previous = {dump_signal: signal.signal(dump_signal, _dump_request_handler(host, port, config.run_id, dump_signal))}
+    if options.sigusr1_stops:
+        # As torch's agent does for SIGTERM: it stops every worker with this same signal (they save), then re-raises.
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _stop_handler)
     # The agent logs each worker it stops and each failed exit code (E/W lines); the launcher's own line below
     # says which worker failed and why, once.
     worker_log = logging.getLogger(_WORKER_LOG)
@@ -237,7 +246,8 @@ def launch(options: LaunchOptions, program: Program) -> None:
     except RendezvousError as err:
         raise LaunchError(f"rendezvous at {host}:{port} failed: {str(err) or type(err).__name__}") from None
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         worker_log.setLevel(worker_log_level)
         # The rendezvous store lives exactly as long as this node's agent.
         del store
@@ -252,17 +262,27 @@ def _rendezvous_host_lost(host: str, port: int) -> str:
             "host is down, or this host lost its link); start the job again with --resume")
 
 
-def _dump_request_handler(host: str, port: int, run_id: str):
-    """SIGUSR1 to a launcher: ask every worker of the job (all nodes) to write its flight recorder to
-    RUN_DIR/flight/rank-R.json. Each worker's heartbeat thread answers, even one stuck in a collective."""
+def stop_signals(options: LaunchOptions) -> tuple[int, ...]:
+    """The signals that stop a job (its workers save the step they reached): SIGUSR1 too in a SLURM job."""
+    return (signal.SIGINT, signal.SIGTERM, *((signal.SIGUSR1,) if options.sigusr1_stops else ()))
+
+
+def _stop_handler(signum, frame) -> None:
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def _dump_request_handler(host: str, port: int, run_id: str, signum: int = signal.SIGUSR1):
+    """SIGUSR1 (SIGUSR2 in a SLURM job) to a launcher: ask every worker of the job (all nodes) to write its flight
+    recorder to RUN_DIR/flight/rank-R.json. Each worker's heartbeat thread answers, even one stuck in a collective."""
+    name = signal.Signals(signum).name
 
     def request() -> None:
         try:
             JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False).request_dump()
-            print("ringtrain: SIGUSR1: asked every worker to write its flight recorder to RUN_DIR/flight/rank-R.json; "
+            print(f"ringtrain: {name}: asked every worker to write its flight recorder to RUN_DIR/flight/rank-R.json; "
                   "then run `ringtrain diagnose RUN_DIR`", file=sys.stderr, flush=True)
         except (RuntimeError, ValueError) as err:
-            print(f"ringtrain: SIGUSR1: could not reach the job store at {host}:{port} ({err})", file=sys.stderr, flush=True)
+            print(f"ringtrain: {name}: could not reach the job store at {host}:{port} ({err})", file=sys.stderr, flush=True)
 
     def handle(signum, frame) -> None:
         # Not in the handler itself: the main thread may be inside the agent's own store calls.

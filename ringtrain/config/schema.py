@@ -437,12 +437,38 @@ class MonitorConfig(Section):
     """Also write the training records as metrics.csv."""
 
     tensorboard: bool = False
-    """Also write TensorBoard event files to RUN_DIR/tensorboard (needs: pip install 'ringtrain[tensorboard]')."""
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (needs: pip install 'ringtrain[tensorboard]').
+    The same as listing "tensorboard" in trackers (kept: older configs set it)."""
+
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = []
+    """Experiment trackers rank 0 also writes to: the config, every record's numbers, the summary and the step
+    breakdown. "mlflow": a local store (sqlite:///RUN_DIR/mlflow.db unless mlflow_tracking_uri); "wandb": offline
+    only, into RUN_DIR/wandb. Needs pip install 'ringtrain[trackers]'; a tracker that cannot start is one warning
+    and the training goes on."""
+
+    mlflow_tracking_uri: str | None = None
+    """MLflow's store, e.g. sqlite:////shared/mlflow.db (unset: sqlite:///RUN_DIR/mlflow.db; read it with
+    mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db). A server URI would reach the network: ringtrain
+    means a local store."""
+
+    mlflow_experiment: str = "ringtrain"
+    """The MLflow experiment a run is filed under."""
+
+    wandb_project: str = "ringtrain"
+    """The W&B project of the offline run (used when you `wandb sync` it)."""
 
     @model_validator(mode="after")
     def _tensorboard_installed(self) -> MonitorConfig:
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        wanted = self.tensorboard or "tensorboard" in self.trackers
+        if wanted and importlib.util.find_spec("tensorboard") is None:
             raise ValueError("tensorboard = true needs the tensorboard package: pip install 'ringtrain[tensorboard]'")
+        return self
+
+    @model_validator(mode="after")
+    def _trackers_once(self) -> MonitorConfig:
+        repeated = sorted({name for name in self.trackers if self.trackers.count(name) > 1})
+        if repeated:
+            raise ValueError(f"monitor.trackers names {', '.join(repeated)} more than once; list each tracker once")
         return self
 
 

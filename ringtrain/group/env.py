@@ -12,7 +12,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 __all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR",
-           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "ERROR_FILE_VAR", "forget_fault_plan"]
+           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "ERROR_FILE_VAR", "forget_fault_plan", "cluster_environ"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -136,3 +136,13 @@ def _agent_store(env: Mapping[str, str]) -> str | None:
     if env.get("TORCHELASTIC_USE_AGENT_STORE", "False").lower() != "true" or "MASTER_PORT" not in env:
         return None
     return f"{env.get('MASTER_ADDR', '127.0.0.1')}:{env['MASTER_PORT']}"
+
+
+_CLUSTER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "RINGTRAIN_CLUSTER")
+"""Besides every SLURM_* and PET_* variable: what a scheduler tells a launcher (ringtrain/cluster.py)."""
+
+
+def cluster_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher's view of its scheduler: SLURM's and PyTorchJob's variables (``cluster.fill_launch_flags``)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith(("SLURM_", "PET_")) or k in _CLUSTER_VARS}

@@ -182,14 +182,15 @@ def build_logger(config: Config, rank: int, run_dir: str | Path) -> Logger:
     """Real loggers on rank 0, the null logger elsewhere."""
     if rank != 0:
         return NullLogger()
-    from ringtrain.monitor.sinks import CsvLogger, TensorBoardLogger
+    from ringtrain.monitor.sinks import CsvLogger
+    from ringtrain.monitor.trackers import build_trackers
 
     monitor: MonitorConfig = config.monitor
+    # RunDirLogger before the trackers: summary.json and metrics.jsonl are complete when they finish.
     loggers: list[Logger] = [ConsoleLogger(progress=monitor.progress), RunDirLogger(run_dir, config)]
     if monitor.csv:
         loggers.append(CsvLogger(Path(run_dir) / "metrics.csv"))
-    if monitor.tensorboard:
-        loggers.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
+    loggers += build_trackers(config, run_dir)
     return MultiLogger(*loggers)
 
 

@@ -54,9 +54,11 @@ class ReplicasDiverged(RingtrainError):
 
 
 class StopSignal:
-    """Turns SIGTERM and SIGINT into a request to stop at the next step boundary (installed while training)."""
+    """Turns SIGTERM, SIGINT and SIGUSR1 into a request to stop at the next step boundary (installed while
+    training). SIGUSR1 is SLURM's warning before the time limit (``#SBATCH --signal=USR1@90``), which SLURM sends
+    to every process of the job step, the workers included; the launcher stops on it too (launch.py)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self):
         self.signal_number: int | None = None

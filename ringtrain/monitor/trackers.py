@@ -1,0 +1,225 @@
+"""Experiment trackers: MLflow (a local store) and Weights & Biases (offline), as rank-0 loggers.
+
+``[monitor] trackers = ["tensorboard", "mlflow", "wandb"]`` adds them beside metrics.jsonl; each gets the
+config (as parameters), every record's numbers as metrics.jsonl has them (``train/loss``, ``eval/accuracy``,
+``train/time/comm_s``; the step as the step), and at the end the summary and the step breakdown (mean seconds
+per step of each phase, as ``ringtrain report`` splits the step: ``breakdown/forward_backward_s``).
+
+Nothing here reaches the network: MLflow writes to ``sqlite:///RUN_DIR/mlflow.db`` unless
+``monitor.mlflow_tracking_uri`` names another store (read it with ``mlflow ui --backend-store-uri
+sqlite:///RUN_DIR/mlflow.db``), with its telemetry off; W&B runs offline only (``WANDB_MODE=offline``) into
+``RUN_DIR/wandb/offline-run-*`` (``wandb sync`` uploads it later, if you wish).
+
+A tracker is optional: one that cannot start (not installed, a bad URI) or fails later is one warning line,
+and training goes on without it (``Guarded``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ringtrain.config import Config
+from ringtrain.monitor.loggers import Logger
+
+__all__ = ["Guarded", "MlflowLogger", "WandbLogger", "build_trackers", "numbers_of", "flat_params", "step_breakdown"]
+
+# Set before either package is imported; what they read at import or start.
+_OFFLINE_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "WANDB_MODE": "offline",
+                "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+
+
+def numbers_of(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numeric fields as ``{type}/{key}`` (as TensorBoard names them); lists, text and flags stay in
+    metrics.jsonl."""
+    group = record.get("type", "train")
+    return {f"{group}/{key}": float(value) for key, value in record.items()
+            if key not in ("type", "step") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def flat_params(config: Config) -> dict[str, str]:
+    """The resolved config as 'section.field' -> text (MLflow parameters are text)."""
+    flat: dict[str, str] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = json.dumps(value) if not isinstance(value, str) else value
+
+    walk(config.model_dump(mode="json", by_alias=True), "")
+    return flat
+
+
+def step_breakdown(run_dir: Path) -> dict[str, float]:
+    """Mean seconds per step of each phase over the run's steady steps, and the mean step: the split
+    ``ringtrain report`` prints (``breakdown/<phase>_s``, ``breakdown/step_s``)."""
+    from ringtrain.monitor.report import load_run
+
+    run = load_run(run_dir)
+    breakdown = {f"breakdown/{phase}_s": seconds for phase, seconds in run.phase_means().items()}
+    breakdown["breakdown/step_s"] = run.mean("step_time_s")
+    return breakdown
+
+
+def _flat_summary(summary: dict[str, Any], prefix: str = "summary/") -> dict[str, float]:
+    flat: dict[str, float] = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            flat.update(_flat_summary(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[f"{prefix}{key}"] = float(value)
+    return flat
+
+
+class Guarded(Logger):
+    """Runs a tracker's calls; the first one that raises is one warning line, and the tracker is dropped."""
+
+    def __init__(self, name: str, tracker: Logger):
+        self.name, self.tracker = name, tracker
+
+    def _call(self, method: str, *args) -> None:
+        if self.tracker is None:
+            return
+        try:
+            getattr(self.tracker, method)(*args)
+        except Exception as err:  # an optional sink's failure never ends the training
+            self.tracker = None
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            print(f"ringtrain: warning: tracker {self.name!r} failed and is off for this run "
+                  f"({type(err).__name__}: {first}); training goes on", file=sys.stderr, flush=True)
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
+        self._call("start", total_steps, start_step, steps_per_epoch)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._call("log", record)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self._call("finish", summary)
+
+    def close(self) -> None:
+        self._call("close")
+
+
+class MlflowLogger(Logger):
+    """One MLflow run per run directory (a resumed run continues it: its id is kept in
+    RUN_DIR/trackers/mlflow_run_id), in the experiment ``monitor.mlflow_experiment``."""
+
+    def __init__(self, run_dir: str | Path, config: Config):
+        self.run_dir = Path(run_dir).resolve()
+        self.config = config
+        monitor = config.monitor
+        self.uri = monitor.mlflow_tracking_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
+        self.experiment = monitor.mlflow_experiment
+        self.client = None
+        self.run_id: str | None = None
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
+        os.environ.update(_OFFLINE_ENV)
+        for name in ("mlflow", "alembic"):  # its table set-up lines ("Creating initial MLflow database tables")
+            logging.getLogger(name).setLevel(logging.WARNING)
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        id_file = self.run_dir / "trackers" / "mlflow_run_id"
+        if id_file.is_file():  # --resume, or a restart: the same run goes on
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        found = self.client.get_experiment_by_name(self.experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
+        run = self.client.create_run(experiment_id, run_name=self.run_dir.name,
+                                     tags={"ringtrain.run_dir": str(self.run_dir)})
+        self.run_id = run.info.run_id
+        id_file.parent.mkdir(exist_ok=True)
+        id_file.write_text(self.run_id + "\n")
+        params = [Param(key, value[:6000]) for key, value in flat_params(self.config).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def _metrics(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, step) for key, value in values.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def log(self, record: dict[str, Any]) -> None:
+        if "step" in record:
+            self._metrics(numbers_of(record), int(record["step"]))
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        step = int(summary.get("steps", 0))
+        self._metrics({**_flat_summary(summary), **step_breakdown(self.run_dir)}, step)
+        # The rest of the summary (the digests) as tags: an artifact would land in MLflow's default artifact root,
+        # ./mlruns under the working folder, outside the run directory.
+        for key, value in summary.items():
+            if not isinstance(value, (int, float, dict)) or isinstance(value, bool):
+                self.client.set_tag(self.run_id, f"summary/{key}", json.dumps(value)[:5000])
+        self.client.set_terminated(self.run_id, status="FINISHED")
+        self.run_id = None
+
+    def close(self) -> None:
+        if self.run_id is not None:  # stopped or failed before the end
+            self.client.set_terminated(self.run_id, status="KILLED")
+            self.run_id = None
+
+
+class WandbLogger(Logger):
+    """A W&B run in offline mode, written under RUN_DIR/wandb (a resumed run continues the same run id)."""
+
+    def __init__(self, run_dir: str | Path, config: Config):
+        self.run_dir = Path(run_dir).resolve()
+        self.config = config
+        self.run = None
+
+    def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
+        os.environ.update(_OFFLINE_ENV)
+        import wandb
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run_id = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:16]
+        self.run = wandb.init(project=self.config.monitor.wandb_project, dir=str(self.run_dir), id=run_id,
+                              name=self.run_dir.name, config=self.config.model_dump(mode="json", by_alias=True),
+                              mode="offline", resume="allow")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if "step" in record:
+            self.run.log(numbers_of(record), step=int(record["step"]))
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update({**summary, **step_breakdown(self.run_dir)})
+        self.run.finish()
+        self.run = None
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=1)
+            self.run = None
+
+
+def build_trackers(config: Config, run_dir: str | Path) -> list[Logger]:
+    """The trackers ``[monitor] trackers`` names (TensorBoard too: ``tensorboard = true`` is the same as
+    ``trackers = ["tensorboard"]``); MLflow and W&B each guarded (one warning line if it fails)."""
+    from ringtrain.monitor.sinks import TensorBoardLogger
+
+    monitor = config.monitor
+    trackers: list[Logger] = []
+    if monitor.tensorboard or "tensorboard" in monitor.trackers:
+        trackers.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
+    if "mlflow" in monitor.trackers:
+        trackers.append(Guarded("mlflow", MlflowLogger(run_dir, config)))
+    if "wandb" in monitor.trackers:
+        trackers.append(Guarded("wandb", WandbLogger(run_dir, config)))
+    return trackers

@@ -1,0 +1,91 @@
+"""[monitor] trackers: MLflow (a local sqlite store under the run directory) and W&B (offline) get what
+metrics.jsonl has, from rank 0; a tracker that cannot start is one warning line and the run still succeeds."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ringtrain.config import Config
+from ringtrain.monitor.sinks import TensorBoardLogger
+from ringtrain.monitor.trackers import Guarded, build_trackers
+from tests.conftest import REPO, run_cli
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+
+JOB = ["configs/debug_mlp.toml", "--nproc", "2", "--set", "train.epochs=1", "--set", "monitor.log_every_steps=2"]
+
+
+def _records(run_dir, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
+def test_mlflow_and_wandb_get_what_metrics_jsonl_has(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run_cli("train", *JOB, "--run-dir", str(run_dir), "--set", 'monitor.trackers=["mlflow", "wandb"]')
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stderr, done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+
+    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+    run_id = (run_dir / "trackers" / "mlflow_run_id").read_text().strip()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.lr"] == "0.1" and run.data.params["model.hidden_sizes"] == "[32, 32]"
+    train = _records(run_dir, "train")
+    assert len(train) >= 10
+    for key in ("loss", "lr", "samples_per_s", "time/forward_backward_s", "time/comm_s"):
+        logged = [(m.step, m.value) for m in client.get_metric_history(run_id, f"train/{key}")]
+        assert sorted(logged) == [(r["step"], r[key]) for r in train if key in r], key
+    [evaluation] = _records(run_dir, "eval")
+    assert run.data.metrics["eval/accuracy"] == evaluation["accuracy"]
+    assert run.data.metrics["summary/final_loss"] == summary["final_loss"]
+    assert run.data.metrics["summary/eval/accuracy"] == summary["eval"]["accuracy"]
+    assert json.loads(run.data.tags["summary/param_sha256"]) == summary["param_sha256"]
+    assert not (REPO / "mlruns").exists(), "MLflow wrote outside the run directory"
+    assert run.data.metrics["breakdown/step_s"] > 0 and run.data.metrics["breakdown/forward_backward_s"] > 0
+
+    [offline] = list((run_dir / "wandb").glob("offline-run-*"))
+    [log] = list(offline.glob("run-*.wandb"))
+    data = log.read_bytes()
+    # The run's records (what `wandb sync` uploads): the summary's digest, and the last training loss.
+    assert summary["param_sha256"][0].encode() in data
+    assert json.dumps(train[-1]["loss"]).encode() in data and b"breakdown/step_s" in data
+
+
+def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path):
+    """MLflow at a store it cannot open, W&B not importable (a stand-in package that raises on import)."""
+    fake = tmp_path / "site"
+    (fake / "wandb").mkdir(parents=True)
+    (fake / "wandb" / "__init__.py").write_text("raise ImportError('No module named wandb (test stand-in)')\n")
+    run_dir = tmp_path / "run"
+    done = run_cli("train", *JOB, "--run-dir", str(run_dir), "--set", 'monitor.trackers=["mlflow", "wandb"]',
+                   "--set", 'monitor.mlflow_tracking_uri="nosuchstore://nowhere"',
+                   env={"PYTHONPATH": os.pathsep.join([str(fake), str(REPO)])})
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 2, done.stderr
+    assert warnings[0].startswith("ringtrain: warning: tracker 'mlflow' failed and is off for this run (")
+    assert warnings[1].startswith("ringtrain: warning: tracker 'wandb' failed and is off for this run (ImportError: "
+                                  "No module named wandb (test stand-in)); training goes on")
+    assert "Traceback" not in done.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 23
+
+
+def test_the_old_tensorboard_field_is_the_tensorboard_tracker(tmp_path):
+    pytest.importorskip("tensorboard")
+    for monitor in ({"tensorboard": True}, {"trackers": ["tensorboard"]}):
+        trackers = build_trackers(Config.model_validate({"monitor": monitor}), tmp_path)
+        assert [type(t) for t in trackers] == [TensorBoardLogger], monitor
+        trackers[0].close()
+    both = build_trackers(Config.model_validate({"monitor": {"trackers": ["wandb", "mlflow"]}}), tmp_path)
+    assert [t.name for t in both if isinstance(t, Guarded)] == ["mlflow", "wandb"]
+    with pytest.raises(ValueError, match="names mlflow more than once"):
+        Config.model_validate({"monitor": {"trackers": ["mlflow", "mlflow"]}})
