@@ -7,6 +7,7 @@ import fcntl
 import io
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -265,7 +266,9 @@ def _record_time(item, started: float, ran: float) -> None:
     if path:
         worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
         line = {"test": item.nodeid, "worker": worker, "exclusive": item.get_closest_marker("exclusive") is not None,
-                "start": started, "wait_s": round(ran - started, 2), "run_s": round(time.time() - ran, 2)}
+                "start": started, "wait_s": round(ran - started, 2), "run_s": round(time.time() - ran, 2),
+                # CPU of this test process and of the processes it started and waited for (their children too).
+                "cpu_s": round(_cpu_s() - _cpu_at.pop(item.nodeid, _cpu_s()), 2)}
         with open(path, "a") as file:
             file.write(json.dumps(line) + "\n")
 
@@ -280,12 +283,19 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 _ran_at: dict[str, float] = {}
+_cpu_at: dict[str, float] = {}
+
+
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _run_protocol(item, started: float):
     global _lock_file
     paths = _lock_paths(item.config)
     if paths is None:
+        _ran_at[item.nodeid], _cpu_at[item.nodeid] = time.time(), _cpu_s()
         return (yield)
     lock_path, turnstile_path = paths
     _lock_file = open(lock_path, "a")
@@ -295,9 +305,9 @@ def _run_protocol(item, started: float):
             fcntl.flock(_lock_file, fcntl.LOCK_SH)
         if item.get_closest_marker("exclusive") is not None:
             with alone():
-                _ran_at[item.nodeid] = time.time()
+                _ran_at[item.nodeid], _cpu_at[item.nodeid] = time.time(), _cpu_s()
                 return (yield)
-        _ran_at[item.nodeid] = time.time()
+        _ran_at[item.nodeid], _cpu_at[item.nodeid] = time.time(), _cpu_s()
         return (yield)
     finally:
         _lock_file.close()  # releases the lock
