@@ -9,7 +9,6 @@ import hashlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ringtrain.comm.objects import all_gather_json

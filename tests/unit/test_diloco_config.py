@@ -73,4 +73,5 @@ def test_diloco_is_recorded_only_by_a_diloco_run_and_leaves_other_digests_alone(
     import json
     values = plain.model_dump()
     values.pop("diloco")
-    assert plain.digest() == hashlib.sha256(json.dumps(values, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":")).encode()
+    assert plain.digest() == hashlib.sha256(canonical).hexdigest()
