@@ -370,7 +370,8 @@ class CommConfig(Section):
 
     @model_validator(mode="after")
     def _strategy_has_algorithm(self) -> CommConfig:
-        if self.strategy in ("manual", "zero1", "zero2", "zero3", "diloco") and self.algorithm in ("fp16", "bf16", "powersgd"):
+        own_collectives = ("manual", "zero1", "zero2", "zero3", "diloco")
+        if self.strategy in own_collectives and self.algorithm in ("fp16", "bf16", "powersgd"):
             raise ValueError(
                 f"algorithm '{self.algorithm}' is one of torch's DDP hooks; use strategy = 'ddp' with it, "
                 f"or algorithm 'torch', 'ring', 'ring_chunked' or 'shm' with strategy '{self.strategy}'"
