@@ -48,7 +48,7 @@ def build_trainer(
         # state the running workers send it: they run no broadcast here).
         broadcast_from_rank0(model)
     task = parts.task
-    strategy = build_strategy(config.comm, ctx.device)
+    strategy = build_strategy(config.comm, ctx.device, config.diloco)
     wrapped = model if joining else strategy.wrap(model)
     if parts.optimizer is not None:
         optimizer = parts.optimizer(model)

@@ -33,7 +33,8 @@ class CheckpointSeams:
                 "optimizer": OptimizerState(strategy, parts.optimizer), "sampler": parts.sampler,
                 "train_state": self.state, "schedule": ScheduleState(parts.scheduler, self.state),
                 "precision": self.precision, "micro_batch": self.batcher,
-                "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn)}
+                "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn),
+                **({} if local else parts.strategy.stateful_parts())}  # DiLoCo's outer state
 
     def state_dict(self) -> dict:
         """The full (unsharded) checkpoint of this step, as a full checkpoint file holds it (every rank calls it:

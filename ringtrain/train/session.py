@@ -162,7 +162,7 @@ class Session:
         # For the record (config.toml): what this run trains.
         self.config = self.config.model_copy(update={
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
-        self.strategy = build_strategy(self.config.comm, self.device)
+        self.strategy = build_strategy(self.config.comm, self.device, self.config.diloco)
         self.module, self.model = module, self.strategy.wrap(module)
         made = self._made_optimizer = optimizer is None
         optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer
