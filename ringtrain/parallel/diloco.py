@@ -185,6 +185,16 @@ class OuterState:
         return {"global_params": [g.detach().clone() for g in s.global_params],
                 "optimizer": s.outer_optimizer.state_dict(), "outer_steps": s.outer_steps}
 
+    def absent_from_checkpoint(self) -> None:
+        """The checkpoint loaded was saved by another strategy (a DDP run continued with DiLoCo, the paper's warm
+        start): the outer loop starts at the model just loaded, with no momentum and no outer step yet."""
+        s = self.strategy
+        with torch.no_grad():
+            for global_, param in zip(s.global_params, s._params, strict=True):
+                global_.copy_(param)
+        s.outer_optimizer.state.clear()
+        s.outer_steps = 0
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = self.strategy
         with torch.no_grad():

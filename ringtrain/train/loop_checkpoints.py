@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 
-from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful
+from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful, load_parts
 from ringtrain.checkpoint.manager import checkpoint_step
 from ringtrain.group.watch import first_line
 from ringtrain.errors import CheckpointError
@@ -43,10 +43,7 @@ class CheckpointSeams:
 
     def load_state_dict(self, state: dict) -> None:
         """Load a full checkpoint's dict (``state_dict``'s form) into every part."""
-        parts = self.checkpoint_parts()
-        for name, part in parts.items():
-            if name in state:
-                part.load_state_dict(state[name])
+        load_parts(self.checkpoint_parts(), state)
 
     def _tensors(self) -> ShardedTensors:
         return ShardedTensors(self.parts.strategy, self.model, self.parts.optimizer)

@@ -122,3 +122,36 @@ def rank_state_round_trip(rank: int, world_size: int) -> bool:
 
 def test_a_ranks_own_state_and_the_outer_state_resume_bit_for_bit():
     assert run_distributed(rank_state_round_trip, 2, timeout_s=60) == [True, True]
+
+
+def warm_start(rank: int, world_size: int) -> list[bool]:
+    """A checkpoint another strategy wrote (no ``outer`` part) loaded into a DiLoCo run: the outer loop starts at
+    the loaded model, so an outer step right after it moves nothing (every rank holds that model: the mean
+    pseudo-gradient is zero). From a stale global copy it would move half way back (outer_lr 0.5)."""
+    from ringtrain.checkpoint.front import load_parts
+
+    strategy = build_strategy(CommConfig(strategy="diloco"), torch.device("cpu"),
+                              DiLoCoConfig(sync_every=1, outer_lr=0.5, outer_momentum=0.0))
+    model = strategy.wrap(_model())
+    trained = _model()  # "a DDP run's checkpoint": other weights than the ones the strategy started from
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(0.5).add_(0.25)
+    saved = {"model": trained.state_dict()}
+
+    class ModelPart:
+        def state_dict(self):
+            return model.state_dict()
+
+        def load_state_dict(self, state):
+            model.load_state_dict(state)
+
+    load_parts({"model": ModelPart(), **strategy.stateful_parts()}, saved)
+    strategy.outer_step()
+    return [torch.equal(a, b) for a, b in zip(model.parameters(), trained.parameters())]
+
+
+def test_a_checkpoint_of_another_strategy_starts_the_outer_loop_at_the_loaded_model():
+    """A DDP run continued as DiLoCo (the paper warm-starts from a trained model): without the ``outer`` part the
+    global copy would stay at the initial weights and the first outer step would pull every rank back there."""
+    assert run_distributed(warm_start, 2, timeout_s=60) == [[True] * 4, [True] * 4]
