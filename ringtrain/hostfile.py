@@ -44,6 +44,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,7 +208,8 @@ def remote_command(argv: Sequence[str], python: str, cwd: str, env: Mapping[str,
 
 
 def ssh_command(host: str, command: str, port: int | None = None, options: Sequence[str] = ()) -> list[str]:
-    """ssh's argv. The user's -o options come first: ssh keeps the first value it is given for an option."""
+    """ssh's argv. The user's -o options come first: ssh keeps the first value it is given for an option.
+    ConnectTimeout: a host that does not answer at all fails in 15 s, not after the system's TCP timeout."""
     argv = ["ssh", "-T"]
     for option in options:
         argv += ["-o", option]
@@ -250,6 +252,9 @@ def launch_hosts(hostfile: Hostfile, argvs: Sequence[list[str]], python: str, cw
                  ssh_port: int | None = None, ssh_options: Sequence[str] = ()) -> int:
     """Run ``argvs[i]`` on ``hostfile.hosts[i]`` over ssh; wait for all. 0, or the first failure's exit code
     (one line naming the host; the other hosts are stopped), or 128 + the signal that stopped this process."""
+    if shutil.which("ssh") is None:
+        raise LaunchError("--hostfile starts each host's launcher with ssh, which is not installed here: install "
+                          "the OpenSSH client (Debian: apt-get install openssh-client)")
     hosts: list[_Host] = []
     stopped_by: list[int] = []
 

@@ -102,3 +102,17 @@ def test_sigterm_to_the_launcher_stops_every_host(make_hosts, tmp_path):
         assert f"[{hosts.addr(0)}] ringtrain: [rank 0] stopped at step" in job.stderr, job.stderr
         assert list((run_dir / "checkpoints").glob("step_*")), job.stderr
         assert _until_none_left(hosts, ssh) == {0: {}, 1: {}}
+
+
+def test_ringtrain_run_a_script_over_ssh_with_its_own_arguments(make_hosts, tmp_path):
+    """`ringtrain run SCRIPT --hostfile FILE -- ARGS`: every host runs the script with ARGS after `--`."""
+    hosts = make_hosts(2)
+    run_dir = tmp_path / "run"
+    with SshHosts(hosts, tmp_path) as ssh:
+        with Job("run", "examples/tabular_regression.py", "--hostfile", _hostfile(tmp_path, hosts), "--rdzv-port", PORT,
+                 "--run-dir", str(run_dir), "--set", "monitor.progress=false", *ssh.ssh_flags(), "--", "--epochs", "1",
+                 prefix=hosts.exec_prefix(0)) as job:
+            assert job.finish(timeout=180) == 0, job.stderr
+        assert _until_none_left(hosts, ssh) == {0: {}, 1: {}}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 1, summary  # --epochs 1 reached the script
