@@ -209,9 +209,14 @@ def join_job(spec: JobSpec, local_addr: str | None = None, launched_agent: bool 
     _check_running(spec)
     if launched_agent and barrier:
         _rendezvous_together(barrier)
+    # Under --heal the rendezvous only starts the job (who is in it later is the heal's business): the launcher's
+    # own agents start it all together, every worker asked for. A round that closes at the minimum leaves a
+    # loaded host's slowest agent out (seen at load 15: its joins kept losing the race for the rendezvous state
+    # to the others' keep-alives until the last call closed the round), and nothing would ever admit it.
+    first = spec.max_workers if launched_agent and spec.heal else spec.min_workers
     options = LaunchOptions(
         nproc=spec.nproc,
-        nnodes=f"{spec.min_workers // spec.nproc}:{spec.max_workers // spec.nproc}",
+        nnodes=f"{first // spec.nproc}:{spec.max_workers // spec.nproc}",
         rdzv_endpoint=spec.rdzv_endpoint,
         local_addr=local_addr,
         max_restarts=spec.max_restarts,
@@ -307,6 +312,13 @@ class _HealWatch:
     def __exit__(self, *exc) -> None:
         self._reporter.__exit__(*exc)
 
+    def job_started(self) -> bool:
+        """The workers formed the job's first generation (heal/membership.py publishes it)."""
+        try:
+            return self._reads.check(["current"])
+        except RuntimeError:
+            return False
+
     def job_done(self) -> bool:
         try:
             return self._reads.check(["done"])
@@ -373,6 +385,12 @@ def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = 
             release()
             code = agent.finish()
             outcomes.append((code, agent.describe_exit(code)))
+            if code != 0 and running and watch is not None and not watch.job_started():
+                # Its siblings wait in the rendezvous for every worker (join_job): the job cannot start.
+                print(f"ringtrain: error: {outcomes[-1][1]} before the job's first step; stopping the other workers",
+                      file=sys.stderr, flush=True)
+                for other in running:
+                    other.process.send_signal(signal.SIGTERM)
             if code < 0 and running:  # an agent lost from outside; a failure of its own ends the job anyway
                 print(f"ringtrain: {outcomes[-1][1]}; the job continues without it while {min_workers} or more "
                       "workers remain", file=sys.stderr, flush=True)

@@ -180,3 +180,19 @@ def _cmdline(proc) -> str:
     with contextlib.suppress(Exception):
         return " ".join(proc.cmdline())
     return ""
+
+
+def test_a_launched_agent_lost_before_the_first_step_stops_a_heal_job_in_one_line(tmp_path):
+    """Under --heal the first rendezvous waits for every launched worker (the heal admits joiners later, not late
+    agents). One agent killed as it starts: the launcher stops the others at once with one line naming it, instead
+    of leaving them in the rendezvous for its join timeout (600 s)."""
+    run_dir = tmp_path / "lost"
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), "--set", "train.epochs=1") as job:
+        def agents():
+            return [p for p in job.tree()[1:] if "--spec" in _cmdline(p)]
+        job.wait_for(lambda: agents()[2:3], timeout=30, what="the third agent")[0].kill()
+        code = job.finish(timeout=120)
+    assert code == 1, job.stderr
+    assert "before the job's first step; stopping the other workers" in job.stderr, job.stderr
+    assert "Traceback" not in job.stderr, job.stderr
