@@ -38,10 +38,13 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
+from ringtrain.comm.groups import host_id
 from ringtrain.group.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR, forget_fault_plan
 from ringtrain.group.jobstore import JobStore
 from ringtrain.errors import LaunchError
-from ringtrain.heal.liveness import ExitReporter, exit_key
+from ringtrain.heal.liveness import ExitReporter, exit_key, finished_key
 from ringtrain.heal.membership import job_keys
 from ringtrain.launch import (
     JobStopped,
@@ -319,6 +322,19 @@ class _HealWatch:
         except RuntimeError:
             return False
 
+    def holds_unfinished_worker(self, agent_pid: int) -> bool:
+        """Whether this agent's worker is alive and has not run the job to its end (heal/membership.py
+        mark_finished): then it was cut off. On a loaded host a worker that finished can take seconds to exit."""
+        try:
+            workers = [p for p in psutil.Process(agent_pid).children() if p.status() != psutil.STATUS_ZOMBIE]
+        except psutil.Error:
+            return False
+        me = host_id()
+        try:
+            return any(not self._reads.check([finished_key(me, worker.pid)]) for worker in workers)
+        except RuntimeError:
+            return True
+
     def job_done(self) -> bool:
         try:
             return self._reads.check(["done"])
@@ -362,26 +378,30 @@ def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = Non
 def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None,
              release: Callable[[], object] = lambda: None) -> list[tuple[int, str]]:
     """(exit code, description) of each agent, in the order they exited. Under --heal, once the job is done the
-    agents still running get CUT_OFF_GRACE_S, then they are stopped (their workers were cut off)."""
+    agents still running get CUT_OFF_GRACE_S, then those whose worker is alive and never finished the job are
+    stopped (their workers were cut off); one whose worker finished, or has exited, is only slow to exit."""
     outcomes: list[tuple[int, str]] = []
     running = list(agents)
+    cut_off: list[_Agent] = []
     done_at: float | None = None
     while running:
         if watch is not None and done_at is None and watch.job_done():
             done_at = time.monotonic()
         if done_at is not None and time.monotonic() - done_at > CUT_OFF_GRACE_S:
             for agent in running:
-                print(f"ringtrain: the job is done; worker agent {agent.index} (pid {agent.process.pid}) still runs "
-                      f"{CUT_OFF_GRACE_S:g} s later: its worker was cut off from the job; stopping it",
-                      file=sys.stderr, flush=True)
-                agent.process.kill()  # its worker dies with it (PR_SET_PDEATHSIG), stopped or not
-            for agent in running:
-                agent.finish()
-            break
+                if agent not in cut_off and watch.holds_unfinished_worker(agent.process.pid):
+                    print(f"ringtrain: the job is done; worker agent {agent.index} (pid {agent.process.pid}) still "
+                          f"runs {CUT_OFF_GRACE_S:g} s later: its worker was cut off from the job; stopping it",
+                          file=sys.stderr, flush=True)
+                    agent.process.kill()  # its worker dies with it (PR_SET_PDEATHSIG), stopped or not
+                    cut_off.append(agent)
         for agent in list(running):
             if agent.process.poll() is None:
                 continue
             running.remove(agent)
+            if agent in cut_off:
+                agent.finish()
+                continue
             release()
             code = agent.finish()
             outcomes.append((code, agent.describe_exit(code)))

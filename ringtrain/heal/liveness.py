@@ -45,6 +45,11 @@ def exit_key(host: str, pid: int) -> str:
     return f"exited/{host}/{pid}"
 
 
+def finished_key(host: str, pid: int) -> str:
+    """The job-level key a member writes when it ran the job to its end (its process is only exiting now)."""
+    return f"finished/{host}/{pid}"
+
+
 @dataclass(frozen=True)
 class Registration:
     """Who a member is, as the operating system knows it."""

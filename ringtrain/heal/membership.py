@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ringtrain.group.jobstore import JobStore, NullJobStore
 from ringtrain.group.sockets import recording_group_sockets
 from ringtrain.errors import RingtrainError
-from ringtrain.heal.liveness import Registration, exit_key
+from ringtrain.heal.liveness import Registration, exit_key, finished_key
 
 __all__ = ["Generation", "Membership", "job_keys", "Fenced", "HealFailed", "GenerationFailed", "MemberFailed", "request_join",
            "HEAL_BEAT_S", "JOINER_BASE"]
@@ -282,6 +282,8 @@ class Membership:
     def mark_finished(self) -> None:
         """This member ran the job to its end; with every member of its generation done, the job is done."""
         self.store.set(f"finished/{self.generation.member}", str(self.generation.number))
+        me = Registration.mine()
+        self.job.set(finished_key(me.host, me.pid), "1")  # the launcher does not stop a worker that is exiting
         if self.generation.rank == 0:
             self.job.set("done", str(self.generation.number))
 

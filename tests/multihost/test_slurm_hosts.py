@@ -1,5 +1,6 @@
-"""A SLURM job across two test hosts (network namespaces): on each host `ringtrain train CONFIG` with no launch
-flag at all, and the SLURM_* variables srun would set on that node. The launchers find each other from the node
+"""A SLURM job and a Kubeflow PyTorchJob across two test hosts (network namespaces): on each host `ringtrain train
+CONFIG` with no launch flag at all, and the variables srun (SLURM_*) or the training operator (PET_*, MASTER_*)
+would set on that node. The launchers find each other from the node
 list (its first host is node 0) and the job id (the port), form one job, and train to the same bits as the same
 job launched with explicit flags.
 
@@ -26,6 +27,13 @@ def _slurm_env(node: int, nodes: int) -> dict[str, str]:
             "SLURM_LOCALID": "0", "SLURM_PROCID": str(node)}
 
 
+def _pytorchjob_env(node: int, nodes: int, master: str) -> dict[str, str]:
+    """What the training operator gives a pod of an elastic-style PyTorchJob (one launcher per pod)."""
+    return {"PET_NNODES": str(nodes), "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": master, "PET_MASTER_PORT": "23456",
+            "PET_NPROC_PER_NODE": "1", "MASTER_ADDR": master, "MASTER_PORT": "23456", "WORLD_SIZE": str(nodes),
+            "RANK": str(node)}
+
+
 def _run(jobs: list[Job]) -> None:
     with ExitStack() as stack:
         for job in jobs:
@@ -34,7 +42,7 @@ def _run(jobs: list[Job]) -> None:
             assert job.finish(timeout=150) == 0, job.stderr
 
 
-def test_two_slurm_nodes_form_one_job_from_the_environment_alone(make_hosts, tmp_path):
+def test_two_slurm_nodes_and_two_pytorchjob_pods_form_one_job_from_the_environment_alone(make_hosts, tmp_path):
     hosts = make_hosts(2)
     slurm_dir, flags_dir = tmp_path / "slurm", tmp_path / "flags"
     by_env = [Job("train", CONFIG, "--run-dir", str(slurm_dir), *SHORT, env=_slurm_env(i, 2),
@@ -43,7 +51,14 @@ def test_two_slurm_nodes_form_one_job_from_the_environment_alone(make_hosts, tmp
     for i, job in enumerate(by_env):
         assert (f"ringtrain: SLURM job {JOB_ID}: 2 nodes, node rank {i}, 1 worker per node, rendezvous "
                 f"{hosts.addr(0)}:25123") in job.stderr.splitlines(), job.stderr
+    k8s_dir = tmp_path / "pytorchjob"
+    by_operator = [Job("train", CONFIG, "--run-dir", str(k8s_dir), *SHORT, env=_pytorchjob_env(i, 2, hosts.addr(0)),
+                       prefix=hosts.exec_prefix(i)) for i in range(2)]
+    _run(by_operator)
+    for i, job in enumerate(by_operator):
+        assert f"ringtrain: PyTorchJob: 2 nodes, node rank {i}" in job.stderr, job.stderr
     _run(_launchers(hosts, 1, flags_dir))
-    by_slurm = json.loads((slurm_dir / "summary.json").read_text())
     by_flags = json.loads((flags_dir / "summary.json").read_text())
-    assert by_slurm["world_size"] == 2 and by_slurm["param_sha256"] == by_flags["param_sha256"]
+    for found in (slurm_dir, k8s_dir):
+        got = json.loads((found / "summary.json").read_text())
+        assert got["world_size"] == 2 and got["param_sha256"] == by_flags["param_sha256"], found.name
