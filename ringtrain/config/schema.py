@@ -240,6 +240,13 @@ class TrainConfig(Section):
     (needs auto_micro_batch). Leave room beyond activations: with bf16 the CPU also keeps compiled
     kernels per tensor shape (megabytes each). Unset: no budget."""
 
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them, block by block (the Transformer's blocks, a
+    ResNet's stages, the MLP's body; your model's first nn.ModuleList): 'none'; 'full' (a block keeps only its
+    input and runs its forward again in backward); 'selective' (torchtitan's op-level policy: a block keeps
+    its attention outputs and every other matmul's, and recomputes the rest). Every strategy; results are
+    bit-identical to 'none', the step takes longer (README: Activation checkpointing)."""
+
     @model_validator(mode="after")
     def _optimizer_and_schedule(self) -> TrainConfig:
         _check_import_path("train.optimizer", self.optimizer, BUILTIN_OPTIMIZERS)
