@@ -13,6 +13,8 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ringtrain.config.checks import check_workload
+from ringtrain.config.parallel import ParallelConfig, check_strategy_agrees
+from ringtrain.config.section import Section
 
 __all__ = [
     "CheckpointConfig",
@@ -22,6 +24,7 @@ __all__ = [
     "DistConfig",
     "ModelConfig",
     "MonitorConfig",
+    "ParallelConfig",
     "Section",
     "TaskConfig",
     "TrainConfig",
@@ -49,11 +52,6 @@ def _check_factory(section: BaseModel, name: str, builtin: str, what: str) -> No
         raise ValueError(f"set {name}.factory (your own {what}) or {name}.{builtin} (a built-in one), not both")
     if section.args and factory is None:
         raise ValueError(f"[{name}.args] are keyword arguments of {name}.factory, which is not set")
-
-
-class Section(BaseModel):
-    # strict: a string where a number belongs is an error, not a silent conversion.
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
 
 
 class ModelConfig(Section):
@@ -492,6 +490,7 @@ class Config(Section):
     comm: CommConfig = CommConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     monitor: MonitorConfig = MonitorConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _shm_needs_cpu_workers(self) -> Config:
@@ -542,6 +541,11 @@ class Config(Section):
                 "dist.heal = true writes full checkpoints (each rank's shard would be bound to a group that healing "
                 "replaces); set checkpoint.sharded = false and checkpoint.async = false, or dist.heal = false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_fits(self) -> Config:
+        check_strategy_agrees(self.parallel, self.comm.strategy)
         return self
 
     @model_validator(mode="after")
