@@ -1,11 +1,12 @@
 """Activation checkpointing on the built-in LM: memory kept for backward, peak memory and step time, per mode.
 
-    .venv/bin/python bench/activation_checkpointing.py configs/text_lm.toml --steps 8 --out bench-out/ac
+    .venv/bin/python bench/activation_checkpointing.py configs/text_lm.toml --steps 4 --rounds 2 --out bench-out/ac
 
 For each of none / full / selective, a fresh process (so that its peak RSS is its own) builds the config's
 Transformer (``--set`` scales it, as for ``ringtrain train``), applies ``[train] activation_checkpointing`` as
 ``build_trainer`` does, and trains on random tokens of ``data.seq_len`` (``train.local_batch_size`` sequences,
-the config's precision, AdamW) for a warm-up step and ``--steps`` timed ones, one compute thread. It reports:
+the config's precision, AdamW) for a warm-up step and ``--steps`` timed ones, one compute thread; ``--rounds``
+times, the order of the modes rotated each round. It reports:
 
 - ``saved_mb``: what autograd keeps for backward over one forward (``monitor.memory.saved_for_backward``:
   deterministic, the number the mode changes);
@@ -84,23 +85,33 @@ def main() -> None:
     parser.add_argument("config", nargs="?", default="configs/text_lm.toml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of one process per mode, the order rotated each round (a burst of load on a "
+                             "shared machine then falls on every mode); the median is over every round's steps")
     parser.add_argument("--out", default="bench-out/ac")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.config, args.overrides, args.child, args.steps)))
         return
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for round_ in range(args.rounds):
+        for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
+            command = [sys.executable, __file__, args.config, "--steps", str(args.steps), "--child", mode]
+            for override in args.overrides:
+                command += ["--set", override]
+            done = subprocess.run(command, capture_output=True, text=True, check=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
     results = []
-    for mode in MODES:
-        command = [sys.executable, __file__, args.config, "--steps", str(args.steps), "--child", mode]
-        for override in args.overrides:
-            command += ["--set", override]
-        done = subprocess.run(command, capture_output=True, text=True, check=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for mode, rounds in runs.items():
+        steps = [t for r in rounds for t in r["step_s"]]
+        # saved_mb is the same every round (deterministic); peak RSS: the largest round's.
+        results.append({**rounds[0], "peak_step_mb": max(r["peak_step_mb"] for r in rounds),
+                        "median_step_s": round(statistics.median(steps), 4), "step_s": steps})
     none = results[0]
     print(f"# {args.config} {' '.join('--set ' + o for o in args.overrides)}: {none['params_m']}M parameters, "
-          f"{none['tokens_per_step']} tokens per step, {args.steps} timed steps; load average "
+          f"{none['tokens_per_step']} tokens per step, {args.rounds} rounds x {args.steps} timed steps; load average "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'mode':>10} {'blocks':>6} {'saved MB':>9} {'x none':>7} {'peak step MB':>13} {'x none':>7} "
           f"{'median step s':>14} {'x none':>7}")
@@ -111,7 +122,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides,
-                                                  "steps": args.steps, "results": results}, indent=2) + "\n")
+                                                  "steps": args.steps, "rounds": args.rounds,
+                                                  "results": results}, indent=2) + "\n")
     print(f"wrote {out / 'results.json'}")
 
 

@@ -14,7 +14,7 @@ from tests.conftest import run_clis
 MODES = ("none", "full", "selective")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_checkpointed_runs_end_on_the_parameters_of_the_plain_run(tmp_path, strategy):
     commands = [["train", "configs/debug_lm.toml", "--nproc", "2", "--run-dir", str(tmp_path / mode),
                  "--set", "train.max_steps=3", "--set", "train.auto_micro_batch=false",
