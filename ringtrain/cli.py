@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 from ringtrain.bench.cli import add_bench_parser
 from ringtrain.bench.plan import add_plan_parser
 from ringtrain.errors import RingtrainError
+from ringtrain.hostfile import add_hostfile_arguments
 
 __all__ = ["main", "build_parser"]
 
@@ -116,6 +118,7 @@ def _add_launch_arguments(train: argparse.ArgumentParser) -> None:
                              "regroup without it and go on ([dist] heal)")
     launch.add_argument("--rdzv-conf", default="", metavar="KEY=SECONDS,...",
                         help="rendezvous timing, e.g. last_call_timeout=5,keep_alive_interval=1 (as torchrun)")
+    add_hostfile_arguments(train)
 
 
 def _add_report(commands) -> None:
@@ -141,18 +144,24 @@ def _add_config(commands) -> None:
 def _launch_options(args: argparse.Namespace):
     from ringtrain.cluster import LaunchFlags, fill_launch_flags
     from ringtrain.group.env import cluster_environ
+    from ringtrain.hostfile import check_hostfile_arguments, hostfile_flags, read_hostfile
     from ringtrain.launch import LaunchOptions
 
-    # The one place a scheduler's allocation (SLURM under srun, a PyTorchJob) becomes launch flags.
+    # The one place a scheduler's allocation (SLURM under srun, a PyTorchJob) or a hostfile becomes launch flags.
     given = LaunchFlags(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
-    filled = fill_launch_flags(given, cluster_environ())
+    check_hostfile_arguments(args)
+    if args.hostfile:
+        args.hosts = read_hostfile(args.hostfile)
+        filled = hostfile_flags(args.hosts, given, args.local_addr, args.rdzv_port, os.getpid())
+    else:
+        filled = fill_launch_flags(given, cluster_environ())
     flags = filled.flags
     options = LaunchOptions(
         nproc=flags.nproc,
         nnodes=flags.nnodes,
         node_rank=flags.node_rank,
         rdzv_endpoint=flags.rdzv_endpoint,
-        local_addr=args.local_addr,
+        local_addr=None if args.hostfile else args.local_addr,
         max_restarts=args.max_restarts,
         min_nproc=args.min_nproc,
         rdzv_conf=args.rdzv_conf,
@@ -198,6 +207,8 @@ def _train(args: argparse.Namespace) -> int:
         worker_args.append("--resume")
     if args.resume_from:
         worker_args += ["--resume-from", str(Path(args.resume_from).resolve())]
+    if args.hostfile:
+        return _launch_hosts(args, options, config.run_dir)
     _launch(options, Program.worker(worker_args), config.run_dir)
     print(f"run directory: {config.run_dir}")
     return 0
@@ -233,6 +244,8 @@ def _run(args: argparse.Namespace) -> int:
     env[RESUME_VAR] = ("resume" if args.resume else f"from:{Path(args.resume_from).resolve()}" if args.resume_from
                        else "checked" if args.run_dir else "")
     run_dir = args.run_dir or str(Path("runs") / script.stem)
+    if args.hostfile:
+        return _launch_hosts(args, options, args.run_dir or "(as the script configures it)")
     _launch(options, Program.script(str(script.resolve()), script_args, env), run_dir)
     print(f"run directory: {args.run_dir or '(as the script configures it; default runs/' + script.stem + ')'}")
     return 0
@@ -244,6 +257,19 @@ def _check_script_run_dir(run_dir: str, resume: bool, resume_from: str | None) -
     from ringtrain.train.run import RUN_WORDS, check_resume
 
     check_resume(Config(run_dir=run_dir), resume, resume_from, RUN_WORDS)
+
+
+def _launch_hosts(args: argparse.Namespace, options, run_dir: str) -> int:
+    """--hostfile: the checked job, one launcher per host over ssh (hostfile.py); their exit code."""
+    from ringtrain.group.env import remote_environ
+    from ringtrain.hostfile import launch_hosts, node_argv
+
+    argvs = [node_argv(args, args.hosts, i, options.rdzv_endpoint) for i in range(len(args.hosts.hosts))]
+    code = launch_hosts(args.hosts, argvs, args.remote_python or sys.executable, args.remote_cwd or os.getcwd(),
+                        remote_environ(), args.ssh_port, args.ssh_options)
+    if code == 0:
+        print(f"run directory: {run_dir}")
+    return code
 
 
 def _launch(options, program, run_dir: str) -> None:

@@ -22,7 +22,7 @@ warning), the same on every rank (one all-gather of the step picked)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,7 +34,7 @@ from ringtrain.checkpoint.sharded import committed as committed_sharded
 from ringtrain.checkpoint.sharded import verify as verify_sharded
 from ringtrain.errors import CorruptCheckpoint
 
-__all__ = ["CheckpointFront", "Found", "Stateful", "Tensors", "newest_verified"]
+__all__ = ["CheckpointFront", "Found", "Stateful", "Tensors", "load_parts", "newest_verified"]
 
 
 class Stateful(Protocol):
@@ -128,10 +128,20 @@ class CheckpointFront:
             tensors.load_sharded_state(lambda state: shards.load(found.path, state))
         else:
             saved = self.full.load(found.path)
-        for name, part in parts.items():
-            if name in saved and (tensors is None or not found.sharded or name not in tensors.names):
-                part.load_state_dict(saved[name])
+        load_parts(parts, saved, skip=tensors.names if tensors is not None and found.sharded else ())
         return saved
+
+
+def load_parts(parts: dict[str, Stateful], saved: dict[str, Any], skip: Iterable[str] = ()) -> None:
+    """Load each part ``saved`` holds (but those in ``skip``); a part it lacks is left alone, or told so when it
+    asks (``absent_from_checkpoint()``: a strategy's own state in a checkpoint another strategy wrote)."""
+    for name, part in parts.items():
+        if name in skip:
+            continue
+        if name in saved:
+            part.load_state_dict(saved[name])
+        elif hasattr(part, "absent_from_checkpoint"):
+            part.absent_from_checkpoint()
 
 
 def newest_verified(directory: str | Path, warn: Callable[[str], None] | None = None,

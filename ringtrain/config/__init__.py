@@ -26,6 +26,7 @@ from ringtrain.config.loading import check_overrides, load_config, load_config_d
 from ringtrain.config.schema import (
     CheckpointConfig,
     CommConfig,
+    DiLoCoConfig,
     Config,
     DataConfig,
     DistConfig,
@@ -38,6 +39,7 @@ from ringtrain.config.schema import (
 __all__ = [
     "CheckpointConfig",
     "CommConfig",
+    "DiLoCoConfig",
     "Config",
     "DataConfig",
     "DistConfig",

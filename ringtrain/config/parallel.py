@@ -1,9 +1,9 @@
 """``[parallel]``: the device mesh's degrees (data replicated, data sharded, tensor, pipeline) and the pipeline's
 schedule, with the checks that need no worker. The existing strategies are this mesh's 1-D cases:
 
-    comm.strategy      dp_replicate   dp_shard   tp   pp
-    ddp, manual        world          1          1    1
-    zero1/2/3, fsdp    1              world      1    1
+    comm.strategy         dp_replicate   dp_shard   tp   pp
+    ddp, manual, diloco   world          1          1    1
+    zero1/2/3, fsdp       1              world      1    1
 
 ``comm.strategy`` chooses how the data-parallel dimension runs; an unset ``dp_replicate`` / ``dp_shard`` is
 what the strategy implies (its own dimension -1, the rest; the other 1). A degree that disagrees with the
@@ -31,7 +31,8 @@ __all__ = ["DEGREES", "ParallelConfig", "check_parallel", "check_strategy_agrees
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 """The mesh's dimensions, outermost first (torchtitan's order)."""
-REPLICATED = ("ddp", "manual")
+REPLICATED = ("ddp", "manual", "diloco")
+"""Every rank holds the whole model (diloco: each its own copy between its outer steps)."""
 SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -39,11 +40,11 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 class ParallelConfig(Section):
     dp_replicate: int | None = None
     """Data-parallel replicas (each holds the whole model): -1 takes the ranks the other degrees leave.
-    Unset: what comm.strategy implies (ddp, manual: -1; zero1-3, fsdp: 1)."""
+    Unset: what comm.strategy implies (ddp, manual, diloco: -1; zero1-3, fsdp: 1)."""
 
     dp_shard: int | None = None
     """Data-parallel ranks the model's state is sharded over: -1 takes the ranks the other degrees leave.
-    Unset: what comm.strategy implies (zero1-3, fsdp: -1; ddp, manual: 1)."""
+    Unset: what comm.strategy implies (zero1-3, fsdp: -1; ddp, manual, diloco: 1)."""
 
     tp: int = 1
     """Tensor-parallel degree (-1: the rest). Not built yet (issue 23): only 1 runs."""

@@ -21,6 +21,7 @@ __all__ = [
     "CommConfig",
     "Config",
     "DataConfig",
+    "DiLoCoConfig",
     "DistConfig",
     "ModelConfig",
     "MonitorConfig",
@@ -338,12 +339,14 @@ class TaskConfig(Section):
 
 
 class CommConfig(Section):
-    strategy: Literal["ddp", "manual", "zero1", "zero2", "zero3", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "manual", "zero1", "zero2", "zero3", "fsdp", "diloco"] = "ddp"
     """Data parallelism: 'ddp' (torch DistributedDataParallel, `algorithm` as its comm hook) or
     'manual' (ringtrain's own: buckets all-reduced during backward as their gradients become ready), each
     rank holding everything; or sharded over the ranks with ringtrain's collectives (`algorithm`): 'zero1'
     (optimizer state), 'zero2' (+ gradients), 'zero3' (+ parameters, gathered per block); or 'fsdp'
-    (PyTorch's FSDP2 fully_shard, one unit per block, the backend's own collectives)."""
+    (PyTorch's FSDP2 fully_shard, one unit per block, the backend's own collectives); or 'diloco' (across
+    slow links: no gradient sync, every [diloco] sync_every steps the workers' parameter changes are averaged
+    with `algorithm` and applied by an outer optimizer; see [diloco])."""
 
     algorithm: Literal["torch", "ring", "ring_chunked", "shm", "fp16", "bf16", "powersgd"] = "torch"
     """How gradient buckets are all-reduced: 'torch' (the backend's own), ringtrain's 'ring',
@@ -372,7 +375,8 @@ class CommConfig(Section):
 
     @model_validator(mode="after")
     def _strategy_has_algorithm(self) -> CommConfig:
-        if self.strategy in ("manual", "zero1", "zero2", "zero3") and self.algorithm in ("fp16", "bf16", "powersgd"):
+        own_collectives = ("manual", "zero1", "zero2", "zero3", "diloco")
+        if self.strategy in own_collectives and self.algorithm in ("fp16", "bf16", "powersgd"):
             raise ValueError(
                 f"algorithm '{self.algorithm}' is one of torch's DDP hooks; use strategy = 'ddp' with it, "
                 f"or algorithm 'torch', 'ring', 'ring_chunked' or 'shm' with strategy '{self.strategy}'"
@@ -390,6 +394,59 @@ class CommConfig(Section):
         if self.bucket_mb is not None:
             return self.bucket_mb
         return 4.0 if self.strategy in ("zero1", "zero2") else 25.0
+
+
+class DiLoCoConfig(Section):
+    """DiLoCo (arXiv 2311.08105) with comm.strategy = 'diloco': each worker takes sync_every optimizer steps of
+    the configured (inner) optimizer on its own shares of the data with no communication; then the workers
+    average their pseudo-gradients (global parameters minus their own) with comm.algorithm and an outer SGD
+    steps the global parameters, which every worker then takes. LocalSGD is outer_lr = 1, outer_momentum = 0."""
+
+    sync_every: int = Field(default=50, gt=0)
+    """H: optimizer (inner) steps between two outer steps, and at the run's last step. 50 by default (the paper
+    uses 500 on large models; ringtrain's CPU-sized jobs run hundreds of steps, so 50 keeps several outer steps
+    per run while cutting communication 50 times)."""
+
+    outer_lr: float = Field(default=0.7, gt=0.0, allow_inf_nan=False)
+    """The outer SGD's learning rate, applied to the averaged pseudo-gradient (0.7 as in the paper)."""
+
+    outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0, allow_inf_nan=False)
+    """The outer SGD's momentum (0.9 as in the paper; 0: plain averaging steps, as LocalSGD)."""
+
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD, as in the paper. With outer_momentum = 0 there is no momentum to
+    look ahead with, and the outer step is plain SGD either way."""
+
+    fragments: int = Field(default=1, gt=0)
+    """F: streaming DiLoCo syncs the model in F fragments in turn. Only 1 is built yet (the whole model at once)."""
+
+    delay: int = Field(default=0, ge=0)
+    """tau: inner steps a fragment's all-reduce overlaps before its outer step is applied (streaming; must be
+    below sync_every / fragments). Only 0 is built yet (the outer step waits for its all-reduce)."""
+
+    dtype: Literal["fp32", "bf16", "int8", "int4"] = "fp32"
+    """The dtype the pseudo-gradients are exchanged in. Only 'fp32' is built yet (no compression, so no error
+    feedback is needed); 'bf16', 'int8' and 'int4' (with error feedback) are refused until they are."""
+
+    @model_validator(mode="after")
+    def _streaming_fits(self) -> DiLoCoConfig:
+        if self.sync_every % self.fragments:
+            raise ValueError(f"diloco.sync_every ({self.sync_every}) must be divisible by diloco.fragments "
+                             f"({self.fragments}): each fragment syncs every sync_every / fragments steps in turn")
+        if self.delay >= self.sync_every // self.fragments:
+            raise ValueError(f"diloco.delay ({self.delay}) must be below diloco.sync_every / fragments "
+                             f"({self.sync_every} / {self.fragments} = {self.sync_every // self.fragments}): a "
+                             "fragment's all-reduce must land before its next sync")
+        if self.fragments != 1:
+            raise ValueError(f"diloco.fragments = {self.fragments} (streaming DiLoCo) is not built yet; set "
+                             "diloco.fragments = 1 (the whole model syncs every sync_every steps)")
+        if self.delay != 0:
+            raise ValueError(f"diloco.delay = {self.delay} (overlapping the outer all-reduce) is not built yet; "
+                             "set diloco.delay = 0")
+        if self.dtype != "fp32":
+            raise ValueError(f"diloco.dtype = '{self.dtype}' (compressed pseudo-gradients with error feedback) is "
+                             "not built yet; set diloco.dtype = 'fp32'")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -488,6 +545,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     dist: DistConfig = DistConfig()
     comm: CommConfig = CommConfig()
+    diloco: DiLoCoConfig = DiLoCoConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     monitor: MonitorConfig = MonitorConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -510,6 +568,22 @@ class Config(Section):
                 f"'{strategy}' gathers parameters in every forward; set train.auto_micro_batch = false or use "
                 "strategy 'zero1' or 'zero2'"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _diloco_fits(self) -> Config:
+        if self.comm.strategy != "diloco":
+            if "diloco" in self.model_fields_set and self.diloco.model_fields_set:
+                raise ValueError(f"[diloco] is set but comm.strategy = '{self.comm.strategy}'; set comm.strategy = "
+                                 "'diloco' to train with it, or remove [diloco]")
+            return self
+        if self.dist.heal:
+            raise ValueError("dist.heal = true (--heal) with comm.strategy = 'diloco' is not built yet (a new group "
+                             "would need every worker's own parameters since the last outer step); leave out --heal, "
+                             "or use strategy 'ddp' or 'manual'")
+        if self.checkpoint.sharded or self.checkpoint.async_:
+            raise ValueError("comm.strategy = 'diloco' writes full checkpoints only (each worker's own parameters "
+                             "and the outer state); set checkpoint.sharded = false and checkpoint.async = false")
         return self
 
     @model_validator(mode="after")
@@ -569,6 +643,8 @@ class Config(Section):
             values["data"] = {k: v for k, v in values["data"].items() if k in ("factory", "args", "num_workers", "ledger")}
         if not self.user_parts:
             values.pop("task")
+        if self.comm.strategy != "diloco":
+            values.pop("diloco")  # only a DiLoCo run has a [diloco] to record
         for section in ("model", "data"):
             if not values[section].get("args"):
                 values[section].pop("args", None)
@@ -586,5 +662,8 @@ class Config(Section):
 
     def digest(self) -> str:
         """sha256 of the resolved config; a checkpoint records it to detect a changed job."""
-        canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        values = self.model_dump()
+        if self.comm.strategy != "diloco":
+            values.pop("diloco")  # unused: a config's digest stays what it was before [diloco] existed
+        canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()

@@ -12,7 +12,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 __all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR",
-           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "ERROR_FILE_VAR", "forget_fault_plan", "cluster_environ"]
+           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "ERROR_FILE_VAR", "forget_fault_plan", "cluster_environ",
+           "remote_environ"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -146,3 +147,16 @@ def cluster_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The launcher's view of its scheduler: SLURM's and PyTorchJob's variables (``cluster.fill_launch_flags``)."""
     env = os.environ if environ is None else environ
     return {k: v for k, v in env.items() if k.startswith(("SLURM_", "PET_")) or k in _CLUSTER_VARS}
+
+
+_REMOTE_VARS = ("PYTHONPATH", "OMP_NUM_THREADS")
+_NOT_REMOTE = (BIND_ADDR_VAR, LAUNCHER_VAR, JOB_STORE_VAR, HEAL_VAR, HEAL_JOIN_VAR, FAULT_PLAN_VAR)
+
+
+def remote_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a --hostfile launch sends to each host's launcher over ssh (which carries no environment):
+    PYTHONPATH, OMP_NUM_THREADS and the user's RINGTRAIN_* variables; never the ones a launcher sets for its
+    workers, nor a test's fault plan (ringtrain/hostfile.py)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items()
+            if (k in _REMOTE_VARS or k.startswith("RINGTRAIN_")) and k not in _NOT_REMOTE}

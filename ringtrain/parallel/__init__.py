@@ -5,7 +5,8 @@ accumulation micro-steps) and ``unwrap(model)``, plus what ``base.ReplicatedStra
 optimizer over this rank's shard, where gradients live, the global-norm clip, the full (checkpoint) form of
 the model and optimizer state, and the bytes of model state. The training loop only talks to that interface.
 
-Replicated: 'ddp' (torch DDP), 'manual' (ringtrain's buckets). Sharded: 'zero1', 'zero2', 'zero3'
+Replicated: 'ddp' (torch DDP), 'manual' (ringtrain's buckets); 'diloco' (``diloco.py``: no gradient sync,
+an outer step on the averaged pseudo-gradient every H steps). Sharded: 'zero1', 'zero2', 'zero3'
 (ringtrain's collectives, ``zero.py``), 'fsdp' (PyTorch's FSDP2, ``fsdp.py``).
 """
 
@@ -15,17 +16,18 @@ from typing import Protocol
 
 import torch
 
-from ringtrain.config import CommConfig
+from ringtrain.config import CommConfig, DiLoCoConfig
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.errors import ConfigError
 from ringtrain.parallel.base import ReplicatedStrategy
 from ringtrain.parallel.ddp import DDPStrategy
+from ringtrain.parallel.diloco import DiLoCoStrategy
 from ringtrain.parallel.fsdp import FSDPStrategy
 from ringtrain.parallel.manual import ManualStrategy
 from ringtrain.parallel.zero import ZeroStrategy
 
 __all__ = ["Strategy", "ReplicatedStrategy", "DDPStrategy", "ManualStrategy", "ZeroStrategy", "FSDPStrategy",
-           "build_strategy"]
+           "DiLoCoStrategy", "build_strategy"]
 
 
 class Strategy(Protocol):
@@ -67,7 +69,8 @@ class Strategy(Protocol):
     def model_state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int: ...
 
 
-def build_strategy(config: CommConfig, device: torch.device) -> Strategy:
+def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None) -> Strategy:
+    """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None)."""
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(
@@ -90,4 +93,9 @@ def build_strategy(config: CommConfig, device: torch.device) -> Strategy:
                             algorithm=config.algorithm, chunk_kb=config.chunk_kb, prefetch=config.prefetch)
     if config.strategy == "fsdp":
         return FSDPStrategy(device)
+    if config.strategy == "diloco":
+        diloco = diloco or DiLoCoConfig()
+        return DiLoCoStrategy(device, sync_every=diloco.sync_every, outer_lr=diloco.outer_lr,
+                              outer_momentum=diloco.outer_momentum, nesterov=diloco.nesterov,
+                              algorithm=config.algorithm, chunk_kb=config.chunk_kb)
     raise ValueError(f"unknown strategy {config.strategy!r}")  # unreachable: the config validates the name

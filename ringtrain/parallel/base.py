@@ -41,6 +41,22 @@ class ReplicatedStrategy:
         """The optimizer that steps this rank's part of the parameters: all of them here."""
         return optimizer
 
+    def sync_due(self, step: int, last: bool = False) -> bool:
+        """Whether an outer step follows optimizer step ``step`` (``last``: the run's last step). DiLoCo's only."""
+        return False
+
+    def outer_step(self) -> None:
+        """DiLoCo's periodic synchronisation (``diloco.py``); nothing for strategies that sync every step."""
+
+    def figures(self) -> dict[str, Any]:
+        """The strategy's own figures for records and the summary (DiLoCo: outer steps, bytes per worker)."""
+        return {}
+
+    def stateful_parts(self) -> dict[str, Any]:
+        """Checkpoint parts of the strategy's own beyond model, optimizer and per-rank comm state (DiLoCo's outer
+        state): ``{name: Stateful}``."""
+        return {}
+
     def take_step_comm_s(self) -> float:
         """Seconds of communication inside the optimizer step since the last call (zero1/2's all-gather)."""
         return 0.0

@@ -66,9 +66,10 @@ class StepCommit:
         return verdict
 
     def apply(self, step: int, verdict: Verdict, indices: list[int], scheduler: Any = None,
-              after_update: Callable[[], None] | None = None) -> None:
+              after_update: Callable[[], None] | None = None, last: bool = False) -> None:
         """Steps 2 and 3: record the step, then apply or skip its update (``scheduler``: stepped either way, as a
-        fresh run's lr at step s follows s; ``after_update``: called with the gradients still held)."""
+        fresh run's lr at step s follows s; ``after_update``: called with the gradients still held); then, under
+        DiLoCo, the outer step when one is due (``last``: the run's last step, which always ends with one)."""
         with self.clock.phase("monitor"), self.watch.op("gather (sample ledger)", step):
             self.fence()
             self.ledger.record(step, self.state.epoch, indices, skipped=verdict.skip)
@@ -86,6 +87,11 @@ class StepCommit:
                 after_update()
             self.optimizer.zero_grad(set_to_none=True)
         self.clock.move("optimizer", "comm_exposed", self.strategy.take_step_comm_s())  # zero1/2's all-gather
+        # DiLoCo: inner steps never communicate; every H steps (by step number, the same on every rank, skipped
+        # updates included) the pseudo-gradients are averaged and the outer optimizer steps.
+        if self.strategy.sync_due(step, last):
+            with self.clock.phase("outer_sync"), self.watch.op("all_reduce (DiLoCo pseudo-gradients)", step):
+                self.strategy.outer_step()
 
     def advance(self, step: int, window: int, tokens: int = 0) -> None:
         """Step 4: the step is done: the data cursor and every counter move past it."""

@@ -171,7 +171,8 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
             self._gradients_checked = True
         commit = self.commit
         verdict = commit.verdict(step, loss_sum, pending[0] if pending else None)
-        commit.apply(step, verdict, batch.indices.tolist(), self.parts.scheduler, after_update=self._measure_state)
+        commit.apply(step, verdict, batch.indices.tolist(), self.parts.scheduler, after_update=self._measure_state,
+                     last=step == self.total_steps)
         tokens = 0 if self.parts.task.items_are_samples else items
         commit.advance(step, window, tokens)
         self.tokens_seen += tokens

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 
-from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful
+from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful, load_parts
 from ringtrain.checkpoint.manager import checkpoint_step
 from ringtrain.group.watch import first_line
 from ringtrain.errors import CheckpointError
@@ -33,7 +33,8 @@ class CheckpointSeams:
                 "optimizer": OptimizerState(strategy, parts.optimizer), "sampler": parts.sampler,
                 "train_state": self.state, "schedule": ScheduleState(parts.scheduler, self.state),
                 "precision": self.precision, "micro_batch": self.batcher,
-                "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn)}
+                "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn),
+                **({} if local else parts.strategy.stateful_parts())}  # DiLoCo's outer state
 
     def state_dict(self) -> dict:
         """The full (unsharded) checkpoint of this step, as a full checkpoint file holds it (every rank calls it:
@@ -42,10 +43,7 @@ class CheckpointSeams:
 
     def load_state_dict(self, state: dict) -> None:
         """Load a full checkpoint's dict (``state_dict``'s form) into every part."""
-        parts = self.checkpoint_parts()
-        for name, part in parts.items():
-            if name in state:
-                part.load_state_dict(state[name])
+        load_parts(self.checkpoint_parts(), state)
 
     def _tensors(self) -> ShardedTensors:
         return ShardedTensors(self.parts.strategy, self.model, self.parts.optimizer)

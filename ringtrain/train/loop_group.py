@@ -70,7 +70,7 @@ class GroupSeams:
         ctx = dataclasses.replace(ctx, host_rank=host_rank, host_world_size=host_world_size)
         old_rank, self.ctx = self.ctx.rank, ctx
         was_writer = old_rank == 0
-        parts.strategy = build_strategy(config.comm, ctx.device)
+        parts.strategy = build_strategy(config.comm, ctx.device, config.diloco)
         parts.model = parts.strategy.wrap(self.module)  # DDP broadcasts rank 0's state: the same everywhere already
         parts.train_loader, parts.eval_loader = parts.loaders(ctx.rank, ctx.world_size)
         batcher = MicroBatcher(config.train, parts.task, ctx.rank, ctx.world_size, ctx.device)

@@ -49,6 +49,7 @@ class RecordKeeping:
             "model_state_mb": ranks.model_state_mb,
             "straggler/rank": ranks.slowest_rank,
             "straggler/lag_s": ranks.lag_s,
+            **self.parts.strategy.figures(),  # DiLoCo: outer steps, bytes each worker sent
         }
         record.update(self._utilization(record.get("tokens_per_s")))
         self.logger.log(record)
@@ -104,6 +105,7 @@ class RecordKeeping:
             "skipped_steps": self.state.skipped_steps,
             "param_sha256": digests,
             "model_state_mb": model_state_mb,
+            **self.parts.strategy.figures(),
         }
         if self.tokens_seen and wall_s > 0:
             summary["tokens_per_s"] = round(self.tokens_seen / wall_s, 1)

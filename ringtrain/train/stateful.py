@@ -115,8 +115,9 @@ class CommState:
             return
         saved, saved_world_size = state.get("ranks"), state.get("world_size")
         if not saved or saved_world_size != self.world_size:
-            self.warn(f"the checkpoint holds no PowerSGD state for {self.world_size} workers "
-                      f"(it was saved by {saved_world_size}): error feedback starts from zero")
+            self.warn(f"the checkpoint holds no per-worker comm state (PowerSGD, DiLoCo) for {self.world_size} "
+                      f"workers (it was saved by {saved_world_size}): PowerSGD's error feedback starts from zero, "
+                      "DiLoCo's workers from the checkpoint's model")
             return
         self.strategy.load_state_dict(saved[self.rank])
 

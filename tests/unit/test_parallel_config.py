@@ -20,6 +20,7 @@ def config(parallel: dict, strategy: str = "ddp", **sections):
 @pytest.mark.parametrize("strategy, world_size, expected", [
     ("ddp", 4, {"dp_replicate": 4, "dp_shard": 1, "tp": 1, "pp": 1}),
     ("manual", 3, {"dp_replicate": 3, "dp_shard": 1, "tp": 1, "pp": 1}),
+    ("diloco", 2, {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1}),
     ("zero3", 3, {"dp_replicate": 1, "dp_shard": 3, "tp": 1, "pp": 1}),
     ("fsdp", 2, {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}),
 ])
@@ -90,6 +91,16 @@ def test_the_launcher_refuses_before_any_worker_with_exit_2_and_one_line(tmp_pat
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "dp_replicate (3) x dp_shard (1) x tp (1) x pp (1) = 3, but world_size is 2" in lines[0]
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_every_strategy_is_one_of_the_one_dimensional_meshes():
+    from typing import get_args
+
+    from ringtrain.config import CommConfig
+    from ringtrain.config.parallel import REPLICATED, SHARDED
+
+    strategies = set(get_args(CommConfig.model_fields["strategy"].annotation))
+    assert strategies == set(REPLICATED) | set(SHARDED) and not set(REPLICATED) & set(SHARDED)
 
 
 def test_resolve_degrees_on_its_own():

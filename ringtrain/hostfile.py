@@ -1,0 +1,338 @@
+"""``--hostfile FILE``: one ``ringtrain`` launcher per host, each started over ssh from the machine you type on.
+
+    ringtrain train configs/digits_mlp.toml --hostfile hosts      # hosts: "node01 slots=4" per line
+
+The hostfile is DeepSpeed's (and MPI's) format: one ``HOST slots=N`` per line, ``#`` comments, blank lines.
+It is one more source of the launch flags, beside ``cluster.py``'s schedulers: ``--nnodes`` is the number of
+hosts, ``--nproc`` their slots (every host the same: ringtrain's nodes have equal ``--nproc``), node i is the
+file's i-th host, and the rendezvous is the first host at ``--rdzv-port`` (default 15000 + this launcher's
+pid % 20000: as a SLURM job id gives its port, launches from one machine at the same time get different ones).
+
+For each host this process runs, with the same Python and working directory as here (``--remote-python``,
+``--remote-cwd`` say otherwise)::
+
+    ssh -o BatchMode=yes -T HOST 'cd CWD && exec [env VAR=...] PYTHON -m ringtrain.hostfile train CONFIG
+        --nproc N --nnodes H --node-rank i --rdzv-endpoint FIRST:PORT --local-addr HOST ...your flags'
+
+relays each host's stdout and stderr line by line as ``[HOST] line``, waits for every host and returns the
+first failure's exit code with one line naming the host (ssh's own failure, 255, with ssh's last line; the
+other hosts are stopped then). ``-o BatchMode=yes``: a host without a usable key fails at once instead of
+asking for a password.
+
+Stopping: ssh forwards no signal without a terminal (and ``-tt`` would mix the output streams and echo). So
+the remote end is ``python -m ringtrain.hostfile``, a small wrapper that runs ``python -m ringtrain ...`` and
+watches its own stdin, the ssh channel: when stdin closes, it sends the launcher SIGTERM (the workers save
+the step they reached and exit, as on Ctrl-C), and SIGKILL after ``STOP_GRACE_S``. This process stops a host
+by closing that ssh's stdin: ssh sends EOF and stays connected, so the host's last lines and its exit code
+still come back. Ctrl-C or SIGTERM here stops every host that way (a second one kills the ssh clients);
+a lost connection, or this process killed outright, closes the channel too, so no host is left running. The
+ssh clients run in their own session, so a terminal's Ctrl-C reaches this process only and not them.
+
+How it compares with DeepSpeed (``deepspeed/launcher/runner.py`` ``fetch_hostfile`` / ``_parse_hostfile``,
+``multinode_runner.py`` ``PDSHRunner``): the same file format, duplicates refused alike; DeepSpeed lets hosts
+differ in slots, ringtrain refuses (every node runs ``--nproc`` workers) and says so in one line. DeepSpeed
+fans out with pdsh and ``cd CWD; python -m deepspeed.launcher.launch --node_rank=%n``, exporting the
+``NCCL*``/``PYTHON*``/... variables and ``.deepspeed_env``; here plain ssh per host (no pdsh needed), the
+same Python, ``PYTHONPATH``, ``OMP_NUM_THREADS`` and ``RINGTRAIN_*`` variables (``group/env.remote_environ``).
+DeepSpeed stops on Ctrl-C with SIGINT/SIGTERM to pdsh plus a second pdsh running ``pkill -f`` on every host
+(which may hit other jobs' processes); here stdin's end stops exactly the processes this launch started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ringtrain.cluster import SLURM_BASE_PORT, SLURM_PORT_SPAN, FilledFlags, LaunchFlags
+from ringtrain.errors import LaunchError
+
+__all__ = ["Hostfile", "parse_hostfile", "read_hostfile", "hostfile_flags", "add_hostfile_arguments", "node_argv",
+           "remote_command", "ssh_command", "launch_hosts", "serve_node", "STOP_GRACE_S"]
+
+STOP_GRACE_S = 60.0
+"""After stdin closes, how long the remote launcher has to save and exit after SIGTERM before SIGKILL."""
+SSH_EXIT = 255
+"""ssh's own failure (no connection, no key accepted): anything else is the remote command's code."""
+_LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")
+
+
+@dataclass(frozen=True)
+class Hostfile:
+    path: str
+    hosts: tuple[str, ...]
+    """In the file's order: node i is hosts[i], hosts[0] holds the rendezvous."""
+    slots: int
+    """Workers per host (the same on every host)."""
+
+
+def parse_hostfile(text: str, path: str = "hostfile") -> Hostfile:
+    """``HOST slots=N`` lines -> Hostfile; LaunchError naming the file, the line and the fix.
+
+        >>> parse_hostfile("# two nodes\\nnode01 slots=4\\n\\nnode02 slots=4\\n").hosts
+        ('node01', 'node02')
+    """
+    hosts: dict[str, tuple[int, int]] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _LINE.match(line)
+        if not match:
+            raise LaunchError(f"{path}:{number}: {raw.strip()!r} is not 'HOST slots=N' (e.g. 'node01 slots=4')")
+        host, slots = match.group(1), int(match.group(2))
+        if slots < 1:
+            raise LaunchError(f"{path}:{number}: {host} has slots={slots}; every host needs slots=1 or more")
+        if host in hosts:
+            raise LaunchError(f"{path}:{number}: {host} is listed twice (first on line {hosts[host][0]}); list each "
+                              "host once, with its workers as slots=N")
+        hosts[host] = (number, slots)
+    if not hosts:
+        raise LaunchError(f"{path} lists no host; write one 'HOST slots=N' per line")
+    counts = {slots for _, slots in hosts.values()}
+    if len(counts) > 1:
+        listed = ", ".join(f"{host} slots={slots}" for host, (_, slots) in hosts.items())
+        raise LaunchError(f"{path}: hosts have different slots ({listed}); ringtrain runs the same number of workers "
+                          "on every host: give every host the same slots=N")
+    return Hostfile(path, tuple(hosts), counts.pop())
+
+
+def read_hostfile(path: str) -> Hostfile:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as err:
+        raise LaunchError(f"--hostfile {path}: {err.strerror}; pass a file of 'HOST slots=N' lines") from None
+    return parse_hostfile(text, path)
+
+
+def default_rdzv_port(pid: int) -> int:
+    return SLURM_BASE_PORT + pid % SLURM_PORT_SPAN
+
+
+def hostfile_flags(hostfile: Hostfile, given: LaunchFlags, local_addr: str | None, rdzv_port: int | None,
+                   pid: int) -> FilledFlags:
+    """The launch flags the hostfile gives (node 0's view: this process checks the job as node 0 would).
+    Flags the hostfile decides are refused in one line; ``--nproc`` only when it differs from the slots."""
+    for flag, value in (("--nnodes", given.nnodes), ("--node-rank", given.node_rank),
+                        ("--rdzv-endpoint", given.rdzv_endpoint), ("--local-addr", local_addr)):
+        if value is not None:
+            raise LaunchError(f"{flag} with --hostfile: the hostfile decides it (nodes = its hosts, node 0 = its first "
+                              f"host, the rendezvous there at --rdzv-port); drop {flag}")
+    if given.nproc is not None and given.nproc != hostfile.slots:
+        raise LaunchError(f"--nproc {given.nproc} but {hostfile.path} gives every host slots={hostfile.slots}: drop "
+                          "--nproc, or change the slots")
+    port = default_rdzv_port(pid) if rdzv_port is None else rdzv_port
+    if not 0 < port < 65536:
+        raise LaunchError(f"--rdzv-port {port} is not a port (1-65535)")
+    first = f"[{hostfile.hosts[0]}]" if ":" in hostfile.hosts[0] else hostfile.hosts[0]
+    flags = LaunchFlags(nproc=hostfile.slots, nnodes=str(len(hostfile.hosts)), node_rank=0,
+                        rdzv_endpoint=f"{first}:{port}")
+    workers = f"{hostfile.slots} worker{'s' * (hostfile.slots != 1)}"
+    line = (f"ringtrain: hostfile {hostfile.path}: {len(hostfile.hosts)} hosts ({', '.join(hostfile.hosts)}), "
+            f"{workers} per host, rendezvous {flags.rdzv_endpoint}")
+    return FilledFlags(flags, line)
+
+
+# --- the command line ------------------------------------------------------------------------------------
+_OWN = ("hostfile", "rdzv_port", "ssh_port", "ssh_options", "remote_python", "remote_cwd")
+"""This module's flags: they stay here, never sent to a host."""
+_DECIDED = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "local_addr")
+"""Launch flags the hostfile decides: node_argv writes them per host."""
+
+
+def add_hostfile_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("hosts over ssh (--hostfile)")
+    group.add_argument("--hostfile", metavar="FILE", help="start one launcher per host over ssh: lines 'HOST slots=N' "
+                       "(N workers per host, the same on every host); node 0 is the first host")
+    group.add_argument("--rdzv-port", type=int, help="with --hostfile: the rendezvous port on the first host "
+                       "(default 15000 + this launcher's pid %% 20000)")
+    group.add_argument("--ssh-port", type=int, help="with --hostfile: ssh's port on the hosts (default: ssh's own)")
+    group.add_argument("--ssh-option", dest="ssh_options", action="append", default=[], metavar="OPTION=VALUE",
+                       help="with --hostfile: an ssh -o option, e.g. --ssh-option IdentityFile=~/.ssh/job (repeatable)")
+    group.add_argument("--remote-python", help="with --hostfile: the Python on the hosts (default: this one, "
+                       f"{sys.executable})")
+    group.add_argument("--remote-cwd", help="with --hostfile: the folder the hosts run in (default: this one)")
+
+
+def check_hostfile_arguments(args: argparse.Namespace) -> None:
+    """The ssh flags only mean something with --hostfile."""
+    if getattr(args, "hostfile", None):
+        return
+    for name in _OWN[1:]:
+        if getattr(args, name, None):
+            flag = "--" + ("ssh-option" if name == "ssh_options" else name.replace("_", "-"))
+            raise LaunchError(f"{flag} is for --hostfile jobs; add --hostfile FILE or drop {flag}")
+
+
+def node_argv(args: argparse.Namespace, hostfile: Hostfile, node_rank: int, rdzv_endpoint: str) -> list[str]:
+    """``ringtrain train|run ...`` as host ``node_rank`` runs it: the user's flags as parsed (cli.py's
+    ``train`` / ``run`` arguments), the hostfile's flags for this host, never this module's own."""
+    positional = args.config if args.command == "train" else args.script
+    argv = [args.command, positional]
+    for override in args.overrides:
+        argv += ["--set", override]
+    for name, flag in (("run_dir", "--run-dir"), ("resume_from", "--resume-from"), ("min_nproc", "--min-nproc"),
+                       ("rdzv_conf", "--rdzv-conf")):
+        if getattr(args, name, None):
+            argv += [flag, str(getattr(args, name))]
+    if args.max_restarts:
+        argv += ["--max-restarts", str(args.max_restarts)]
+    argv += ["--resume"] * bool(args.resume) + ["--heal"] * bool(args.heal)
+    argv += ["--nproc", str(hostfile.slots), "--nnodes", str(len(hostfile.hosts)), "--node-rank", str(node_rank),
+             "--rdzv-endpoint", rdzv_endpoint, "--local-addr", hostfile.hosts[node_rank]]
+    if args.command == "run" and args.script_args:
+        argv += ["--", *args.script_args]
+    return argv
+
+
+FORWARDED = {"command", "config", "script", "overrides", "run_dir", "resume", "resume_from", "min_nproc", "rdzv_conf",
+             "max_restarts", "heal", "script_args", "handler", *_OWN, *_DECIDED}
+"""Every argument of ``train`` and ``run`` that node_argv handles (a test checks the parsers against it)."""
+
+
+def remote_command(argv: Sequence[str], python: str, cwd: str, env: Mapping[str, str]) -> str:
+    """The shell line a host runs: ``cd CWD && exec [env VAR=VALUE ...] PYTHON -m ringtrain.hostfile ARGV``."""
+    assignments = [f"{name}={value}" for name, value in sorted(env.items())]
+    words = [*(["env", *assignments] if assignments else []), python, "-m", "ringtrain.hostfile", *argv]
+    return f"cd {shlex.quote(cwd)} && exec {shlex.join(words)}"
+
+
+def ssh_command(host: str, command: str, port: int | None = None, options: Sequence[str] = ()) -> list[str]:
+    """ssh's argv. The user's -o options come first: ssh keeps the first value it is given for an option.
+    ConnectTimeout: a host that does not answer at all fails in 15 s, not after the system's TCP timeout."""
+    argv = ["ssh", "-T"]
+    for option in options:
+        argv += ["-o", option]
+    argv += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=15"]
+    if port is not None:
+        argv += ["-p", str(port)]
+    return [*argv, host, command]
+
+
+# --- this machine: one ssh per host ----------------------------------------------------------------------
+class _Host:
+    """One host's ssh client: its output relayed with the host's name, its last line kept for the report."""
+
+    def __init__(self, host: str, argv: list[str]):
+        self.host, self.last_line = host, ""
+        # Its own session: a terminal's Ctrl-C goes to the launcher, which stops the host through stdin.
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+        self.relays = [threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
+                       threading.Thread(target=self._relay, args=(self.process.stderr, sys.stderr), daemon=True)]
+        for relay in self.relays:
+            relay.start()
+
+    def _relay(self, stream, sink) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if sink is sys.stderr and line.strip():
+                self.last_line = line.strip()
+            print(f"[{self.host}] {line}", file=sink, flush=True)
+
+    def stop(self) -> None:
+        """EOF on the ssh channel: the remote wrapper SIGTERMs its launcher; the connection stays for the rest."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+
+
+def launch_hosts(hostfile: Hostfile, argvs: Sequence[list[str]], python: str, cwd: str, env: Mapping[str, str],
+                 ssh_port: int | None = None, ssh_options: Sequence[str] = ()) -> int:
+    """Run ``argvs[i]`` on ``hostfile.hosts[i]`` over ssh; wait for all. 0, or the first failure's exit code
+    (one line naming the host; the other hosts are stopped), or 128 + the signal that stopped this process."""
+    if shutil.which("ssh") is None:
+        raise LaunchError("--hostfile starts each host's launcher with ssh, which is not installed here: install "
+                          "the OpenSSH client (Debian: apt-get install openssh-client)")
+    hosts: list[_Host] = []
+    stopped_by: list[int] = []
+
+    def on_signal(signum, frame):
+        if stopped_by:  # the second Ctrl-C: do not wait for the hosts to save
+            for host in hosts:
+                host.process.kill()
+        stopped_by.append(signum)
+        for host in hosts:
+            host.stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failed: _Host | None = None
+    try:
+        for host, argv in zip(hostfile.hosts, argvs):
+            hosts.append(_Host(host, ssh_command(host, remote_command(argv, python, cwd, env), ssh_port, ssh_options)))
+            if stopped_by:
+                hosts[-1].stop()
+        running = list(hosts)
+        while running:
+            for host in list(running):
+                code = host.process.poll()
+                if code is None:
+                    continue
+                running.remove(host)
+                for relay in host.relays:
+                    relay.join(timeout=5)
+                if code != 0 and failed is None and not stopped_by:
+                    failed = host
+                    for other in running:
+                        other.stop()  # the job cannot go on without this host
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for host in hosts:
+            if host.process.poll() is None:
+                host.process.kill()
+    if failed is not None:
+        code = failed.process.returncode
+        why = f"ssh failed: {failed.last_line.rstrip('.')}" if code == SSH_EXIT else f"its launcher exited {code}"
+        print(f"ringtrain: error: host {failed.host} (node {hosts.index(failed)}): {why}; the other hosts were stopped",
+              file=sys.stderr, flush=True)
+        return code if code > 0 else 1
+    if stopped_by:
+        return 128 + stopped_by[0]
+    return 0
+
+
+# --- the host's end: python -m ringtrain.hostfile ARGS ----------------------------------------------------
+def serve_node(argv: Sequence[str], stdin_fd: int = 0) -> int:
+    """Run ``python -m ringtrain ARGV`` until it ends, or until ``stdin_fd`` reaches its end (the ssh channel
+    closed: the launching machine stopped the job, or its connection is gone); then SIGTERM, and SIGKILL
+    after STOP_GRACE_S. Signals this wrapper gets are passed on. Returns the launcher's exit code."""
+    child = subprocess.Popen([sys.executable, "-m", "ringtrain", *argv], stdin=subprocess.DEVNULL)
+
+    def stop() -> None:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+    def watch_stdin() -> None:
+        try:
+            while os.read(stdin_fd, 4096):
+                pass
+        except OSError:
+            pass
+        stop()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: child.poll() is None and child.send_signal(signum))
+    code = child.wait()
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(serve_node(sys.argv[1:]))
