@@ -83,7 +83,9 @@ def fit(
       ringtrain's linear warm-up over ``train.warmup_steps``, then ``train.lr_schedule``: cosine decay to 0 at
       the last step, or constant, of the optimizer's own lr); ``collate_fn`` as DataLoader's.
     - ``config``: a dict of sections (``{"train": {...}}``), a TOML path or a ``Config``; under ``ringtrain
-      run``, its ``--set`` and ``--run-dir`` override it.
+      run``, its ``--set`` and ``--run-dir`` override it. ``{"train": {"activation_checkpointing": "full"}}``
+      checkpoints the entries of the model's first ``nn.ModuleList`` (else its direct ``nn.Sequential``
+      children) one by one.
     - ``run_dir``: where the run writes (default: the config's, else ``runs/<script name>``); the variable
       ``RINGTRAIN_RUN_DIR`` (``ringtrain run --run-dir``) overrides it.
     - ``resume``: ``True`` continues the run directory's newest valid checkpoint (``--resume``), a checkpoint

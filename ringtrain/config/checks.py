@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ringtrain.config.parallel import check_parallel
 from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -59,6 +60,13 @@ def validate_for_world_sizes(config: Config, min_world_size: int, max_world_size
                 f"({max_world_size}))) = {derived}; set it to {derived} or leave it unset{fewer}"
             )
     for world_size in range(min_world_size, max_world_size + 1):
+        try:
+            check_parallel(config, world_size)
+        except ConfigError as error:
+            if min_world_size == max_world_size:
+                raise
+            raise ConfigError(f"{error} (the job runs with {min_world_size} to {max_world_size} workers; this is "
+                              f"at {world_size}: -1 takes the rest at every size)") from None
         validate_for_world_size(config, world_size)
 
 
@@ -77,6 +85,7 @@ def validate_for_world_size(config: Config, world_size: int) -> None:
             f"({train.local_batch_size}) * {world_size})) = {derived}; set it to {derived} (or to the count at the "
             "job's most workers) or leave it unset"
         )
+    check_parallel(config, world_size)  # [parallel]'s degrees multiply to world_size; what is not built yet
 
 
 def _check_every_worker_gets_samples(train: TrainConfig, world_size: int, job_range: tuple[int, int]) -> None:

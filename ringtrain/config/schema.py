@@ -13,6 +13,8 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ringtrain.config.checks import check_workload
+from ringtrain.config.parallel import ParallelConfig, check_strategy_agrees
+from ringtrain.config.section import Section
 
 __all__ = [
     "CheckpointConfig",
@@ -23,6 +25,7 @@ __all__ = [
     "DistConfig",
     "ModelConfig",
     "MonitorConfig",
+    "ParallelConfig",
     "Section",
     "TaskConfig",
     "TrainConfig",
@@ -50,11 +53,6 @@ def _check_factory(section: BaseModel, name: str, builtin: str, what: str) -> No
         raise ValueError(f"set {name}.factory (your own {what}) or {name}.{builtin} (a built-in one), not both")
     if section.args and factory is None:
         raise ValueError(f"[{name}.args] are keyword arguments of {name}.factory, which is not set")
-
-
-class Section(BaseModel):
-    # strict: a string where a number belongs is an error, not a silent conversion.
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
 
 
 class ModelConfig(Section):
@@ -240,6 +238,13 @@ class TrainConfig(Section):
     """CPU memory (resident set, MB) one worker may use; going above it counts as out of memory
     (needs auto_micro_batch). Leave room beyond activations: with bf16 the CPU also keeps compiled
     kernels per tensor shape (megabytes each). Unset: no budget."""
+
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them, block by block (the Transformer's blocks, a
+    ResNet's stages, the MLP's body; your model's first nn.ModuleList): 'none'; 'full' (a block keeps only its
+    input and runs its forward again in backward); 'selective' (torchtitan's op-level policy: a block keeps
+    its attention outputs and every other matmul's, and recomputes the rest). Every strategy; results are
+    bit-identical to 'none', the step takes longer (README: Activation checkpointing)."""
 
     @model_validator(mode="after")
     def _optimizer_and_schedule(self) -> TrainConfig:
@@ -543,6 +548,7 @@ class Config(Section):
     diloco: DiLoCoConfig = DiLoCoConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     monitor: MonitorConfig = MonitorConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _shm_needs_cpu_workers(self) -> Config:
@@ -609,6 +615,11 @@ class Config(Section):
                 "dist.heal = true writes full checkpoints (each rank's shard would be bound to a group that healing "
                 "replaces); set checkpoint.sharded = false and checkpoint.async = false, or dist.heal = false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_fits(self) -> Config:
+        check_strategy_agrees(self.parallel, self.comm.strategy)
         return self
 
     @model_validator(mode="after")

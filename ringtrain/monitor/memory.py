@@ -1,14 +1,17 @@
-"""Memory readings of this process: resident set (psutil), its peak, and CUDA's peak allocation."""
+"""Memory readings of this process: resident set (psutil), its peak, CUDA's peak allocation, and the bytes
+autograd keeps for backward (``saved_for_backward``)."""
 
 from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import torch
 
-__all__ = ["memory_mb"]
+__all__ = ["SavedBytes", "memory_mb", "saved_for_backward"]
 
 _MB = 1024 * 1024
 _PROCESS = psutil.Process()
@@ -23,3 +26,36 @@ def memory_mb(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         reading["memory/cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / _MB
     return reading
+
+
+class SavedBytes:
+    """What ``saved_for_backward`` counted: ``bytes`` (each saved tensor's elements x element size, a view
+    counted at its own size), ``tensors`` (how many)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.tensors = 0
+
+    @property
+    def mb(self) -> float:
+        return self.bytes / _MB
+
+
+@contextmanager
+def saved_for_backward() -> Iterator[SavedBytes]:
+    """Count the tensors autograd saves for backward while the block runs (``saved_tensors_hooks``): a
+    deterministic measure of activation memory, unlike RSS.
+
+        >>> with saved_for_backward() as saved:
+        ...     loss = model(x).sum()
+        >>> saved.mb
+    """
+    counted = SavedBytes()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        counted.bytes += tensor.numel() * tensor.element_size()
+        counted.tensors += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield counted

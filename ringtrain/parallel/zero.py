@@ -156,8 +156,7 @@ class ZeroDataParallel(nn.Module):
         for index, (block, unit) in enumerate(used):
             following = used[index + 1][1] if index + 1 < len(used) else None  # prefetched during this one
             block.register_forward_pre_hook(
-                lambda m, args, unit=unit, following=following: self._gatherer.before_forward(
-                    unit, following, torch.is_grad_enabled()))
+                lambda m, args, unit=unit, following=following: self._before_forward(unit, following))
             block.register_forward_hook(lambda m, args, out, unit=unit: self._after_forward(unit, out))
         self.module.register_forward_pre_hook(lambda m, args: self._before_module_forward())
         self.module.register_forward_hook(lambda m, args, out: self._after_module_forward())
@@ -186,7 +185,15 @@ class ZeroDataParallel(nn.Module):
         self.comm_calls += 1
         return self._queue.submit(call)
 
+    def _before_forward(self, unit: FlatUnit, following: FlatUnit | None) -> None:
+        if self._gatherer.in_backward:  # activation checkpointing's recompute: the block's backward is next
+            self._gatherer.gather(unit)
+            return
+        self._gatherer.before_forward(unit, following, torch.is_grad_enabled())
+
     def _after_forward(self, unit: FlatUnit, output: Any) -> None:
+        if self._gatherer.in_backward:  # the recompute's outputs: the parameters stay for the block's backward
+            return
         self._gatherer.free(unit)
         if not torch.is_grad_enabled():
             return

@@ -48,10 +48,14 @@ class Gatherer:
         """Blocks in the order their forward ran with gradients (the backward runs them in reverse)."""
         self.prefetched = 0
         """Gathers started ahead of their use so far."""
+        self.in_backward = False
+        """A backward began since the last forward: a block's forward now is activation checkpointing's
+        recompute, which needs the block's parameters and must neither free them nor prefetch."""
 
     # --- the passes -------------------------------------------------------------------------------------
     def start_forward(self) -> None:
         self._ran = []
+        self.in_backward = False
 
     def before_forward(self, unit: FlatUnit, following: FlatUnit | None, grad_enabled: bool) -> None:
         self.gather(unit)
@@ -61,6 +65,7 @@ class Gatherer:
             self.prefetch(following)
 
     def before_backward(self, unit: FlatUnit) -> None:
+        self.in_backward = True
         self.gather(unit)
         index = next((i for i, u in enumerate(self._ran) if u is unit), 0)
         if index > 0:

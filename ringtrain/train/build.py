@@ -15,6 +15,7 @@ from ringtrain.group.init import DistContext
 from ringtrain.group.jobstore import NullJobStore
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
+from ringtrain.parallel.activation_checkpoint import apply_ac
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.healing_hooks import NoHealing
 from ringtrain.train.loop import TrainParts, Trainer
@@ -48,6 +49,8 @@ def build_trainer(
         # state the running workers send it: they run no broadcast here).
         broadcast_from_rank0(model)
     task = parts.task
+    # Before the strategy wraps the model: DDP, the zero units and FSDP's fully_shard see checkpointed blocks.
+    checkpointed = apply_ac(model, train_cfg.activation_checkpointing)
     strategy = build_strategy(config.comm, ctx.device, config.diloco)
     wrapped = model if joining else strategy.wrap(model)
     if parts.optimizer is not None:
@@ -102,6 +105,7 @@ def build_trainer(
         precision=Precision(train_cfg.precision, ctx.device),
         batcher=MicroBatcher(train_cfg, task, ctx.rank, ctx.world_size, ctx.device),
         data_stats=data.stats,
+        checkpointed_blocks=len(checkpointed),
         loaders=loaders,
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), healing)

@@ -112,4 +112,7 @@ class RecordKeeping:
             summary.update(self._utilization(self.tokens_seen / wall_s))
         if self.parts.data_stats:
             summary["data"] = self.parts.data_stats
+        if self.parts.checkpointed_blocks:
+            summary["activation_checkpointing"] = {"mode": self.config.train.activation_checkpointing,
+                                                   "blocks": self.parts.checkpointed_blocks}
         return summary

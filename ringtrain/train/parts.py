@@ -50,5 +50,7 @@ class TrainParts:
     """The user's torchmetrics, {name: Metric}, computed over the evaluation set (synchronised by torchmetrics)."""
     data_stats: dict[str, Any] = field(default_factory=dict)
     """Facts about the data for the summary (e.g. a text corpus's unigram entropy)."""
+    checkpointed_blocks: int = 0
+    """Blocks under activation checkpointing (``[train] activation_checkpointing``; 0 with 'none')."""
     loaders: Callable[[int, int], tuple[DataLoader, DataLoader | None]] | None = None
     """(rank, world_size) -> the train and eval loaders for another group (healing rebuilds them)."""

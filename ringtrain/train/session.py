@@ -63,6 +63,7 @@ from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.parallel import build_strategy
+from ringtrain.parallel.activation_checkpoint import apply_ac
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.testing import faults
 from ringtrain.train.build import arm_fault_plan, broadcast_from_rank0
@@ -162,6 +163,7 @@ class Session:
         # For the record (config.toml): what this run trains.
         self.config = self.config.model_copy(update={
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
+        apply_ac(module, self.config.train.activation_checkpointing)  # before the strategy wraps it
         self.strategy = build_strategy(self.config.comm, self.device, self.config.diloco)
         self.module, self.model = module, self.strategy.wrap(module)
         made = self._made_optimizer = optimizer is None

@@ -1,0 +1,153 @@
+"""``[parallel]``: the device mesh's degrees (data replicated, data sharded, tensor, pipeline) and the pipeline's
+schedule, with the checks that need no worker. The existing strategies are this mesh's 1-D cases:
+
+    comm.strategy         dp_replicate   dp_shard   tp   pp
+    ddp, manual, diloco   world          1          1    1
+    zero1/2/3, fsdp       1              world      1    1
+
+``comm.strategy`` chooses how the data-parallel dimension runs; an unset ``dp_replicate`` / ``dp_shard`` is
+what the strategy implies (its own dimension -1, the rest; the other 1). A degree that disagrees with the
+strategy is refused in one line, and so are tp > 1 and pp > 1, which are not built yet (issue 23): the
+checks of their layout run first, so a config that will not fit is told why before it is told "not yet".
+
+    >>> resolve_degrees(ParallelConfig(), "fsdp", world_size=4)
+    {'dp_replicate': 1, 'dp_shard': 4, 'tp': 1, 'pp': 1}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from ringtrain.config.section import Section
+from ringtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ringtrain.config.schema import Config
+
+__all__ = ["DEGREES", "ParallelConfig", "check_parallel", "check_strategy_agrees", "resolve_degrees"]
+
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+"""The mesh's dimensions, outermost first (torchtitan's order)."""
+REPLICATED = ("ddp", "manual", "diloco")
+"""Every rank holds the whole model (diloco: each its own copy between its outer steps)."""
+SHARDED = ("zero1", "zero2", "zero3", "fsdp")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+class ParallelConfig(Section):
+    dp_replicate: int | None = None
+    """Data-parallel replicas (each holds the whole model): -1 takes the ranks the other degrees leave.
+    Unset: what comm.strategy implies (ddp, manual, diloco: -1; zero1-3, fsdp: 1)."""
+
+    dp_shard: int | None = None
+    """Data-parallel ranks the model's state is sharded over: -1 takes the ranks the other degrees leave.
+    Unset: what comm.strategy implies (zero1-3, fsdp: -1; ddp, manual, diloco: 1)."""
+
+    tp: int = 1
+    """Tensor-parallel degree (-1: the rest). Not built yet (issue 23): only 1 runs."""
+
+    pp: int = 1
+    """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest). Not built yet
+    (issue 23): only 1 runs."""
+
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining's): 'gpipe' and '1f1b' run one stage per rank;
+    'interleaved_1f1b' and 'interleaved_zero_bubble' two or more (stages_per_rank); 'zbv_zero_bubble' exactly
+    two, in a V."""
+
+    pp_microbatches: int | None = Field(default=None, gt=0)
+    """Micro-batches a step's batch is cut into for the pipeline; at least one per stage (pp x
+    stages_per_rank). Unset: one per stage."""
+
+    stages_per_rank: int = Field(default=1, gt=0)
+    """Pipeline stages each pipeline rank holds (more than one: an interleaved schedule)."""
+
+    @model_validator(mode="after")
+    def _degrees_and_schedule(self) -> ParallelConfig:
+        rest = [name for name in DEGREES if getattr(self, name) == -1]
+        for name in DEGREES:
+            value = getattr(self, name)
+            if value is not None and value != -1 and value < 1:
+                raise ValueError(f"{name} = {value}: a degree is a number of ranks (1 or more), or -1 "
+                                 "for the ranks the others leave")
+        if len(rest) > 1:
+            raise ValueError(f"{' and '.join(rest)} are each -1 ('the rest'): at most one degree can take the "
+                             "ranks the others leave; give the others numbers")
+        schedule, stages = self.pp_schedule, self.stages_per_rank
+        if schedule in SINGLE_STAGE_SCHEDULES and stages != 1:
+            raise ValueError(f"pp_schedule = '{schedule}' runs one stage per rank, but stages_per_rank = "
+                             f"{stages}; use 'interleaved_1f1b' or 'interleaved_zero_bubble', or stages_per_rank = 1")
+        if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and stages < 2:
+            raise ValueError(f"pp_schedule = '{schedule}' interleaves several stages per rank, but "
+                             f"stages_per_rank = {stages}; set stages_per_rank = 2 (or more), or use '1f1b'")
+        if schedule == "zbv_zero_bubble" and stages != 2:
+            raise ValueError(f"pp_schedule = 'zbv_zero_bubble' places exactly 2 stages per rank (a V), "
+                             f"but stages_per_rank = {stages}; set stages_per_rank = 2")
+        return self
+
+
+def check_strategy_agrees(parallel: ParallelConfig, strategy: str) -> None:
+    """The data-parallel degrees against comm.strategy (no world size needed): ValueError naming both."""
+    shard, replicate = parallel.dp_shard, parallel.dp_replicate
+    if strategy in REPLICATED and shard not in (None, 1):
+        raise ValueError(
+            f"[parallel] dp_shard = {shard} shards the model's state, but comm.strategy = '{strategy}' keeps a "
+            f"whole copy on every rank; set comm.strategy = 'fsdp' (or 'zero1', 'zero2', 'zero3') to shard, or "
+            "dp_shard = 1 (or leave it unset)")
+    if strategy in SHARDED and replicate not in (None, 1):
+        raise ValueError(
+            f"[parallel] dp_replicate = {replicate} with comm.strategy = '{strategy}': replicas of a sharded model "
+            "(HSDP) are not built yet (issue 23); set dp_replicate = 1 (or leave it unset), or comm.strategy = "
+            "'ddp' to replicate")
+
+
+def resolve_degrees(parallel: ParallelConfig, strategy: str, world_size: int) -> dict[str, int]:
+    """Every degree as a number at ``world_size``: unset ones from the strategy, -1 as the rest. ConfigError
+    when they cannot multiply to ``world_size``, naming every degree."""
+    own = "dp_replicate" if strategy in REPLICATED else "dp_shard"
+    given = {name: getattr(parallel, name) for name in DEGREES}
+    someone_takes_rest = -1 in given.values()
+    degrees = {name: (value if value is not None else -1 if name == own and not someone_takes_rest else 1)
+               for name, value in given.items()}
+    rest = [name for name, value in degrees.items() if value == -1]
+    known = math.prod(value for value in degrees.values() if value != -1)
+    named = " x ".join(f"{name} ({'-1: the rest' if value == -1 else value})" for name, value in degrees.items())
+    if rest:
+        if world_size % known:
+            raise ConfigError(f"[parallel] {named}: {known} does not divide world_size ({world_size}), so "
+                              f"{rest[0]} cannot take the rest; change the degrees or the number of workers")
+        degrees[rest[0]] = world_size // known
+    elif known != world_size:
+        raise ConfigError(f"[parallel] {named} = {known}, but world_size is {world_size}: the degrees must multiply "
+                          "to the number of workers; change one, or set one to -1 (the rest)")
+    return degrees
+
+
+def check_parallel(config: Config, world_size: int) -> dict[str, int]:
+    """The mesh at ``world_size``: the product, the pipeline's layout, then what is not built yet; one
+    ConfigError line naming the numbers. Returns the resolved degrees."""
+    parallel = config.parallel
+    degrees = resolve_degrees(parallel, config.comm.strategy, world_size)
+    pp, tp = degrees["pp"], degrees["tp"]
+    if pp > 1:
+        stages = pp * parallel.stages_per_rank
+        microbatches = parallel.pp_microbatches or stages
+        if microbatches < stages:
+            raise ConfigError(f"[parallel] pp_microbatches ({microbatches}) is fewer than the pipeline's stages (pp "
+                              f"({pp}) x stages_per_rank ({parallel.stages_per_rank}) = {stages}): a stage would "
+                              f"idle every step; set pp_microbatches = {stages} or more")
+        layers = config.model.n_layers
+        if config.model.factory is None and config.model.name == "transformer" and layers % stages:
+            raise ConfigError(f"[parallel] model.n_layers ({layers}) does not divide into pp ({pp}) x "
+                              f"stages_per_rank ({parallel.stages_per_rank}) = {stages} stages; set n_layers to a "
+                              f"multiple of {stages}, or change pp or stages_per_rank")
+    if tp > 1:
+        raise ConfigError(f"[parallel] tp = {tp}: tensor parallelism is not built yet (issue 23); set tp = 1 "
+                          "(data parallelism: comm.strategy and dp_replicate / dp_shard)")
+    if pp > 1:
+        raise ConfigError(f"[parallel] pp = {pp}: pipeline parallelism is not built yet (issue 23); set pp = 1 "
+                          "(data parallelism: comm.strategy and dp_replicate / dp_shard)")
+    return degrees

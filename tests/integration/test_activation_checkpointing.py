@@ -1,0 +1,32 @@
+"""Activation checkpointing through `ringtrain train` on 2 real workers: 'full' and 'selective' end on the
+same parameters as 'none', bit for bit (recompute on CPU is deterministic), replicated (ddp) and sharded
+(fsdp: FSDP2's fully_shard over checkpointed blocks). The summary says the blocks were checkpointed, so a
+run that ignored the setting cannot pass."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_clis
+
+MODES = ("none", "full", "selective")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_checkpointed_runs_end_on_the_parameters_of_the_plain_run(tmp_path, strategy):
+    commands = [["train", "configs/debug_lm.toml", "--nproc", "2", "--run-dir", str(tmp_path / mode),
+                 "--set", "train.max_steps=3", "--set", "train.auto_micro_batch=false",
+                 "--set", f"comm.strategy='{strategy}'", "--set", f"train.activation_checkpointing='{mode}'"]
+                for mode in MODES]
+    for mode, result in zip(MODES, run_clis(*commands)):
+        assert result.returncode == 0, f"{mode}: {result.stderr[-2000:]}"
+    summaries = {mode: json.loads((tmp_path / mode / "summary.json").read_text()) for mode in MODES}
+    digests = {mode: summary["param_sha256"] for mode, summary in summaries.items()}
+    print(f"{strategy}: {({mode: d[0][:12] for mode, d in digests.items()})}")
+    assert len(digests["none"]) == 2 and len(set(digests["none"])) == 1
+    assert digests["full"] == digests["none"] and digests["selective"] == digests["none"]
+    assert summaries["none"]["steps"] == 3 and "activation_checkpointing" not in summaries["none"]
+    for mode in ("full", "selective"):
+        assert summaries[mode]["activation_checkpointing"] == {"mode": mode, "blocks": 2}  # debug_lm: 2 layers

@@ -1,0 +1,108 @@
+"""``[parallel]`` (ringtrain/config/parallel.py): the degrees resolve against comm.strategy and the world size,
+and every config that cannot run is one line naming the numbers, before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.config import load_config_dict, validate_for_world_sizes
+from ringtrain.config.parallel import check_parallel, resolve_degrees
+from ringtrain.errors import ConfigError
+from tests.conftest import run_main
+
+LM = {"model": {"name": "transformer", "n_layers": 4}, "data": {"dataset": "text"}}
+
+
+def config(parallel: dict, strategy: str = "ddp", **sections):
+    return load_config_dict({**LM, "comm": {"strategy": strategy}, "parallel": parallel, **sections})
+
+
+@pytest.mark.parametrize("strategy, world_size, expected", [
+    ("ddp", 4, {"dp_replicate": 4, "dp_shard": 1, "tp": 1, "pp": 1}),
+    ("manual", 3, {"dp_replicate": 3, "dp_shard": 1, "tp": 1, "pp": 1}),
+    ("diloco", 2, {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1}),
+    ("zero3", 3, {"dp_replicate": 1, "dp_shard": 3, "tp": 1, "pp": 1}),
+    ("fsdp", 2, {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}),
+])
+def test_the_existing_strategies_are_the_one_dimensional_meshes(strategy, world_size, expected):
+    assert check_parallel(config({}, strategy), world_size) == expected
+    # Spelled out, the same mesh; and -1 takes the rest.
+    assert check_parallel(config(expected, strategy), world_size) == expected
+    own = "dp_replicate" if expected["dp_replicate"] > 1 else "dp_shard"
+    assert check_parallel(config({own: -1}, strategy), world_size) == expected
+
+
+def test_the_product_must_be_the_world_size_in_one_line_naming_every_degree():
+    with pytest.raises(ConfigError) as caught:
+        validate_for_world_sizes(config({"dp_replicate": 4}), 2, 2)
+    assert str(caught.value) == (
+        "[parallel] dp_replicate (4) x dp_shard (1) x tp (1) x pp (1) = 4, but world_size is 2: the degrees must "
+        "multiply to the number of workers; change one, or set one to -1 (the rest)")
+    validate_for_world_sizes(config({"dp_replicate": 2}), 2, 2)  # the product that fits passes
+    with pytest.raises(ConfigError, match=r"dp_replicate \(-1: the rest\) x dp_shard \(1\) x tp \(3\) x pp \(1\): 3 "
+                                          r"does not divide world_size \(2\)"):
+        check_parallel(config({"tp": 3}), 2)
+
+
+def test_an_elastic_job_is_checked_at_every_size_and_says_so():
+    validate_for_world_sizes(config({}), 1, 3)  # the strategy's dimension takes the rest at each size
+    with pytest.raises(ConfigError, match=r"= 2, but world_size is 1.*runs with 1 to 2 workers; this is at 1"):
+        validate_for_world_sizes(config({"dp_replicate": 2}), 1, 2)
+
+
+def test_tensor_and_pipeline_parallelism_are_refused_as_not_built_yet_never_ignored():
+    with pytest.raises(ConfigError, match=r"^\[parallel\] tp = 2: tensor parallelism is not built yet \(issue 23\)"):
+        check_parallel(config({"tp": 2}), 4)
+    with pytest.raises(ConfigError, match=r"^\[parallel\] pp = 2: pipeline parallelism is not built yet \(issue 23\)"):
+        check_parallel(config({"pp": 2}), 2)
+    with pytest.raises(ConfigError, match=r"tp = 2: tensor"):  # -1 resolving above 1 is refused the same way
+        check_parallel(config({"dp_replicate": 2, "tp": -1}), 4)
+
+
+def test_the_pipeline_layout_is_checked_before_it_is_refused():
+    with pytest.raises(ConfigError, match=r"pp_microbatches \(3\) is fewer than the pipeline's stages \(pp \(2\) x "
+                                          r"stages_per_rank \(2\) = 4\).*set pp_microbatches = 4 or more"):
+        check_parallel(config({"pp": 2, "stages_per_rank": 2, "pp_schedule": "interleaved_1f1b",
+                               "pp_microbatches": 3}), 2)
+    with pytest.raises(ConfigError, match=r"model.n_layers \(4\) does not divide into pp \(3\) x stages_per_rank "
+                                          r"\(1\) = 3 stages"):
+        check_parallel(config({"pp": 3}), 3)
+
+
+@pytest.mark.parametrize("parallel, strategy, words", [
+    ({"dp_shard": 2}, "ddp", r"dp_shard = 2 shards the model's state, but comm.strategy = 'ddp' keeps a whole copy"),
+    ({"dp_shard": -1}, "manual", r"dp_shard = -1 shards"),
+    ({"dp_replicate": 2}, "zero3", r"dp_replicate = 2 with comm.strategy = 'zero3': .*\(HSDP\) are not built yet"),
+    ({"tp": -1, "pp": -1}, "ddp", r"tp and pp are each -1"),
+    ({"dp_shard": 0}, "fsdp", r"dp_shard = 0: a degree is a number of ranks"),
+    ({"pp_schedule": "zbv_zero_bubble"}, "ddp", r"exactly 2 stages per rank.*stages_per_rank = 1"),
+    ({"pp_schedule": "interleaved_zero_bubble"}, "ddp", r"interleaves several stages per rank"),
+    ({"pp_schedule": "gpipe", "stages_per_rank": 2}, "ddp", r"'gpipe' runs one stage per rank"),
+])
+def test_configs_that_cannot_mean_anything_fail_at_load(parallel, strategy, words):
+    with pytest.raises(ConfigError, match=words):
+        config(parallel, strategy)
+
+
+def test_the_launcher_refuses_before_any_worker_with_exit_2_and_one_line(tmp_path):
+    result = run_main("train", "configs/debug_lm.toml", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                      "--set", "parallel.dp_replicate=3")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "dp_replicate (3) x dp_shard (1) x tp (1) x pp (1) = 3, but world_size is 2" in lines[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_every_strategy_is_one_of_the_one_dimensional_meshes():
+    from typing import get_args
+
+    from ringtrain.config import CommConfig
+    from ringtrain.config.parallel import REPLICATED, SHARDED
+
+    strategies = set(get_args(CommConfig.model_fields["strategy"].annotation))
+    assert strategies == set(REPLICATED) | set(SHARDED) and not set(REPLICATED) & set(SHARDED)
+
+
+def test_resolve_degrees_on_its_own():
+    assert resolve_degrees(config({"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": -1}).parallel, "ddp", 6) == {
+        "dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 3}
