@@ -212,14 +212,9 @@ def join_job(spec: JobSpec, local_addr: str | None = None, launched_agent: bool 
     _check_running(spec)
     if launched_agent and barrier:
         _rendezvous_together(barrier)
-    # Under --heal the rendezvous only starts the job (who is in it later is the heal's business): the launcher's
-    # own agents start it all together, every worker asked for. A round that closes at the minimum leaves a
-    # loaded host's slowest agent out (seen at load 15: its joins kept losing the race for the rendezvous state
-    # to the others' keep-alives until the last call closed the round), and nothing would ever admit it.
-    first = spec.max_workers if launched_agent and spec.heal else spec.min_workers
     options = LaunchOptions(
         nproc=spec.nproc,
-        nnodes=f"{first // spec.nproc}:{spec.max_workers // spec.nproc}",
+        nnodes=f"{spec.min_workers // spec.nproc}:{spec.max_workers // spec.nproc}",
         rdzv_endpoint=spec.rdzv_endpoint,
         local_addr=local_addr,
         max_restarts=spec.max_restarts,

@@ -196,6 +196,13 @@ def launch(options: LaunchOptions, program: Program) -> None:
     """
     options.validate()
     min_nodes, max_nodes = options.node_range()
+    if options.heal and options.join:
+        # A --heal launcher's own agents (elastic.py): the rendezvous only starts the job, who is in it later is
+        # the heal's business (HEAL_VAR keeps --min-nproc), so they start it all together, every worker asked
+        # for. A round that closes at the minimum left a loaded host's slowest agent out (at load 15 its joins
+        # kept losing the race for the rendezvous state to the others' keep-alives until the last call closed
+        # the round), and nothing would ever admit it.
+        min_nodes = max_nodes
     host, port = split_endpoint(options.rdzv_endpoint or f"{LOOPBACK}:0")
     hosts_store = options.node_rank == 0 and not options.join
     # A wrong --local-addr or an endpoint nobody answers at: one line now, not torch's 600 s join timeout.

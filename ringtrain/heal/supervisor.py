@@ -239,6 +239,7 @@ class Supervisor(NoHealing):
                     self.trainer.train()
                     summary = self.trainer.finish()
                     self.membership.mark_finished()
+                    faults.point("heal.finished")
                     return summary
                 except Regroup:
                     admit = True

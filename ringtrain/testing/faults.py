@@ -92,6 +92,8 @@ POINTS: dict[str, str] = {
                      "corrupts it)",
     "heal.planned": "heal/supervisor.py Supervisor.at_boundary: rank 0 wrote the plan to admit joiners after the "
                     "next step",
+    "heal.finished": "heal/supervisor.py Supervisor.run: this member marked the job finished, before it returns "
+                     "and its process exits (a delay: a finished worker slow to exit)",
 }
 """Every fault point: its name and where it sits. One line of code per point: ``faults.point(name)``."""
 

@@ -196,6 +196,21 @@ def test_a_cut_off_worker_that_stays_stopped_does_not_keep_the_launcher_waiting(
     assert_exactly_once(run_dir, epochs=2)
 
 
+def test_a_worker_that_finished_but_is_slow_to_exit_is_not_taken_for_cut_off(tmp_path):
+    """Once the job is done the launcher stops agents still running CUT_OFF_GRACE_S (15 s) later, but only those
+    whose worker never finished the job: member 1 finished and takes 25 s to exit (a loaded host; seen at load
+    16, where the writer's agent was killed and the job failed). It is waited for, and exits 0."""
+    run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, Fault("heal.finished", action="delay", seconds=25.0, member=1))
+    with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
+             str(run_dir), *sets(epochs=1), env=plan.env) as job:
+        code = job.finish(timeout=150)
+    assert [f["point"] for f in plan.fired()] == ["heal.finished"]
+    assert code == 0, job.stderr
+    assert "cut off" not in job.stderr, job.stderr
+    assert "killed" not in job.stderr, job.stderr
+
+
 def test_workers_lost_in_an_evaluation_and_in_the_last_summary_are_healed(tmp_path):
     """Member 2 dies inside the evaluation at the end of epoch 1 (train.evaluate, step 15), member 1 inside the
     last summary's collectives (train.finish): both are failures of the generation; member 0 evaluates and

@@ -21,6 +21,7 @@ PROVEN_ELSEWHERE = {
     "heal.settle": "tests/chaos/test_heal_compound.py",
     "heal.planned": "tests/chaos/test_heal_compound.py",
     "heal.transfer": "tests/multiproc/test_heal_state.py",
+    "heal.finished": "tests/chaos/test_heal_compound.py",
 }
 
 JOB = ["train", "configs/debug_mlp.toml", "--nproc", "2", "--set", "train.max_steps=4",
