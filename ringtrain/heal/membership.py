@@ -366,6 +366,10 @@ def request_join(job_store: NullJobStore, timeout_s: float, wait_s: float = 600.
     except BaseException as err:
         try:
             membership.store.set(f"join/withdrawn/{member}", "1")  # the members must not wait for a worker that left
+            # A set is sent without a reply: it "succeeds" into the socket of a store that has already gone. The
+            # check waits for the store's answer, so "withdrawn" below is true (seen in CI: a killed store, a set
+            # that returned, and a message that said the request was withdrawn).
+            membership.store.check([f"join/withdrawn/{member}"])
         except (RuntimeError, dist.DistError):
             if isinstance(err, KeyboardInterrupt):  # Ctrl-C is what the user did: exit 130 whether or not the job is gone
                 raise JoinInterrupted(f"ringtrain join: interrupted before the job admitted member {member} (the job "
