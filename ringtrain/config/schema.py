@@ -418,15 +418,21 @@ class DiLoCoConfig(Section):
     look ahead with, and the outer step is plain SGD either way."""
 
     fragments: int = Field(default=1, gt=0)
-    """F: streaming DiLoCo syncs the model in F fragments in turn. Only 1 is built yet (the whole model at once)."""
+    """F (streaming DiLoCo, arXiv 2501.18512): the parameters are cut in model order into F fragments of about
+    equal size, which sync in turn, one every sync_every / F steps, each every sync_every steps: the peak
+    bandwidth falls F times. sync_every must be divisible by F; F at most the model's trainable tensors."""
 
     delay: int = Field(default=0, ge=0)
-    """tau: inner steps a fragment's all-reduce overlaps before its outer step is applied (streaming; must be
-    below sync_every / fragments). Only 0 is built yet (the outer step waits for its all-reduce)."""
+    """tau: a fragment's pseudo-gradient is taken and exchanged tau inner steps before its outer step is applied
+    (below sync_every / fragments); the inner steps in between are then overwritten by the new global values.
+    With comm.algorithm = 'torch' those steps overlap the exchange (an asynchronous op); ringtrain's own
+    algorithms exchange at once (the same numbers, no overlap yet)."""
 
     dtype: Literal["fp32", "bf16", "int8", "int4"] = "fp32"
-    """The dtype the pseudo-gradients are exchanged in. Only 'fp32' is built yet (no compression, so no error
-    feedback is needed); 'bf16', 'int8' and 'int4' (with error feedback) are refused until they are."""
+    """The dtype the pseudo-gradients travel in: 'fp32' (all-reduced, exact), or 'bf16', 'int8', 'int4'
+    (ringtrain/comm/codec.py: 2, ~1.02 and ~0.53 bytes a value; all-gathered and summed in fp32 in rank order,
+    the same bits on every rank) with error feedback: what a worker's packet lost is added to its next
+    pseudo-gradient of that fragment, so it is delayed, never dropped."""
 
     @model_validator(mode="after")
     def _streaming_fits(self) -> DiLoCoConfig:
@@ -437,15 +443,6 @@ class DiLoCoConfig(Section):
             raise ValueError(f"diloco.delay ({self.delay}) must be below diloco.sync_every / fragments "
                              f"({self.sync_every} / {self.fragments} = {self.sync_every // self.fragments}): a "
                              "fragment's all-reduce must land before its next sync")
-        if self.fragments != 1:
-            raise ValueError(f"diloco.fragments = {self.fragments} (streaming DiLoCo) is not built yet; set "
-                             "diloco.fragments = 1 (the whole model syncs every sync_every steps)")
-        if self.delay != 0:
-            raise ValueError(f"diloco.delay = {self.delay} (overlapping the outer all-reduce) is not built yet; "
-                             "set diloco.delay = 0")
-        if self.dtype != "fp32":
-            raise ValueError(f"diloco.dtype = '{self.dtype}' (compressed pseudo-gradients with error feedback) is "
-                             "not built yet; set diloco.dtype = 'fp32'")
         return self
 
 

@@ -45,8 +45,9 @@ class ReplicatedStrategy:
         """Whether an outer step follows optimizer step ``step`` (``last``: the run's last step). DiLoCo's only."""
         return False
 
-    def outer_step(self) -> None:
-        """DiLoCo's periodic synchronisation (``diloco.py``); nothing for strategies that sync every step."""
+    def outer_step(self, step: int | None = None, last: bool = False) -> None:
+        """DiLoCo's periodic synchronisation after optimizer step ``step`` (``diloco.py``); nothing for strategies
+        that sync every step."""
 
     def figures(self) -> dict[str, Any]:
         """The strategy's own figures for records and the summary (DiLoCo: outer steps, bytes per worker)."""

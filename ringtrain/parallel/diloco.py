@@ -7,6 +7,23 @@ call and algorithms as the manual strategy: torch, ring, ring_chunked, shm, hier
 SGD (momentum, Nesterov) steps the global parameters by it, and every worker takes the new global parameters.
 LocalSGD is ``outer_lr=1, outer_momentum=0``: the new global parameters are then the workers' mean.
 
+Streaming DiLoCo (arXiv 2501.18512), torchft's ``local_sgd.py`` constraints:
+
+- ``fragments`` F: the parameters are cut, in model order, into F contiguous fragments of about equal size;
+  fragment f syncs after the steps s with ``s % H == (f + 1) * H / F % H``: one fragment every H / F steps, in
+  turn, each every H steps (F = 1: the whole model every H steps). Peak bandwidth falls F times.
+- ``delay`` tau: a fragment's pseudo-gradient is taken and exchanged tau steps before its outer step is
+  applied; the inner steps in between go on, and are then overwritten by the new global values (torchft's
+  ``fragment_update_alpha = 0``). With ``comm.algorithm = 'torch'`` the exchange is an asynchronous op that
+  those tau steps overlap; ringtrain's own algorithms exchange at once (the same numbers, no overlap yet).
+- ``dtype``: the pseudo-gradients travel as fp32 (all-reduced), or as bf16, int8 or int4 packets
+  (``comm/codec.py``) that are all-gathered and summed in fp32 in rank order (the same bits on every rank),
+  with error feedback: what a worker's packet lost is added to its next pseudo-gradient of that fragment, so
+  nothing a worker learned is dropped, only delayed (kept per rank in its checkpointed state).
+
+The run's last step syncs every fragment at once (a pending exchange is superseded: the pseudo-gradient taken
+then covers every inner step since the fragment's last outer step), so a run ends with one model everywhere.
+
     >>> strategy = DiLoCoStrategy(torch.device("cpu"), sync_every=50, outer_lr=0.7, outer_momentum=0.9)
     >>> model = strategy.wrap(model)                 # rank 0's weights everywhere; the fp32 global copy
     >>> optimizer = strategy.shard_optimizer(inner)  # kept: its per-rank state goes into checkpoints
@@ -36,8 +53,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import comm
-from ringtrain.comm import shm
+from ringtrain.comm import codec, shm
 from ringtrain.comm.groups import resolve_group
+from ringtrain.errors import ConfigError
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
@@ -45,9 +63,47 @@ from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 __all__ = ["DiLoCoStrategy", "OuterState"]
 
 
+class _Fragment:
+    """One fragment's parameters, their global fp32 copies and its exchange buffer; between the exchange and
+    the outer step of a delayed sync, the state of that exchange."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], globals_: list[torch.Tensor], offset: int):
+        self.index, self.params, self.globals, self.offset = index, params, globals_, offset
+        self.numel = sum(p.numel() for p in params)
+        self.error: torch.Tensor | None = None  # error feedback (compressed dtypes): what packets lost so far
+        self.in_flight = False  # exchanged (or exchanging), its outer step not applied yet
+        self.mean: torch.Tensor | None = None  # the averaged pseudo-gradient, once known
+        self.work: dist.Work | None = None  # the asynchronous exchange (algorithm 'torch' with a delay)
+        self.error_before: torch.Tensor | None = None  # ``error`` before the exchange in flight (to supersede it)
+
+
+def split_fragments(numels: list[int], fragments: int) -> list[int]:
+    """Where each of ``fragments`` contiguous fragments starts, over tensors of ``numels`` elements: cut at
+    the tensor closest to each equal share, no fragment empty while there are tensors left.
+
+    >>> split_fragments([10, 10, 10, 10], 2)
+    [0, 2]
+    """
+    if fragments > len(numels):
+        raise ConfigError(f"diloco.fragments = {fragments} but the model has {len(numels)} trainable tensors; "
+                         f"set diloco.fragments to at most {len(numels)}")
+    total, starts, running = sum(numels), [0], 0
+    cumulative = []
+    for n in numels:
+        running += n
+        cumulative.append(running)
+    for f in range(1, fragments):
+        target = total * f / fragments
+        # The first tensor index after which the running total is closest to the target.
+        best = min(range(starts[-1] + 1, len(numels) - (fragments - f) + 1),
+                   key=lambda i: abs(cumulative[i - 1] - target))
+        starts.append(best)
+    return starts
+
+
 class DiLoCoStrategy(ReplicatedStrategy):
     """Inner steps without communication; every ``sync_every`` steps one outer step on the averaged
-    pseudo-gradient (module docstring)."""
+    pseudo-gradient, in ``fragments`` turns (module docstring)."""
 
     name = "diloco"
     gradients_replicated = False
@@ -56,24 +112,33 @@ class DiLoCoStrategy(ReplicatedStrategy):
     """Every rank's own parameters and inner optimizer state are checkpointed (``state_dict``)."""
 
     def __init__(self, device: torch.device, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, algorithm: str = "torch", chunk_kb: int | None = None):
+                 nesterov: bool = True, algorithm: str = "torch", chunk_kb: int | None = None, fragments: int = 1,
+                 delay: int = 0, dtype: str = "fp32"):
         if sync_every <= 0:
             raise ValueError(f"sync_every must be positive, got {sync_every}")
+        if fragments <= 0 or sync_every % fragments:
+            raise ValueError(f"sync_every ({sync_every}) must be divisible by fragments ({fragments})")
+        if not 0 <= delay < sync_every // fragments:
+            raise ValueError(f"delay ({delay}) must be below sync_every / fragments ({sync_every // fragments})")
+        if dtype != "fp32" and dtype not in codec.DTYPES:
+            raise ValueError(f"dtype {dtype!r} is unknown; choose fp32 or one of {', '.join(codec.DTYPES)}")
         self.device = device
-        self.sync_every = sync_every
+        self.sync_every, self.fragment_count, self.delay, self.dtype = sync_every, fragments, delay, dtype
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.algorithm = algorithm
         self.chunk_kb = chunk_kb if algorithm == "ring_chunked" else None
         self.comm_timer = CommTimer()
         self.outer_steps = 0
-        """Outer steps taken over the whole run (checkpointed): the all-reduces each worker has sent."""
+        """Fragment outer steps applied over the whole run (checkpointed); F per H steps."""
+        self.bytes_sent = 0
+        """Bytes this worker has put on the wire for outer steps (its pseudo-gradients, rank 0's buffers)."""
         self._module: nn.Module | None = None
         self._inner: torch.optim.Optimizer | None = None
 
     # --- set-up ---------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Rank 0's weights on every rank, the fp32 global copy and the outer optimizer; the module itself is
-        returned (nothing to synchronise in backward)."""
+        """Rank 0's weights on every rank, the fp32 global copy, the fragments and the outer optimizer; the
+        module itself is returned (nothing to synchronise in backward)."""
         model.to(self.device)
         group = resolve_group(None)
         self._group = weakref.ref(group)  # never keep a destroyed group alive
@@ -85,12 +150,30 @@ class DiLoCoStrategy(ReplicatedStrategy):
         # torch's SGD refuses nesterov without momentum; with none the two are the same step anyway.
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=self.outer_lr, momentum=self.outer_momentum,
                                                nesterov=self.nesterov and self.outer_momentum > 0)
-        numel = sum(p.numel() for p in self.global_params)
-        if self.algorithm == "shm":
-            self._flat = shm.shared_empty(numel, torch.float32, group)  # peers reduce it in place
-        else:
-            self._flat = torch.empty(numel, dtype=torch.float32, device=self.device)
+        starts = split_fragments([p.numel() for p in self._params], self.fragment_count)
+        bounds = list(zip(starts, [*starts[1:], len(self._params)]))
+        per = self.sync_every // self.fragment_count
+        self.fragments = [_Fragment(f, self._params[a:b], self.global_params[a:b], (f + 1) * per % self.sync_every)
+                          for f, (a, b) in enumerate(bounds)]
+        world = dist.get_world_size(group)
+        for fragment in self.fragments:
+            if self.dtype == "fp32":
+                fragment.buffer = self._buffer(fragment.numel, torch.float32, group)
+                fragment.wire_bytes = fragment.numel * 4
+            else:
+                # Each rank's packet in its own slot; a slot a multiple of 64 bytes, so that comm.all_gather's
+                # cut (tensor_shards: shards on cache lines) is exactly the slots.
+                fragment.wire_bytes = codec.packet_bytes(fragment.numel, self.dtype)
+                fragment.slot = -(-fragment.wire_bytes // 64) * 64
+                fragment.buffer = self._buffer(fragment.slot * world, torch.uint8, group)
+                fragment.error = torch.zeros(fragment.numel, dtype=torch.float32, device=self.device)
+        self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         return model
+
+    def _buffer(self, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> torch.Tensor:
+        if self.algorithm == "shm":
+            return shm.shared_empty(numel, dtype, group)  # peers read it in place
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -110,42 +193,124 @@ class DiLoCoStrategy(ReplicatedStrategy):
     # --- the outer step -------------------------------------------------------------------------------
     @property
     def payload_bytes(self) -> int:
-        """Bytes each worker sends per outer step: the fp32 pseudo-gradient all-reduced, plus rank 0's buffers."""
-        buffers = sum(b.numel() * b.element_size() for b in self._module.buffers())
-        return self._flat.numel() * self._flat.element_size() + buffers
+        """Bytes each worker sends per H steps: every fragment's pseudo-gradient once (fp32, or its packet),
+        plus rank 0's buffers."""
+        return sum(f.wire_bytes for f in self.fragments) + self._buffer_bytes
+
+    def _prepares(self, fragment: _Fragment, step: int) -> bool:
+        return (step + self.delay) % self.sync_every == fragment.offset
+
+    def _applies(self, fragment: _Fragment, step: int) -> bool:
+        return step % self.sync_every == fragment.offset
 
     def sync_due(self, step: int, last: bool = False) -> bool:
-        """An outer step follows optimizer step ``step`` (every ``sync_every`` steps, and the run's last)."""
-        return step % self.sync_every == 0 or last
+        """Whether ``outer_step(step, last)`` has work after optimizer step ``step``: a fragment's exchange or
+        outer step falls on it, or it is the run's last."""
+        return last or any(self._prepares(f, step) or self._applies(f, step) for f in self.fragments)
 
-    def outer_step(self) -> None:
-        """Average the pseudo-gradients, step the global parameters, and make them every worker's."""
+    def outer_step(self, step: int | None = None, last: bool = False) -> None:
+        """After optimizer step ``step``: take and exchange the pseudo-gradient of every fragment that prepares
+        now, and apply the outer step of every fragment whose turn it is. ``step=None`` or ``last``: every
+        fragment syncs at once (a pending exchange superseded)."""
         called = time.perf_counter()
+        whole = step is None or last
         with torch.no_grad():
-            views = self._views()
-            for view, global_, local in zip(views, self.global_params, self._params):
-                torch.sub(global_, local.detach().to(torch.float32), out=view)  # this worker's pseudo-gradient
-            comm.all_reduce(self._flat, op="avg", algorithm=self.algorithm, group=self.group, chunk_kb=self.chunk_kb)
-            for view, global_ in zip(views, self.global_params):
-                global_.grad = view
-            self.outer_optimizer.step()
-            for global_, local in zip(self.global_params, self._params):
-                local.copy_(global_)
-            broadcast_from_rank0(list(self._module.buffers()), self.group)
-        self.outer_steps += 1
+            for fragment in self.fragments:
+                if whole:
+                    self._supersede(fragment)
+                    self._prepare(fragment)
+                    self._apply(fragment)
+                    continue
+                if self._prepares(fragment, step):
+                    self._prepare(fragment)
+                if self._applies(fragment, step):
+                    self._apply(fragment)
+            # Buffers (BatchNorm statistics) follow rank 0, once per H steps: with the fragment that syncs at
+            # multiples of H, and at a whole sync.
+            if whole or any(self._applies(f, step) and f.offset == 0 for f in self.fragments):
+                broadcast_from_rank0(list(self._module.buffers()), self.group)
+                self.bytes_sent += self._buffer_bytes
         self.comm_timer.completed(called)  # time/comm_s; the loop books the wait as phase outer_sync
 
-    def _views(self) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for global_ in self.global_params:
-            views.append(self._flat[offset : offset + global_.numel()].view_as(global_))
-            offset += global_.numel()
-        return views
+    def _prepare(self, fragment: _Fragment) -> None:
+        """This worker's pseudo-gradient of ``fragment`` (plus what its packets lost before) is sent; the mean
+        over workers follows (``_mean``)."""
+        delta = torch.cat([(g - p.detach().to(torch.float32)).reshape(-1)
+                           for g, p in zip(fragment.globals, fragment.params)])
+        self.bytes_sent += fragment.wire_bytes
+        fragment.in_flight, fragment.mean = True, None
+        overlap = self.delay > 0 and self.algorithm == "torch"
+        if self.dtype == "fp32":
+            fragment.buffer.copy_(delta)
+            if overlap:
+                fragment.work = dist.all_reduce(fragment.buffer, group=self.group, async_op=True)
+            else:
+                comm.all_reduce(fragment.buffer, op="avg", algorithm=self.algorithm, group=self.group,
+                                chunk_kb=self.chunk_kb)
+                fragment.mean = fragment.buffer
+            return
+        fragment.error_before = fragment.error.clone()
+        delta += fragment.error
+        rank = dist.get_rank(self.group)
+        mine = fragment.buffer[rank * fragment.slot : (rank + 1) * fragment.slot]
+        packet = codec.encode(delta, self.dtype, out=mine)
+        fragment.error.copy_(delta - codec.decode(packet, self.dtype, fragment.numel))
+        if overlap:
+            fragment.work = dist.all_gather_into_tensor(fragment.buffer, mine.clone(), group=self.group,
+                                                        async_op=True)
+        else:
+            comm.all_gather(fragment.buffer, algorithm=self.algorithm, group=self.group, chunk_kb=self.chunk_kb)
+
+    def _mean(self, fragment: _Fragment) -> torch.Tensor:
+        """The mean pseudo-gradient of ``fragment``'s exchange (waiting for it if it is in flight)."""
+        if fragment.mean is not None:
+            return fragment.mean
+        world = dist.get_world_size(self.group)
+        if fragment.work is not None:
+            fragment.work.wait()
+            fragment.work = None
+        if self.dtype == "fp32":
+            fragment.mean = fragment.buffer.div_(world)  # torch's asynchronous all_reduce summed it
+            return fragment.mean
+        mean = torch.zeros(fragment.numel, dtype=torch.float32, device=self.device)
+        for r in range(world):  # in rank order: the same sum, to the bit, on every rank
+            mean += codec.decode(fragment.buffer[r * fragment.slot : (r + 1) * fragment.slot], self.dtype,
+                                 fragment.numel)
+        fragment.mean = mean.div_(world)
+        return fragment.mean
+
+    def _apply(self, fragment: _Fragment) -> None:
+        """The outer step on ``fragment``'s global parameters by its mean pseudo-gradient; every worker takes them."""
+        mean = self._mean(fragment)
+        for g in self.global_params:
+            g.grad = None  # torch's SGD skips (and keeps the momentum of) a parameter without a gradient
+        offset = 0
+        for g in fragment.globals:
+            g.grad = mean[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+        self.outer_optimizer.step()
+        for g, p in zip(fragment.globals, fragment.params):
+            p.copy_(g)
+            g.grad = None
+        fragment.in_flight, fragment.mean, fragment.error_before = False, None, None
+        self.outer_steps += 1
+
+    def _supersede(self, fragment: _Fragment) -> None:
+        """An exchange in flight is dropped (a whole sync takes a newer pseudo-gradient); what its packet lost
+        is taken back out of the error feedback, as the packet is never applied."""
+        if not fragment.in_flight:
+            return
+        if fragment.work is not None:
+            fragment.work.wait()  # every rank waits on the same op: the collectives stay in order
+            fragment.work = None
+        if fragment.error_before is not None:
+            fragment.error.copy_(fragment.error_before)
+        fragment.in_flight, fragment.mean, fragment.error_before = False, None, None
 
     def figures(self) -> dict[str, Any]:
-        """For records and the summary: outer steps so far and the bytes each worker sent in them."""
+        """For records and the summary: fragment outer steps so far, the bytes per H steps and those sent."""
         return {"outer_steps": self.outer_steps, "outer_payload_bytes": self.payload_bytes,
-                "comm_bytes_per_worker": self.outer_steps * self.payload_bytes}
+                "comm_bytes_per_worker": self.bytes_sent}
 
     # --- state ----------------------------------------------------------------------------------------
     def stateful_parts(self) -> dict[str, Any]:
@@ -153,14 +318,27 @@ class DiLoCoStrategy(ReplicatedStrategy):
         return {"outer": OuterState(self)}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's own state (gathered by ``train/comm_state.py``): its parameters and inner optimizer state."""
-        return {"params": [p.detach().clone() for p in self._params],
-                "inner_optimizer": self._inner.state_dict() if self._inner is not None else {}}
+        """This rank's own state (gathered by ``train/comm_state.py``): its parameters, inner optimizer state
+        and, for compressed pseudo-gradients, its error feedback."""
+        state = {"params": [p.detach().clone() for p in self._params],
+                 "inner_optimizer": self._inner.state_dict() if self._inner is not None else {}}
+        if self.dtype != "fp32":
+            state["error"] = [f.error.clone() for f in self.fragments]
+            state["error_before"] = [None if f.error_before is None else f.error_before.clone()
+                                     for f in self.fragments]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for param, saved in zip(self._params, state["params"], strict=True):
                 param.copy_(saved)
+            if self.dtype != "fp32":
+                # None saved (a run that exchanged fp32 before): the error feedback starts from nothing.
+                errors = state.get("error") or [None] * len(self.fragments)
+                befores = state.get("error_before") or [None] * len(self.fragments)
+                for fragment, error, before in zip(self.fragments, errors, befores, strict=True):
+                    fragment.error.copy_(error if error is not None else torch.zeros_like(fragment.error))
+                    fragment.error_before = None if before is None else before.clone()
         if self._inner is not None and state["inner_optimizer"]:
             # The state only: hyperparameters follow this run's config (the lr schedule is positioned already).
             current = self._inner.state_dict()
@@ -170,12 +348,16 @@ class DiLoCoStrategy(ReplicatedStrategy):
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
         yield from super().state_tensors(model, optimizer)
         yield from self.global_params
-        yield self._flat
+        for fragment in self.fragments:
+            yield fragment.buffer
+            if fragment.error is not None:
+                yield fragment.error
         yield from optimizer_tensors(self.outer_optimizer)
 
 
 class OuterState:
-    """The global parameters, the outer optimizer's state and the count of outer steps, as a checkpoint part."""
+    """The global parameters, the outer optimizer's state, the counts of outer steps and bytes, and the mean
+    pseudo-gradients exchanged but not applied yet (a delay), as a checkpoint part: the same on every rank."""
 
     def __init__(self, strategy: DiLoCoStrategy):
         self.strategy = strategy
@@ -183,7 +365,9 @@ class OuterState:
     def state_dict(self) -> dict[str, Any]:
         s = self.strategy
         return {"global_params": [g.detach().clone() for g in s.global_params],
-                "optimizer": s.outer_optimizer.state_dict(), "outer_steps": s.outer_steps}
+                "optimizer": s.outer_optimizer.state_dict(), "outer_steps": s.outer_steps,
+                "bytes_sent": s.bytes_sent,
+                "in_flight": [s._mean(f).clone() if f.in_flight else None for f in s.fragments]}
 
     def absent_from_checkpoint(self) -> None:
         """The checkpoint loaded was saved by another strategy (a DDP run continued with DiLoCo, the paper's warm
@@ -193,7 +377,11 @@ class OuterState:
             for global_, param in zip(s.global_params, s._params, strict=True):
                 global_.copy_(param)
         s.outer_optimizer.state.clear()
-        s.outer_steps = 0
+        s.outer_steps = s.bytes_sent = 0
+        for fragment in s.fragments:
+            fragment.in_flight, fragment.mean, fragment.work, fragment.error_before = False, None, None, None
+            if fragment.error is not None:
+                fragment.error.zero_()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = self.strategy
@@ -204,3 +392,12 @@ class OuterState:
         current = s.outer_optimizer.state_dict()["param_groups"]
         s.outer_optimizer.load_state_dict({"state": state["optimizer"]["state"], "param_groups": current})
         s.outer_steps = int(state["outer_steps"])
+        # A checkpoint from before streaming: one fragment, fp32, nothing in flight.
+        s.bytes_sent = int(state.get("bytes_sent", s.outer_steps * s.payload_bytes))
+        in_flight = state.get("in_flight", [None] * len(s.fragments))
+        if len(in_flight) != len(s.fragments):
+            raise ValueError(f"this checkpoint's DiLoCo state has {len(in_flight)} fragments and the run "
+                             f"{len(s.fragments)}; resume with diloco.fragments = {len(in_flight)}")
+        for fragment, mean in zip(s.fragments, in_flight):
+            fragment.work = None
+            fragment.in_flight, fragment.mean = mean is not None, None if mean is None else mean.clone()

@@ -91,7 +91,7 @@ class StepCommit:
         # updates included) the pseudo-gradients are averaged and the outer optimizer steps.
         if self.strategy.sync_due(step, last):
             with self.clock.phase("outer_sync"), self.watch.op("all_reduce (DiLoCo pseudo-gradients)", step):
-                self.strategy.outer_step()
+                self.strategy.outer_step(step, last)
 
     def advance(self, step: int, window: int, tokens: int = 0) -> None:
         """Step 4: the step is done: the data cursor and every counter move past it."""
