@@ -63,6 +63,11 @@ from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 __all__ = ["DiLoCoStrategy", "OuterState"]
 
 
+# torch 2.14 renamed all_gather_into_tensor (deprecated, with a warning on every call); the range pyproject
+# accepts starts before the rename.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _Fragment:
     """One fragment's parameters, their global fp32 copies and its exchange buffer; between the exchange and
     the outer step of a delayed sync, the state of that exchange."""
@@ -256,8 +261,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
         packet = codec.encode(delta, self.dtype, out=mine)
         fragment.error.copy_(delta - codec.decode(packet, self.dtype, fragment.numel))
         if overlap:
-            fragment.work = dist.all_gather_into_tensor(fragment.buffer, mine.clone(), group=self.group,
-                                                        async_op=True)
+            fragment.work = _all_gather_single(fragment.buffer, mine.clone(), group=self.group, async_op=True)
         else:
             comm.all_gather(fragment.buffer, algorithm=self.algorithm, group=self.group, chunk_kb=self.chunk_kb)
 
@@ -281,6 +285,8 @@ class DiLoCoStrategy(ReplicatedStrategy):
 
     def _apply(self, fragment: _Fragment) -> None:
         """The outer step on ``fragment``'s global parameters by its mean pseudo-gradient; every worker takes them."""
+        if not fragment.in_flight:  # the schedule's own invariant: never step on a buffer nothing was sent into
+            raise RuntimeError(f"DiLoCo: fragment {fragment.index}'s outer step came with no exchange before it")
         mean = self._mean(fragment)
         for g in self.global_params:
             g.grad = None  # torch's SGD skips (and keeps the momentum of) a parameter without a gradient
