@@ -26,6 +26,14 @@ ringtrain measures here (``validate``).
     ringtrain plan validate bench-out/user-resnet18-shm/train_bench.json --params 11.69M --links bench-out/plan/links.json
     ringtrain plan validate-hosts docs/img/hosts_collectives_1gbit.json --hosts 2 --per-host 2 --inter-mbps 118 --links L
     ringtrain plan table --out bench-out/plan                        # 8 to 1,024 workers, 25 and 400 Gbit/s
+    ringtrain plan diloco --params 0.47M --compute-ms 30 --hosts 2 --inter-mbps 12.5 --sync-every 10,50
+
+DiLoCo (``predict_diloco_step``): no gradient all-reduce; every H / F steps one fragment's pseudo-gradient
+(1/F of the parameters, in fp32 or a packet of ``codec`` bytes per value) is exchanged: all-reduced as above
+in fp32, all-gathered (a ring: (n-1) alpha + (n-1) packet / beta) when compressed. A delay of tau steps hides
+up to tau steps of compute behind it (an asynchronous op); the rest is exposed. The mean step is compute +
+F / H x the exposed exchange. This is time per step, not time to a loss: how many more samples DiLoCo needs
+to reach DDP's loss at a given H is measured, not modelled.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from pathlib import Path
 from ringtrain.errors import RingtrainError
 
 __all__ = ["Link", "Workload", "Topology", "ring_time", "all_reduce_time", "predict_step", "fit_link",
-           "add_plan_parser", "TABLE_DEFAULTS", "validate_collectives"]
+           "add_plan_parser", "TABLE_DEFAULTS", "validate_collectives", "predict_diloco_step", "VALUE_BYTES"]
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 """torch DDP's first bucket (the gradients ready first) is capped at 1 MB, the rest at bucket_cap_mb."""
@@ -141,6 +149,57 @@ def predict_step(work: Workload, topo: Topology, intra: Link, inter: Link, algor
     exposed = max(0.0, done - work.backward_s)
     step = work.compute_s + exposed
     return Prediction(step, comm, exposed, work.compute_s / step)
+
+
+VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256, "int4": 0.5 + 4 / 256}
+"""Bytes a pseudo-gradient value travels in (ringtrain/comm/codec.py: an fp32 scale per 256 values)."""
+
+
+def gather_time(nbytes: float, n: int, link: Link) -> float:
+    """A ring all-gather of ``n`` pieces of ``nbytes`` each: n - 1 steps, each piece crossing every link once."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.alpha_s + (n - 1) * nbytes / link.beta_Bps
+
+
+def predict_diloco_step(work: Workload, topo: Topology, intra: Link, inter: Link, algorithm: str, sync_every: int,
+                        fragments: int = 1, delay: int = 0, dtype: str = "fp32") -> Prediction:
+    """DiLoCo's mean step time (module docstring): compute, plus F / H of each fragment exchange's exposed part.
+    ``comm_s`` and ``exposed_s`` are per step, averaged over the H steps."""
+    if sync_every <= 0 or fragments <= 0 or sync_every % fragments or not 0 <= delay < sync_every // fragments:
+        raise PlanError(f"sync_every {sync_every}, fragments {fragments}, delay {delay}: H must be divisible by F "
+                        "and the delay below H / F")
+    if dtype not in VALUE_BYTES:
+        raise PlanError(f"dtype {dtype!r} is unknown: use one of {', '.join(VALUE_BYTES)}")
+    values = work.grad_bytes / 4 / fragments  # fp32 gradients: the parameters' count, per fragment
+    if dtype == "fp32":
+        exchange = all_reduce_time(values * 4, topo, intra, inter, algorithm)
+    else:
+        exchange = gather_time(values * VALUE_BYTES[dtype], topo.workers, inter if topo.hosts > 1 else intra)
+    exposed = max(0.0, exchange - delay * work.compute_s)
+    comm = fragments / sync_every * exchange
+    step = work.compute_s + fragments / sync_every * exposed
+    return Prediction(step, comm, fragments / sync_every * exposed, work.compute_s / step)
+
+
+def diloco_rows(work: Workload, topo: Topology, intra: Link, inter: Link, algorithm: str, bucket_bytes: float,
+                sync_every: list[int], fragments: list[int], delays: list[int], dtypes: list[str]) -> list[dict]:
+    """DDP's predicted step, then DiLoCo's for every combination that fits (H divisible by F, delay < H / F)."""
+    ddp = predict_step(work, topo, intra, inter, algorithm, bucket_bytes)
+    rows = [{"case": "ddp", "step_ms": ddp.step_s * 1e3, "exposed_ms": ddp.exposed_s * 1e3,
+             "efficiency": ddp.efficiency, "bytes_per_step": work.grad_bytes, "speedup": 1.0}]
+    for h in sync_every:
+        for f in fragments:
+            for tau in delays:
+                if h % f or tau >= h // f:
+                    continue
+                for dtype in dtypes:
+                    got = predict_diloco_step(work, topo, intra, inter, algorithm, h, f, tau, dtype)
+                    rows.append({"case": f"diloco H={h} F={f} delay={tau} {dtype}", "step_ms": got.step_s * 1e3,
+                                 "exposed_ms": got.exposed_s * 1e3, "efficiency": got.efficiency,
+                                 "bytes_per_step": work.grad_bytes / 4 * VALUE_BYTES[dtype] / h,
+                                 "speedup": ddp.step_s / got.step_s})
+    return rows
 
 
 # --- calibration: alpha and beta of this machine's links, from `ringtrain bench collectives` -------------
@@ -335,6 +394,25 @@ def add_plan_parser(commands) -> None:
     table = actions.add_parser("table", help="predicted scaling efficiency, 8 to 1,024 workers (stated hardware)")
     table.add_argument("--out", default="bench-out/plan", help="folder for plan_table.md / .json")
     table.set_defaults(handler=_table)
+    diloco = actions.add_parser("diloco", help="predict DiLoCo's step time against DDP's from H, fragments and the links")
+    diloco.add_argument("--params", required=True, help="the model's parameter count, e.g. 0.47M")
+    diloco.add_argument("--compute-ms", type=float, required=True,
+                        help="one worker's step without communication (forward + backward + optimizer), in ms")
+    diloco.add_argument("--backward-share", type=float, default=0.6,
+                        help="the backward's share of the compute, which DDP's buckets overlap (default 0.6)")
+    diloco.add_argument("--hosts", type=int, default=2)
+    diloco.add_argument("--per-host", type=int, default=1)
+    diloco.add_argument("--inter-mbps", type=float, required=True, help="the link between hosts in MB/s (12.5 at 100 Mbit/s)")
+    diloco.add_argument("--inter-alpha-us", type=float, default=100.0)
+    diloco.add_argument("--intra-gbps", type=float, default=5.0, help="inside a host, GB/s (default 5: shared memory)")
+    diloco.add_argument("--intra-alpha-us", type=float, default=5.0)
+    diloco.add_argument("--algorithm", choices=("flat", "hierarchical"), default="hierarchical")
+    diloco.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's buckets, for its row")
+    diloco.add_argument("--sync-every", default="10,50,100", help="H values, comma-separated")
+    diloco.add_argument("--fragments", default="1", help="F values, comma-separated")
+    diloco.add_argument("--delay", default="0", help="delay values, comma-separated")
+    diloco.add_argument("--dtype", default="fp32", help="fp32, bf16, int8, int4, comma-separated")
+    diloco.set_defaults(handler=_diloco)
 
 
 def _count(text: str) -> float:
@@ -407,4 +485,47 @@ def _table(args: argparse.Namespace) -> int:
     (out / "plan_table.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(text)
     print(f"written: {out / 'plan_table.md'}")
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise PlanError(f"{flag} {text!r}: give whole numbers separated by commas, e.g. 10,50") from None
+    if not values or any(v < 0 for v in values):
+        raise PlanError(f"{flag} {text!r}: give whole numbers of at least 0 separated by commas, e.g. 10,50")
+    return values
+
+
+def _diloco(args: argparse.Namespace) -> int:
+    if args.compute_ms <= 0 or not 0 < args.backward_share <= 1 or args.inter_mbps <= 0 or args.intra_gbps <= 0:
+        raise PlanError("--compute-ms, --inter-mbps and --intra-gbps must be positive and --backward-share in (0, 1]")
+    if args.hosts < 1 or args.per_host < 1:
+        raise PlanError("--hosts and --per-host must be at least 1")
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in VALUE_BYTES]
+    if unknown or not dtypes:
+        raise PlanError(f"--dtype {args.dtype!r}: use fp32, bf16, int8 or int4, comma-separated")
+    sync_every = _ints(args.sync_every, "--sync-every")
+    fragments = _ints(args.fragments, "--fragments")
+    if 0 in sync_every or 0 in fragments:
+        raise PlanError("--sync-every and --fragments must be at least 1")
+    compute = args.compute_ms / 1e3
+    work = Workload(_count(args.params) * 4, compute * (1 - args.backward_share), compute * args.backward_share)
+    topo = Topology(args.hosts, args.per_host)
+    intra = Link(args.intra_alpha_us * 1e-6, args.intra_gbps * 1e9, f"{args.intra_gbps:g} GB/s")
+    inter = Link(args.inter_alpha_us * 1e-6, args.inter_mbps * 1e6, f"{args.inter_mbps:g} MB/s")
+    rows = diloco_rows(work, topo, intra, inter, args.algorithm, args.bucket_mb * 1e6, sync_every, fragments,
+                       _ints(args.delay, "--delay"), dtypes)
+    if len(rows) == 1:
+        raise PlanError("no DiLoCo case fits: each H must be divisible by F and each delay below H / F")
+    print(f"{args.hosts} host(s) x {args.per_host}, {args.inter_mbps:g} MB/s between hosts, "
+          f"{_count(args.params):,.0f} parameters, {args.compute_ms:g} ms of compute a step")
+    print("| case | step | exposed comm | efficiency | bytes per worker per step | vs DDP |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['case']} | {r['step_ms']:.1f} ms | {r['exposed_ms']:.2f} ms | {r['efficiency']:.0%} "
+              f"| {r['bytes_per_step'] / 1e3:,.1f} KB | {r['speedup']:.2f}x |")
+    print("time per step; how many more samples a DiLoCo case needs to reach DDP's loss is measured, not modelled")
     return 0

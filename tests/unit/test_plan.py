@@ -111,3 +111,46 @@ def test_validate_collectives_maps_algorithms_to_flat_and_hierarchical():
     assert flat["predicted_ms"] == pytest.approx(ring_time(64 << 20, 4, link) * 1e3)
     assert hier["predicted_ms"] == pytest.approx((ring_time(64 << 20, 2, shm) + ring_time(64 << 20, 2, link)) * 1e3)
     assert hier["error"] == pytest.approx(hier["predicted_ms"] / 610 - 1)
+
+
+# --- DiLoCo ------------------------------------------------------------------------------------------------
+def test_diloco_exposes_f_over_h_of_each_exchange_and_a_delay_hides_compute_behind_it():
+    from ringtrain.bench.plan import VALUE_BYTES, gather_time, predict_diloco_step
+
+    slow = Link(100e-6, 12.5e6, "100 Mbit/s")
+    work = Workload(4e6, 0.01, 0.02)  # 1M parameters, 30 ms of compute
+    topo = Topology(2, 1)
+    exchange = 2 * 100e-6 + 4e6 / 12.5e6  # ring(4 MB, 2 ranks): 2 alpha + B / beta = 0.3202 s
+    h50 = predict_diloco_step(work, topo, FAST, slow, "hierarchical", sync_every=50)
+    assert h50.step_s == pytest.approx(0.03 + exchange / 50)
+    assert h50.efficiency == pytest.approx(0.03 / h50.step_s)
+    # A delay of 2 steps hides 60 ms of the exchange; 10 fragments cut it ten times (plus an alpha each).
+    late = predict_diloco_step(work, topo, FAST, slow, "hierarchical", sync_every=50, fragments=10, delay=2)
+    piece = 2 * 100e-6 + 0.4e6 / 12.5e6
+    assert late.step_s == pytest.approx(0.03 + 10 / 50 * max(0.0, piece - 2 * 0.03))
+    assert late.exposed_s == 0.0  # 32 ms of exchange under 60 ms of compute
+    # int4 packets are all-gathered: (n - 1) alpha + (n - 1) packet / beta.
+    int4 = predict_diloco_step(work, topo, FAST, slow, "hierarchical", sync_every=10, dtype="int4")
+    packet = 1e6 * VALUE_BYTES["int4"]
+    assert int4.step_s == pytest.approx(0.03 + gather_time(packet, 2, slow) / 10)
+    assert gather_time(packet, 2, slow) == pytest.approx(100e-6 + packet / 12.5e6)
+    with pytest.raises(PlanError, match="divisible"):
+        predict_diloco_step(work, topo, FAST, slow, "hierarchical", sync_every=10, fragments=3)
+
+
+def test_plan_diloco_prints_ddp_then_each_case_and_refuses_bad_input_in_one_line():
+    done = run_cli("plan", "diloco", "--params", "1M", "--compute-ms", "30", "--hosts", "2", "--inter-mbps", "12.5",
+                   "--sync-every", "1,50", "--fragments", "1,5", "--dtype", "fp32,int8")
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ddp") or line.startswith("| diloco")]
+    # ddp, then H=1 (F=1 only: 1 is not divisible by 5) x 2 dtypes, then H=50 x F in (1, 5) x 2 dtypes.
+    assert len(rows) == 1 + 2 + 4 and rows[0].endswith("| 1.00x |")
+    h1 = next(r for r in rows if r.startswith("| diloco H=1 F=1 delay=0 fp32"))
+    h50 = next(r for r in rows if r.startswith("| diloco H=50 F=1 delay=0 fp32"))
+    speed = [float(r.rsplit("|", 2)[-2].strip().rstrip("x")) for r in (h1, h50)]
+    assert speed[0] < 1.0 < speed[1]  # H = 1 exchanges after the step, DDP during the backward
+    for args, words in ((["--sync-every", "ten"], "--sync-every 'ten'"), (["--dtype", "fp8"], "--dtype 'fp8'"),
+                        (["--sync-every", "3", "--fragments", "2"], "no DiLoCo case fits")):
+        bad = run_cli("plan", "diloco", "--params", "1M", "--compute-ms", "30", "--inter-mbps", "12.5", *args)
+        last = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(last) == 1 and words in last[0], bad.stderr
