@@ -49,6 +49,10 @@ class ReplicatedStrategy:
         """DiLoCo's periodic synchronisation after optimizer step ``step`` (``diloco.py``); nothing for strategies
         that sync every step."""
 
+    def end_of_run(self) -> None:
+        """The run ends after the last committed step: DiLoCo's workers take one model if an inner step came
+        after their last whole sync (``diloco.py``); nothing for strategies whose ranks are always in step."""
+
     def figures(self) -> dict[str, Any]:
         """The strategy's own figures for records and the summary (DiLoCo: outer steps, bytes per worker)."""
         return {}

@@ -139,6 +139,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
         """Bytes this worker has put on the wire for outer steps (its pseudo-gradients, rank 0's buffers)."""
         self._module: nn.Module | None = None
         self._inner: torch.optim.Optimizer | None = None
+        self._apart = False  # an inner step came after the last whole sync
 
     # --- set-up ---------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -210,8 +211,14 @@ class DiLoCoStrategy(ReplicatedStrategy):
 
     def sync_due(self, step: int, last: bool = False) -> bool:
         """Whether ``outer_step(step, last)`` has work after optimizer step ``step``: a fragment's exchange or
-        outer step falls on it, or it is the run's last."""
+        outer step falls on it, or it is the run's last. Called after every committed step."""
+        self._apart = True  # an inner step since the last whole sync: the ranks' parameters differ
         return last or any(self._prepares(f, step) or self._applies(f, step) for f in self.fragments)
+
+    def end_of_run(self) -> None:
+        """A run that ends before its planned last step (a loop that left early) ends on one model too."""
+        if self._apart:
+            self.outer_step()
 
     def outer_step(self, step: int | None = None, last: bool = False) -> None:
         """After optimizer step ``step``: take and exchange the pseudo-gradient of every fragment that prepares
@@ -235,6 +242,8 @@ class DiLoCoStrategy(ReplicatedStrategy):
             if whole or any(self._applies(f, step) and f.offset == 0 for f in self.fragments):
                 broadcast_from_rank0(list(self._module.buffers()), self.group)
                 self.bytes_sent += self._buffer_bytes
+        if whole:
+            self._apart = False
         self.comm_timer.completed(called)  # time/comm_s; the loop books the wait as phase outer_sync
 
     def _prepare(self, fragment: _Fragment) -> None:

@@ -253,7 +253,9 @@ class Session:
                             self.config.train.grad_clip_norm)
         verdict = commit.verdict(step, loss_sum)
         # The scheduler steps here, once a step, before anything is saved (the loop's own call does nothing).
-        commit.apply(step, verdict, self._batch.indices.tolist(), scheduler=self.scheduler)
+        # The run's last planned step ends with an outer step under DiLoCo (every rank on one model).
+        commit.apply(step, verdict, self._batch.indices.tolist(), scheduler=self.scheduler,
+                     last=0 < self.total_steps <= step)
         commit.advance(step, self._window)
         self.guard.count(verdict, self.state, step)
         return verdict
@@ -354,6 +356,9 @@ class Session:
     # --- the end -------------------------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:
         """Save the last step and write summary.json (``epochs`` does it when its loop ends)."""
+        # A loop that left before the planned last step: DiLoCo's workers still hold their own parameters; the
+        # run ends on one model, as the planned last step would have (one outer step; nothing for others).
+        self.strategy.end_of_run()
         if self._saved_step != self.state.step:
             self.save()
         self._wait_save()
@@ -363,7 +368,8 @@ class Session:
         summary = {"world_size": self.world_size, "steps": self.state.step,
                    "epochs": round(self.state.samples_seen / self.sampler.num_samples, 3), "wall_s": round(wall_s, 3),
                    "samples_per_s": round(samples / wall_s, 1) if wall_s > 0 else 0.0,
-                   "skipped_steps": self.state.skipped_steps, "param_sha256": digests}
+                   "skipped_steps": self.state.skipped_steps, "param_sha256": digests,
+                   **self.strategy.figures()}  # DiLoCo: outer steps, bytes each worker sent (as ringtrain train)
         self.ledger.close()
         self.logger.finish(summary)
         return summary
