@@ -14,7 +14,7 @@ manual); the sharded ones (zero1/2/3, fsdp) override them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -48,6 +48,11 @@ class ReplicatedStrategy:
     def outer_step(self, step: int | None = None, last: bool = False) -> None:
         """DiLoCo's periodic synchronisation after optimizer step ``step`` (``diloco.py``); nothing for strategies
         that sync every step."""
+
+    def evaluation_weights(self) -> AbstractContextManager:
+        """The weights an evaluation scores: the module's own for every strategy but DiLoCo, whose workers hold
+        their own between outer steps and are scored on the global model inside the block (``diloco.py``)."""
+        return nullcontext()
 
     def end_of_run(self) -> None:
         """The run ends after the last committed step: DiLoCo's workers take one model if an inner step came

@@ -37,15 +37,16 @@ parameters, the outer optimizer's momentum, the count of outer steps, identical 
 differ between outer steps: a checkpoint taken inside an interval resumes bit for bit.
 
 Buffers (BatchNorm statistics) are not averaged: they follow rank 0 at each outer step (one broadcast, counted
-in the bytes). Inside an interval every worker evaluates with its own parameters.
+in the bytes). Evaluation scores the global model (``evaluation_weights``: ringtrain train's evaluations and a
+Session's ``eval_loader`` swap it in), not each worker's own parameters between outer steps.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -214,6 +215,25 @@ class DiLoCoStrategy(ReplicatedStrategy):
         outer step falls on it, or it is the run's last. Called after every committed step."""
         self._apart = True  # an inner step since the last whole sync: the ranks' parameters differ
         return last or any(self._prepares(f, step) or self._applies(f, step) for f in self.fragments)
+
+    @contextmanager
+    def evaluation_weights(self) -> Iterator[None]:
+        """Inside the block the module holds the global parameters (the model the outer steps made, the same on
+        every rank); this worker's own come back after it. Between outer steps the workers' parameters differ:
+        scoring each rank's share of the eval set with its own would blend several models into one number."""
+        if not self._apart:
+            yield
+            return
+        own = [p.detach().clone() for p in self._params]
+        with torch.no_grad():
+            for p, g in zip(self._params, self.global_params):
+                p.copy_(g)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self._params, own):
+                    p.copy_(saved)
 
     def end_of_run(self) -> None:
         """A run that ends before its planned last step (a loop that left early) ends on one model too."""

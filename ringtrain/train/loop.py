@@ -208,7 +208,8 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
         if self.parts.eval_loader is None:
             return {}
         faults.point("train.evaluate")
-        with self.watch.op("all_reduce (evaluation sums)", self.state.step):
+        # DiLoCo between outer steps: the global model is scored, not each worker's own.
+        with self.watch.op("all_reduce (evaluation sums)", self.state.step), self.parts.strategy.evaluation_weights():
             metrics = evaluate(
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
                 self.parts.metrics, collective_forward=self.parts.strategy.forward_is_collective,

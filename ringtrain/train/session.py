@@ -336,7 +336,7 @@ class Session:
         collective (DDP's buffers, zero3 and FSDP gathering parameters)."""
         loader = build_eval_loader(data, self.rank, self.world_size, batch_size, collate_fn=collate_fn)
         counts = [math.ceil(len(range(rank, len(data), self.world_size)) / batch_size) for rank in range(self.world_size)]
-        return EvalLoader(loader, max(counts))
+        return EvalLoader(loader, max(counts), self.strategy.evaluation_weights)
 
     def sum(self, value: Any) -> Any:
         """``value`` (a number or a tensor) summed over every rank."""

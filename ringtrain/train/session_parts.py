@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,22 +34,24 @@ class Samples:
 class EvalLoader:
     """A rank's evaluation batches, padded with empty ones to ``count`` (the most any rank has)."""
 
-    def __init__(self, loader: Any, count: int):
-        self.loader, self.count = loader, count
+    def __init__(self, loader: Any, count: int, weights: Callable[[], AbstractContextManager] = nullcontext):
+        self.loader, self.count, self.weights = loader, count, weights
 
     def __len__(self) -> int:
         return self.count
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        first, count = None, self.count
-        for batch in self.loader:
-            first = batch if first is None else first
-            count -= 1
-            yield batch
-        while count > 0 and first is not None:
-            count -= 1
-            inputs, targets = first
-            yield map_tensors(inputs, lambda t: t[:0]), targets[:0]
+        # While the batches are handed out the model holds what evaluation scores (DiLoCo: the global model).
+        with self.weights():
+            first, count = None, self.count
+            for batch in self.loader:
+                first = batch if first is None else first
+                count -= 1
+                yield batch
+            while count > 0 and first is not None:
+                count -= 1
+                inputs, targets = first
+                yield map_tensors(inputs, lambda t: t[:0]), targets[:0]
 
 
 class SessionLoader:

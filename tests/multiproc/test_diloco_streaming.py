@@ -178,3 +178,30 @@ def train_without_feedback(rank: int, world_size: int, algorithm: str, steps: in
 
     DiLoCoStrategy._prepare = forgetful
     return train(rank, world_size, algorithm, steps, diloco)
+
+
+def scored_weights(rank: int, world_size: int) -> dict:
+    """Three inner steps apart (H = 4): inside ``evaluation_weights`` every rank holds the global model (the
+    same bits everywhere: the one the last outer step made); after it, each its own parameters again."""
+    strategy = build_strategy(CommConfig(strategy="diloco"), torch.device("cpu"), DiLoCoConfig(sync_every=4))
+    model = strategy.wrap(_model())
+    optimizer = strategy.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    started = _digest(model.parameters())
+    for step in (1, 2, 3):
+        x, y = _batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert not strategy.sync_due(step)
+    own = _digest(model.parameters())
+    with strategy.evaluation_weights():
+        inside = _digest(model.parameters())
+    return {"started": started, "own": own, "inside": inside, "after": _digest(model.parameters())}
+
+
+def test_evaluation_scores_the_global_model_and_gives_each_worker_its_own_back():
+    results = run_distributed(scored_weights, 2, timeout_s=60)
+    assert results[0]["own"] != results[1]["own"]  # the workers moved apart
+    # The global model: no outer step yet, so the model every rank started from.
+    assert {r["inside"] for r in results} == {results[0]["started"]}
+    assert all(r["after"] == r["own"] for r in results)
