@@ -30,6 +30,7 @@ import pytest
 
 from tests.chaos.jobs import records
 from tests.conftest import REPO, run_cli, run_clis, run_main
+from tests.fit.background import Background
 from tests.fit.test_fit import SCRIPT, script_args, summary
 from tests.integration.test_cli_train import free_port
 
@@ -203,9 +204,19 @@ def test_7_resume_of_a_finished_run_has_nothing_to_do_and_leaves_every_file(tmp_
     assert summary(run_dir)["wall_s"] > 0 and summary(run_dir)["final_loss"] is not None
 
 
-def test_8_the_run_directory_records_the_users_optimizer(tmp_path):
-    run_dir = tmp_path / "run"
-    result = python_script("--case", "own_optimizer", "--config", json.dumps({**QUIET, "run_dir": str(run_dir)}))
+@pytest.fixture(scope="module")
+def one_worker_adamw(tmp_path_factory):
+    """`python tests/fit/user_code.py --case own_optimizer` (one worker, the user's AdamW), started once for
+    tests 8 and 10, which only read it: (the running script, its run directory)."""
+    run_dir = tmp_path_factory.mktemp("own_optimizer") / "run"
+    with Background([sys.executable, SCRIPT, "--case", "own_optimizer", "--config",
+                     json.dumps({**QUIET, "run_dir": str(run_dir)})]) as script:
+        yield script, run_dir
+
+
+def test_8_the_run_directory_records_the_users_optimizer(one_worker_adamw):
+    script, run_dir = one_worker_adamw
+    result = script.result(timeout=180)
     assert result.returncode == 0, result.stderr
     train = tomllib.loads((run_dir / "config.toml").read_text())["train"]
     print(f"config.toml [train] of fit(optimizer=AdamW(lr=3e-3, weight_decay=0.01)): {train}")
@@ -241,11 +252,11 @@ def test_9_the_users_lr_scheduler_is_stepped_recorded_and_resumed_bit_exact(tmp_
     assert summary(split)["param_sha256"] == summary(whole)["param_sha256"], "the scheduler did not resume exactly"
 
 
-def test_10_fit_hands_back_the_trained_model(tmp_path):
+def test_10_fit_hands_back_the_trained_model(tmp_path, one_worker_adamw):
     """One worker (the module itself), two under zero3 (a new module from the factory with the gathered weights)."""
-    alone = python_script("--case", "own_optimizer", "--config", json.dumps({**QUIET, "run_dir": str(tmp_path / "one")}))
     zero3 = run_cli(*script_args("--nproc", "2", "--run-dir", str(tmp_path / "zero3"), "--set", "comm.strategy=zero3",
                                  "--set", "train.max_steps=8", case="own_optimizer", config=QUIET))
+    alone = one_worker_adamw[0].result(timeout=180)  # the one-worker run (test 8's), beside zero3 if it is first
     for result in (alone, zero3):
         assert result.returncode == 0, result.stderr
         got = script_summary(result)

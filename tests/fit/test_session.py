@@ -20,10 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, ledger_steps
-from tests.conftest import REPO, run_cli, run_clis
+from tests.conftest import REPO, run_cli
 from tests.faults import Fault, fault_plan
+from tests.fit.background import Background
 
 PLAIN = REPO / "examples" / "digits_cnn.py"
 SESSION = REPO / "examples" / "digits_cnn_session.py"
@@ -81,11 +84,29 @@ def assert_every_sample_once(run_dir: Path) -> None:
     assert [r["step"] for r in ledger_steps(run_dir)] == list(range(1, STEPS + 1))
 
 
-def test_the_converted_script_deals_every_sample_once_and_resumes_bit_exact(tmp_path):
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    done, cut = run_clis([*RUN, "--run-dir", str(whole), "--", "--epochs", str(EPOCHS)],
-                         [*RUN, "--run-dir", str(stopped), "--set", "train.max_steps=30", "--", "--epochs", str(EPOCHS)])
-    assert done.returncode == 0 and cut.returncode == 0, done.stderr + cut.stderr
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The converted script's uninterrupted run, started once for the tests that compare a stopped and resumed
+    run against it (read only); each test runs its own job beside it and then waits for it: (run directory,
+    the running job)."""
+    run_dir = tmp_path_factory.mktemp("session") / "whole"
+    job = Background.cli(*RUN, "--run-dir", str(run_dir), "--", "--epochs", str(EPOCHS))
+    yield run_dir, job
+    job.stop()
+
+
+def finished(whole) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir, job = whole
+    done = job.result()
+    assert done.returncode == 0, done.stderr
+    return run_dir, done
+
+
+def test_the_converted_script_deals_every_sample_once_and_resumes_bit_exact(tmp_path, whole):
+    stopped = tmp_path / "stopped"
+    cut = run_cli(*RUN, "--run-dir", str(stopped), "--set", "train.max_steps=30", "--", "--epochs", str(EPOCHS))
+    assert cut.returncode == 0, cut.stderr
+    whole, done = finished(whole)
     assert summary(stopped)["steps"] == 30
     resumed = run_cli(*RUN, "--run-dir", str(stopped), "--resume", "--", "--epochs", str(EPOCHS))
     assert resumed.returncode == 0, resumed.stderr
@@ -100,19 +121,17 @@ def test_the_converted_script_deals_every_sample_once_and_resumes_bit_exact(tmp_
         assert_every_sample_once(run_dir)
 
 
-def test_ctrl_c_saves_the_step_it_reached_and_a_resume_ends_bit_exact(tmp_path):
+def test_ctrl_c_saves_the_step_it_reached_and_a_resume_ends_bit_exact(tmp_path, whole):
     """Paced (every step 0.2 s longer: a fault plan's delay), so that Ctrl-C lands mid-run."""
     plan = fault_plan(tmp_path, Fault("ledger.gathered", action="delay", seconds=0.2))
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    stopped = tmp_path / "stopped"
     with Job(*RUN, "--run-dir", str(stopped), "--", "--epochs", str(EPOCHS), env=plan.env,
              worker_command=str(SESSION)) as job:
-        done = subprocess.Popen([sys.executable, "-m", "ringtrain", *RUN, "--run-dir", str(whole), "--", "--epochs",
-                                 str(EPOCHS)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         job.wait_for(lambda: len(ledger_steps(stopped)) >= 10, what="step 10")
         for proc in job.tree():  # Ctrl-C in a terminal: every process of the foreground group gets SIGINT
             proc.send_signal(signal.SIGINT)
         code = job.finish(timeout=120)
-        assert done.wait(timeout=300) == 0, done.stderr.read()
+    whole, _ = finished(whole)
     reached = summary_free_step(stopped)
     print(f"Ctrl-C at step {reached}: exit {code}")
     assert code != 0 and "stopped at step" in job.stderr, job.stderr
