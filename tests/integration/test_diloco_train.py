@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from tests.conftest import run_cli, run_clis, run_main
 CONFIG = "configs/debug_mlp.toml"
 INNER_SGD = ["--set", "train.momentum=0.0"]  # plain SGD inside, as the DDP run it is compared with
 DILOCO = ["--set", "comm.strategy='diloco'"]
+H5 = ["--set", "train.max_steps=23", *DILOCO, "--set", "diloco.sync_every=5", "--set", "checkpoint.every_steps=6",
+      "--set", "data.ledger=true"]
 
 
 def _summary(run_dir: Path) -> dict:
@@ -35,9 +38,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "ddp": ["--set", "train.max_steps=12", *INNER_SGD],
         "h1": ["--set", "train.max_steps=12", *INNER_SGD, *DILOCO, "--set", "diloco.sync_every=1",
                "--set", "diloco.outer_lr=1.0", "--set", "diloco.outer_momentum=0.0"],
-        "h5": ["--set", "train.max_steps=23", *DILOCO, "--set", "diloco.sync_every=5", "--set", "data.ledger=true"],
-        "resumed": ["--set", "train.max_steps=20", *DILOCO, "--set", "diloco.sync_every=5",
-                    "--set", "checkpoint.every_steps=6", "--set", "data.ledger=true"],
+        # Also the uninterrupted run the resume test starts again from its step-12 checkpoint (in a copy).
+        "h5": H5,
     }
     results = run_clis(*(["train", CONFIG, "--nproc", "2", "--run-dir", str(root / name), *args]
                          for name, args in jobs.items()), timeout=400)
@@ -81,22 +83,22 @@ def test_every_sample_once_in_the_ledger(runs):
     assert result.returncode == 0 and "exactly once" in result.stdout, result.stdout + result.stderr
 
 
-def test_a_checkpoint_inside_an_interval_resumes_bit_for_bit(runs):
+def test_a_checkpoint_inside_an_interval_resumes_bit_for_bit(runs, tmp_path):
     """Step 12 is inside an interval (H = 5): the ranks hold different parameters and inner state there; the
-    resumed run must reach the uninterrupted run's bits at step 20 (and its outer steps and bytes)."""
-    run_dir = runs["resumed"]
+    resumed run must reach the uninterrupted run's bits at step 23 (and its outer steps and bytes). It resumes
+    a copy of the h5 run (checkpoints every 6 steps), which the other tests here read untouched."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(runs["h5"], run_dir)
     uninterrupted = _summary(run_dir)
-    for step in (18, 20):  # the newest checkpoints go: --resume continues from step 12
+    for step in (18, 23):  # the newest checkpoints go: --resume continues from step 12
         for path in (run_dir / "checkpoints").glob(f"step_{step:08d}*"):
             path.unlink()
     assert (run_dir / "checkpoints" / "step_00000012.pt").exists()
-    result = run_cli("train", CONFIG, "--nproc", "2", "--run-dir", str(run_dir), "--resume",
-                     "--set", "train.max_steps=20", *DILOCO, "--set", "diloco.sync_every=5",
-                     "--set", "checkpoint.every_steps=6", "--set", "data.ledger=true")
+    result = run_cli("train", CONFIG, "--nproc", "2", "--run-dir", str(run_dir), "--resume", *H5)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed from step_00000012.pt (step 12)" in result.stderr
     resumed = _summary(run_dir)
     assert resumed["param_sha256"] == uninterrupted["param_sha256"]
     assert (resumed["outer_steps"], resumed["comm_bytes_per_worker"]) == (
-        uninterrupted["outer_steps"], uninterrupted["comm_bytes_per_worker"]) == (4, 4 * resumed["outer_payload_bytes"])
+        uninterrupted["outer_steps"], uninterrupted["comm_bytes_per_worker"]) == (5, 5 * resumed["outer_payload_bytes"])
     assert run_main("ledger", str(run_dir)).returncode == 0

@@ -16,15 +16,16 @@ def read_run(run_dir) -> tuple[dict, list[dict]]:
 
 def test_debug_resnet_learns_the_digits(tmp_path):
     run_dir = tmp_path / "run"
-    # One DataLoader worker per process (persistent across the epochs): the transforms run there.
+    # One DataLoader worker per process (persistent across the epochs): the transforms run there. 24 steps, not
+    # the config's 30: accuracy 0.88 after 20 steps, 0.92 after 30, against the bar of 0.8.
     result = run_cli("train", "configs/debug_resnet.toml", "--nproc", "2", "--run-dir", str(run_dir),
-                     "--set", "data.num_workers=1")
+                     "--set", "data.num_workers=1", "--set", "train.max_steps=24")
     assert result.returncode == 0, result.stderr
     summary, records = read_run(run_dir)
     losses = [r["loss"] for r in records if r["type"] == "train"]
     print(f"debug_resnet: loss {losses[0]:.3f} -> {losses[-1]:.3f}, accuracy {summary['eval']['accuracy']:.3f}, "
           f"{summary['samples_per_s']:.0f} images/s")
-    assert summary["steps"] == 30 and summary["world_size"] == 2
+    assert summary["steps"] == 24 and summary["world_size"] == 2
     assert losses[-1] < 0.6 * losses[0], "the training loss did not fall clearly"
     assert summary["eval"]["accuracy"] > 0.8  # 10 classes: chance is 0.1
     assert summary["eval"]["top5_accuracy"] >= summary["eval"]["accuracy"]
