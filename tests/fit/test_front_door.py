@@ -65,7 +65,8 @@ def refused(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
     root = tmp_path_factory.mktemp("refused")
     cases = ["lengths_differ", "wrong_keys", "metric_misfit", "iterable"]
     started = time.monotonic()
-    # dist.timeout_s: today's code hangs in a collective on 256 vs 257 samples; fail in 10 s, not 120.
+    # dist.timeout_s: without the check, 256 vs 257 samples hang in a collective (as before issue 22's fix); a
+    # regression then fails in 10 s, not 120.
     results = run_clis(*(script_args("--nproc", "2", "--run-dir", str(root / case), "--set", "dist.timeout_s=10",
                                      case=case) for case in cases))
     took = time.monotonic() - started
