@@ -36,6 +36,7 @@ Launch with ``torchrun``, ``ringtrain run``, or ``python`` (one worker).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import signal
 import sys
@@ -336,7 +337,9 @@ class Session:
         collective (DDP's buffers, zero3 and FSDP gathering parameters)."""
         loader = build_eval_loader(data, self.rank, self.world_size, batch_size, collate_fn=collate_fn)
         counts = [math.ceil(len(range(rank, len(data), self.world_size)) / batch_size) for rank in range(self.world_size)]
-        return EvalLoader(loader, max(counts), self.strategy.evaluation_weights)
+        # Resolved as the batches are handed out: eval_loader may come before setup() (no strategy yet).
+        return EvalLoader(loader, max(counts), lambda: (self.strategy.evaluation_weights() if self.strategy is not None
+                                                        else contextlib.nullcontext()))
 
     def sum(self, value: Any) -> Any:
         """``value`` (a number or a tensor) summed over every rank."""

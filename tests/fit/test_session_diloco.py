@@ -13,6 +13,7 @@ from tests.conftest import run_clis
 SCRIPT = textwrap.dedent('''
     import sys
     import torch
+    import torch.distributed
     from torch import nn
     from torch.utils.data import TensorDataset
     import ringtrain
@@ -25,6 +26,7 @@ SCRIPT = textwrap.dedent('''
     session = ringtrain.Session({"train": {"global_batch_size": 16, "local_batch_size": 8},
                                  "comm": {"strategy": "diloco"}, "diloco": {"sync_every": 4},
                                  "run_dir": sys.argv[1]})
+    val = session.eval_loader(data, 64)  # before setup(), as the examples do
     model, optimizer, loader = session.setup(model, optimizer, data=data)
     stop_at = int(sys.argv[2])
     for epoch in session.epochs(1):
@@ -32,6 +34,17 @@ SCRIPT = textwrap.dedent('''
             optimizer.zero_grad()
             session.backward(nn.functional.cross_entropy(model(x), y))
             optimizer.step()
+            if session.state.step == 6:  # two inner steps after the outer step at 4: the workers are apart
+                own = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                for _ in val:  # while the batches are handed out the model is the global one
+                    scored = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                mine = [own.double().sum().item(), scored.double().sum().item()]
+                every = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(every, mine)
+                after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                session.print("workers apart:", len({o for o, _ in every}) > 1,
+                              "scored one model:", len({s for _, s in every}) == 1,
+                              "own weights back:", torch.equal(after, own))
             if session.state.step == stop_at:
                 break
         if session.state.step == stop_at:
@@ -53,3 +66,5 @@ def test_a_diloco_session_ends_on_one_model_at_its_planned_end_and_when_its_loop
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["steps"] == stop_at and len(set(summary["param_sha256"])) == 1, (name, summary)
         assert summary["outer_steps"] == outer_steps, (name, summary["outer_steps"])
+        # Evaluation between outer steps scores the global model on every rank, then gives back each its own.
+        assert "workers apart: True scored one model: True own weights back: True" in result.stdout, result.stdout
