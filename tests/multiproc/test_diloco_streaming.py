@@ -21,18 +21,9 @@ from ringtrain.config import CommConfig, DiLoCoConfig
 from ringtrain.parallel import DiLoCoStrategy, build_strategy
 from tests.distributed import run_distributed
 
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    # Tensors of 48, 8, 24 and 3 values: two fragments are [48] and [8, 24, 3] (cut nearest half of 83).
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+# The model and data of tests/multiproc/test_diloco.py (and its outer settings). Its tensors hold 48, 8, 24 and
+# 3 values: two fragments are [48] and [8, 24, 3] (cut nearest half of 83).
+from tests.multiproc.test_diloco import OUTER_LR, OUTER_MOMENTUM, _batch, _model
 
 
 def _digest(tensors) -> str:
