@@ -208,13 +208,19 @@ class Hosts:
         return subprocess.run([*self.exec_prefix(i), *command], **kwargs)
 
 
-def listening_sockets(pid: int, own: bool = False) -> set[tuple[str, int]]:
+def listening_sockets(pid: int, own: bool = False, netns: str | None = None) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket listening in the network namespace of process ``pid`` (any
     process's: a test host's stack holds only the sockets of what runs there). Empty if the process is gone.
 
     ``own``: only the sockets process ``pid`` holds open (its descriptors' socket inodes). Read from
     ``/proc/<pid>``, the process's own view of its namespace, so it works from outside the namespace, where
-    psutil's ``net_connections`` (which reads the caller's ``/proc/net``) sees none of them."""
+    psutil's ``net_connections`` (which reads the caller's ``/proc/net``) sees none of them.
+
+    ``netns``: the namespace (its name under ``ip netns``) the process must be in; empty while it is not.
+    ``ip netns exec NS cmd`` is in the caller's namespace until it has entered NS: a sample taken then read
+    this machine's own listeners (CI, under load: 0.0.0.0 and other tests' 127.0.0.1 stores)."""
+    if netns is not None and not _in_netns(pid, netns):
+        return set()
     inodes = _socket_inodes(pid) if own else None
     found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
@@ -235,6 +241,14 @@ def listening_sockets(pid: int, own: bool = False) -> set[tuple[str, int]]:
             raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             found.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
     return found
+
+
+def _in_netns(pid: int, netns: str) -> bool:
+    """Whether process ``pid`` is in namespace ``netns`` (``ip netns`` keeps each one's handle in /run/netns)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{netns}").st_ino
+    except OSError:
+        return False
 
 
 def _socket_inodes(pid: int) -> set[str]:

@@ -42,17 +42,19 @@ class _Listeners(threading.Thread):
     """Every (address, port) anything listened on in each job's host while the jobs ran (``seen``), and each
     worker process on its own, by (job index, rank) (``by_worker``); sampled every 10 ms."""
 
-    def __init__(self, jobs: list[Job]):
+    def __init__(self, jobs: list[Job], hosts: Hosts):
         super().__init__(daemon=True)
-        self.jobs, self.seen = jobs, [set() for _ in jobs]
+        self.jobs, self.hosts, self.seen = jobs, hosts, [set() for _ in jobs]
         self.by_worker: dict[tuple[int, int], set] = {}
 
     def run(self) -> None:
         while any(job.process.poll() is None for job in self.jobs):
             for i, job in enumerate(self.jobs):
-                self.seen[i] |= listening_sockets(job.process.pid)
+                netns = self.hosts.ns(i)
+                self.seen[i] |= listening_sockets(job.process.pid, netns=netns)
                 for rank, worker in job.workers().items():
-                    self.by_worker.setdefault((i, rank), set()).update(listening_sockets(worker.pid, own=True))
+                    sockets = listening_sockets(worker.pid, own=True, netns=netns)
+                    self.by_worker.setdefault((i, rank), set()).update(sockets)
             time.sleep(0.01)
 
 
@@ -77,7 +79,7 @@ def _digests(run_dir: Path) -> list[str]:
 def test_two_hosts_one_worker_each_train_as_on_one_host(make_hosts, tmp_path):
     hosts = make_hosts(2)
     jobs = _launchers(hosts, 1, tmp_path / "hosts")
-    listeners = _Listeners(jobs)
+    listeners = _Listeners(jobs, hosts)
     listeners.start()
     _finish(jobs)
     listeners.join()
@@ -108,7 +110,7 @@ def test_an_interface_with_two_addresses_listens_on_the_jobs(make_hosts, tmp_pat
             *SHORT, "--set", "checkpoint.sharded=true", prefix=hosts.exec_prefix(i))
         for i in range(hosts.count)
     ]
-    listeners = _Listeners(jobs)
+    listeners = _Listeners(jobs, hosts)
     listeners.start()
     _finish(jobs)
     listeners.join()
