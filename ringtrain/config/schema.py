@@ -434,6 +434,13 @@ class DiLoCoConfig(Section):
     the same bits on every rank) with error feedback: what a worker's packet lost is added to its next
     pseudo-gradient of that fragment, so it is delayed, never dropped."""
 
+    inner: Literal["auto", "worker", "host"] = "auto"
+    """What one DiLoCo replica is. 'worker': every worker (no gradient sync between outer steps). 'host': the
+    workers of one host, data-parallel among themselves every step (torch DDP over the host's ranks, its
+    all-reduce comm.algorithm: 'shm' keeps it in shared memory), only the hosts' first ranks exchanging
+    pseudo-gradients between hosts (INTELLECT-1's shape). 'auto': 'host' when the job spans hosts and some host
+    runs more than one worker, else 'worker'."""
+
     @model_validator(mode="after")
     def _streaming_fits(self) -> DiLoCoConfig:
         if self.sync_every % self.fragments:

@@ -98,5 +98,6 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         return DiLoCoStrategy(device, sync_every=diloco.sync_every, outer_lr=diloco.outer_lr,
                               outer_momentum=diloco.outer_momentum, nesterov=diloco.nesterov,
                               algorithm=config.algorithm, chunk_kb=config.chunk_kb, fragments=diloco.fragments,
-                              delay=diloco.delay, dtype=diloco.dtype)
+                              delay=diloco.delay, dtype=diloco.dtype, inner=diloco.inner,
+                              bucket_mb=config.resolved_bucket_mb)
     raise ValueError(f"unknown strategy {config.strategy!r}")  # unreachable: the config validates the name

@@ -24,7 +24,8 @@ class DDPStrategy(ReplicatedStrategy):
     """Wraps the model in DDP; gradients are averaged across workers during backward.
 
     ``algorithm`` picks DDP's communication hook: 'torch' (DDP's own all-reduce), ringtrain's 'ring',
-    'ring_chunked', 'shm', or torch's 'fp16', 'bf16', 'powersgd' (``ringtrain.comm.hooks``).
+    'ring_chunked', 'shm', or torch's 'fp16', 'bf16', 'powersgd' (``ringtrain.comm.hooks``). ``group``: the
+    ranks gradients are averaged over (default: every rank; DiLoCo's replicas of one host, ``diloco.py``).
 
         strategy = DDPStrategy(device)
         model = strategy.wrap(module)               # the process group must exist
@@ -46,8 +47,10 @@ class DDPStrategy(ReplicatedStrategy):
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 10,
         comm_timer: CommTimer | None = None,
+        group: dist.ProcessGroup | None = None,
     ):
         self.device = device
+        self.group = group
         self.bucket_mb = bucket_mb
         self.algorithm = algorithm
         self.chunk_kb = chunk_kb
@@ -62,7 +65,8 @@ class DDPStrategy(ReplicatedStrategy):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views into the communication buckets: no copy between the two after the all-reduce.
         ddp = DistributedDataParallel(
-            model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True
+            model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True,
+            process_group=self.group,
         )
         if self.algorithm == "powersgd":
             # PowerSGD keys its error feedback and factors by bucket index, and DDP rebuilds its buckets after
@@ -72,12 +76,13 @@ class DDPStrategy(ReplicatedStrategy):
             # (find_unused_parameters would also stop the rebuild, but its all-reduce of the used-parameter
             # map interleaves with PowerSGD's asynchronous ones and Gloo aborts on the mismatch.)
             ddp.reducer._push_all_rebuilt_params()
-        if dist.get_world_size() == 1:
+        if dist.get_world_size(self.group) == 1:
             # Alone, a worker's gradient already is the average: no round trip, and no lossy compression.
             state, hook = None, noop_hook
         else:
             state, hook = comm_hook(
                 self.algorithm,
+                group=self.group,
                 chunk_kb=self.chunk_kb,
                 powersgd_rank=self.powersgd_rank,
                 powersgd_start_iter=self.powersgd_start_iter,

@@ -21,6 +21,14 @@ Streaming DiLoCo (arXiv 2501.18512), torchft's ``local_sgd.py`` constraints:
   with error feedback: what a worker's packet lost is added to its next pseudo-gradient of that fragment, so
   nothing a worker learned is dropped, only delayed (kept per rank in its checkpointed state).
 
+Replicas (``inner``; the INTELLECT-1 shape): with ``inner = 'host'`` the workers of one host are one DiLoCo
+replica. They train as one data-parallel model, their gradients averaged every step by torch DDP over the
+host's ranks (its all-reduce ``comm.algorithm``: 'shm' keeps it in shared memory), and only each host's first
+rank (its leader) exchanges pseudo-gradients with the other hosts' leaders; the leader hands the mean to its
+host's other ranks (a broadcast inside the host). ``'worker'``: every worker is a replica (no gradient sync at
+all). ``'auto'`` (default): 'host' when the job spans hosts and some host runs more than one worker (the host
+layout ``comm.groups.host_id`` finds, as the shm all-reduce does), else 'worker'.
+
 The run's last step syncs every fragment at once (a pending exchange is superseded: the pseudo-gradient taken
 then covers every inner step since the fragment's last outer step), so a run ends with one model everywhere.
 
@@ -55,13 +63,18 @@ from torch import nn
 
 from ringtrain import comm
 from ringtrain.comm import codec, shm
-from ringtrain.comm.groups import resolve_group
+from ringtrain.comm.groups import host_id, resolve_group
+from ringtrain.comm.objects import all_gather_json
 from ringtrain.errors import ConfigError
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
+from ringtrain.parallel.ddp import DDPStrategy
 
-__all__ = ["DiLoCoStrategy", "OuterState"]
+__all__ = ["DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "INNER"]
+
+INNER = ("auto", "worker", "host")
+"""What one DiLoCo replica is (module docstring)."""
 
 
 # torch 2.14 renamed all_gather_into_tensor (deprecated, with a warning on every call); the range pyproject
@@ -107,6 +120,27 @@ def split_fragments(numels: list[int], fragments: int) -> list[int]:
     return starts
 
 
+def replicas_of(hosts: list[str], inner: str) -> list[list[int]]:
+    """The replicas, as lists of ranks (each in rank order, the first its leader), for ranks on ``hosts`` (one
+    entry per rank) and ``inner`` ('auto', 'worker' or 'host'); in the order of their first ranks.
+
+    >>> replicas_of(["a", "a", "b", "b"], "auto")
+    [[0, 1], [2, 3]]
+    >>> replicas_of(["a", "a", "a"], "auto")
+    [[0], [1], [2]]
+    """
+    if inner not in INNER:
+        raise ValueError(f"inner {inner!r} is unknown; choose one of {', '.join(INNER)}")
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    if inner == "auto":
+        inner = "host" if len(by_host) > 1 and any(len(r) > 1 for r in by_host.values()) else "worker"
+    if inner == "worker":
+        return [[rank] for rank in range(len(hosts))]
+    return list(by_host.values())
+
+
 class DiLoCoStrategy(ReplicatedStrategy):
     """Inner steps without communication; every ``sync_every`` steps one outer step on the averaged
     pseudo-gradient, in ``fragments`` turns (module docstring)."""
@@ -119,7 +153,8 @@ class DiLoCoStrategy(ReplicatedStrategy):
 
     def __init__(self, device: torch.device, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, algorithm: str = "torch", chunk_kb: int | None = None, fragments: int = 1,
-                 delay: int = 0, dtype: str = "fp32"):
+                 delay: int = 0, dtype: str = "fp32", inner: str = "auto", bucket_mb: float = 25.0,
+                 hosts: list[str] | None = None):
         if sync_every <= 0:
             raise ValueError(f"sync_every must be positive, got {sync_every}")
         if fragments <= 0 or sync_every % fragments:
@@ -128,7 +163,10 @@ class DiLoCoStrategy(ReplicatedStrategy):
             raise ValueError(f"delay ({delay}) must be below sync_every / fragments ({sync_every // fragments})")
         if dtype != "fp32" and dtype not in codec.DTYPES:
             raise ValueError(f"dtype {dtype!r} is unknown; choose fp32 or one of {', '.join(codec.DTYPES)}")
+        if inner not in INNER:
+            raise ValueError(f"inner {inner!r} is unknown; choose one of {', '.join(INNER)}")
         self.device = device
+        self.inner, self.bucket_mb, self._hosts = inner, bucket_mb, hosts
         self.sync_every, self.fragment_count, self.delay, self.dtype = sync_every, fragments, delay, dtype
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.algorithm = algorithm
@@ -139,19 +177,24 @@ class DiLoCoStrategy(ReplicatedStrategy):
         self.bytes_sent = 0
         """Bytes this worker has put on the wire for outer steps (its pseudo-gradients, rank 0's buffers)."""
         self._module: nn.Module | None = None
+        self._ddp: DDPStrategy | None = None  # the data parallelism inside a replica of several ranks
+        self.replicas: list[list[int]] = []
+        """The replicas' ranks (``replicas_of``), once wrapped."""
         self._inner: torch.optim.Optimizer | None = None
         self._apart = False  # an inner step came after the last whole sync
 
     # --- set-up ---------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Rank 0's weights on every rank, the fp32 global copy, the fragments and the outer optimizer; the
-        module itself is returned (nothing to synchronise in backward)."""
+        """Rank 0's weights on every rank, the replicas, the fp32 global copy, the fragments and the outer
+        optimizer. Returns the module itself where every worker is a replica (nothing to synchronise in
+        backward), else the module in DDP over this rank's replica. Collective over every rank."""
         model.to(self.device)
         group = resolve_group(None)
         self._group = weakref.ref(group)  # never keep a destroyed group alive
         with torch.no_grad():
             broadcast_from_rank0([p.data for p in model.parameters()] + list(model.buffers()), group)
         self._module = model
+        wrapped = self._form_replicas(model, group)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.global_params = [p.detach().to(torch.float32, copy=True) for p in self._params]
         # torch's SGD refuses nesterov without momentum; with none the two are the same step anyway.
@@ -162,23 +205,48 @@ class DiLoCoStrategy(ReplicatedStrategy):
         per = self.sync_every // self.fragment_count
         self.fragments = [_Fragment(f, self._params[a:b], self.global_params[a:b], (f + 1) * per % self.sync_every)
                           for f, (a, b) in enumerate(bounds)]
-        world = dist.get_world_size(group)
+        exchange = self.exchange_group
+        world = len(self.replicas)
         for fragment in self.fragments:
             if self.dtype == "fp32":
-                fragment.buffer = self._buffer(fragment.numel, torch.float32, group)
+                fragment.buffer = self._buffer(fragment.numel, torch.float32, exchange)
                 fragment.wire_bytes = fragment.numel * 4
             else:
-                # Each rank's packet in its own slot; a slot a multiple of 64 bytes, so that comm.all_gather's
+                # Each replica's packet in its own slot; a slot a multiple of 64 bytes, so that comm.all_gather's
                 # cut (tensor_shards: shards on cache lines) is exactly the slots.
                 fragment.wire_bytes = codec.packet_bytes(fragment.numel, self.dtype)
                 fragment.slot = -(-fragment.wire_bytes // 64) * 64
-                fragment.buffer = self._buffer(fragment.slot * world, torch.uint8, group)
+                fragment.buffer = self._buffer(fragment.slot * world, torch.uint8, exchange)
                 fragment.error = torch.zeros(fragment.numel, dtype=torch.float32, device=self.device)
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        return model
+        return wrapped
 
-    def _buffer(self, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> torch.Tensor:
-        if self.algorithm == "shm":
+    def _form_replicas(self, model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+        """Agree on the replicas (every rank gathers the hosts); where one has several ranks, make each
+        replica's group (DDP inside it) and the leaders' group (the exchange). Collective over ``group``."""
+        rank = dist.get_rank(group)
+        hosts = self._hosts or [str(h) for h in all_gather_json(host_id(), group=group)]
+        if len(hosts) != dist.get_world_size(group):
+            raise ValueError(f"hosts has {len(hosts)} entries for {dist.get_world_size(group)} ranks")
+        self.replicas = replicas_of(hosts, self.inner)
+        mine = next(r for r in self.replicas if rank in r)
+        self.is_leader = rank == mine[0]
+        if all(len(r) == 1 for r in self.replicas):
+            self._exchange, self._replica = weakref.ref(group), None
+            return model
+        # Every rank makes every group, in one order (torch's rule for new_group).
+        replica_groups = [dist.new_group(r) for r in self.replicas]
+        leaders = dist.new_group([r[0] for r in self.replicas])
+        replica = replica_groups[self.replicas.index(mine)]
+        self._replica = weakref.ref(replica)
+        self._replica_leader = mine[0]
+        self._exchange = weakref.ref(leaders) if self.is_leader else None
+        self._ddp = DDPStrategy(self.device, bucket_mb=self.bucket_mb, algorithm=self.algorithm,
+                                chunk_kb=self.chunk_kb, comm_timer=self.comm_timer, group=replica)
+        return self._ddp.wrap(model)
+
+    def _buffer(self, numel: int, dtype: torch.dtype, group: dist.ProcessGroup | None) -> torch.Tensor:
+        if self.algorithm == "shm" and group is not None:
             return shm.shared_empty(numel, dtype, group)  # peers read it in place
         return torch.empty(numel, dtype=dtype, device=self.device)
 
@@ -186,11 +254,23 @@ class DiLoCoStrategy(ReplicatedStrategy):
     def group(self) -> dist.ProcessGroup:
         return live_group(self._group)
 
+    @property
+    def exchange_group(self) -> dist.ProcessGroup | None:
+        """The group the pseudo-gradients are exchanged in: every rank, or the replicas' leaders (None on a rank
+        that is not one: it gets the mean from its leader)."""
+        return None if self._exchange is None else live_group(self._exchange)
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """This rank's replica's group (DDP's), where a replica has several ranks."""
+        return None if self._replica is None else live_group(self._replica)
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return nullcontext()  # inner steps never synchronise
+        # Replicas of one worker never synchronise in backward; DDP inside a replica skips its all-reduce.
+        return nullcontext() if self._ddp is None else self._ddp.no_sync(model)
 
     def unwrap(self, model: nn.Module, release: bool = False) -> nn.Module:
-        return model
+        return model if self._ddp is None else self._ddp.unwrap(model)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The inner optimizer, whole; kept, so that its per-rank state goes into checkpoints."""
@@ -271,46 +351,66 @@ class DiLoCoStrategy(ReplicatedStrategy):
         over workers follows (``_mean``)."""
         delta = torch.cat([(g - p.detach().to(torch.float32)).reshape(-1)
                            for g, p in zip(fragment.globals, fragment.params)])
-        self.bytes_sent += fragment.wire_bytes
         fragment.in_flight, fragment.mean = True, None
+        exchange = self.exchange_group  # None: a replica's other rank, whose leader exchanges for it
+        if exchange is not None:
+            self.bytes_sent += fragment.wire_bytes
         overlap = self.delay > 0 and self.algorithm == "torch"
         if self.dtype == "fp32":
             fragment.buffer.copy_(delta)
-            if overlap:
-                fragment.work = dist.all_reduce(fragment.buffer, group=self.group, async_op=True)
+            if exchange is None:
+                return
+            if overlap:  # summed: ``_exchanged_mean`` divides once it is done
+                fragment.work = dist.all_reduce(fragment.buffer, group=exchange, async_op=True)
             else:
-                comm.all_reduce(fragment.buffer, op="avg", algorithm=self.algorithm, group=self.group,
+                comm.all_reduce(fragment.buffer, op="avg", algorithm=self.algorithm, group=exchange,
                                 chunk_kb=self.chunk_kb)
-                fragment.mean = fragment.buffer
             return
+        # A replica's ranks hold the same parameters: each computes the same packet and error feedback.
         fragment.error_before = fragment.error.clone()
         delta += fragment.error
-        rank = dist.get_rank(self.group)
-        mine = fragment.buffer[rank * fragment.slot : (rank + 1) * fragment.slot]
+        slot = 0 if exchange is None else dist.get_rank(exchange)
+        mine = fragment.buffer[slot * fragment.slot : (slot + 1) * fragment.slot]
         packet = codec.encode(delta, self.dtype, out=mine)
         fragment.error.copy_(delta - codec.decode(packet, self.dtype, fragment.numel))
+        if exchange is None:
+            return
         if overlap:
-            fragment.work = _all_gather_single(fragment.buffer, mine.clone(), group=self.group, async_op=True)
+            fragment.work = _all_gather_single(fragment.buffer, mine.clone(), group=exchange, async_op=True)
         else:
-            comm.all_gather(fragment.buffer, algorithm=self.algorithm, group=self.group, chunk_kb=self.chunk_kb)
+            comm.all_gather(fragment.buffer, algorithm=self.algorithm, group=exchange, chunk_kb=self.chunk_kb)
 
     def _mean(self, fragment: _Fragment) -> torch.Tensor:
-        """The mean pseudo-gradient of ``fragment``'s exchange (waiting for it if it is in flight)."""
+        """The mean pseudo-gradient of ``fragment``'s exchange (waiting for it if it is in flight). Where a
+        replica has several ranks, its leader hands the mean on (a broadcast in the replica: every rank of it
+        calls this at the same point)."""
         if fragment.mean is not None:
             return fragment.mean
-        world = dist.get_world_size(self.group)
+        if self.exchange_group is not None:
+            fragment.mean = self._exchanged_mean(fragment)
+        else:
+            fragment.mean = torch.empty(fragment.numel, dtype=torch.float32, device=self.device)
+        replica = self.replica_group
+        if replica is not None and dist.get_world_size(replica) > 1:
+            dist.broadcast(fragment.mean, src=self._replica_leader, group=replica)
+        return fragment.mean
+
+    def _exchanged_mean(self, fragment: _Fragment) -> torch.Tensor:
+        world = len(self.replicas)
+        if self.dtype == "fp32":
+            if fragment.work is not None:  # torch's asynchronous all_reduce sums
+                fragment.work.wait()
+                fragment.work = None
+                fragment.buffer.div_(world)
+            return fragment.buffer
         if fragment.work is not None:
             fragment.work.wait()
             fragment.work = None
-        if self.dtype == "fp32":
-            fragment.mean = fragment.buffer.div_(world)  # torch's asynchronous all_reduce summed it
-            return fragment.mean
         mean = torch.zeros(fragment.numel, dtype=torch.float32, device=self.device)
         for r in range(world):  # in rank order: the same sum, to the bit, on every rank
             mean += codec.decode(fragment.buffer[r * fragment.slot : (r + 1) * fragment.slot], self.dtype,
                                  fragment.numel)
-        fragment.mean = mean.div_(world)
-        return fragment.mean
+        return mean.div_(world)
 
     def _apply(self, fragment: _Fragment) -> None:
         """The outer step on ``fragment``'s global parameters by its mean pseudo-gradient; every worker takes them."""
@@ -343,9 +443,11 @@ class DiLoCoStrategy(ReplicatedStrategy):
         fragment.in_flight, fragment.mean, fragment.error_before = False, None, None
 
     def figures(self) -> dict[str, Any]:
-        """For records and the summary: fragment outer steps so far, the bytes per H steps and those sent."""
+        """For records and the summary: fragment outer steps so far, the bytes per H steps (a replica's), those
+        this worker sent between replicas (none from a replica's other ranks, but rank 0's buffers), and how
+        many replicas there are."""
         return {"outer_steps": self.outer_steps, "outer_payload_bytes": self.payload_bytes,
-                "comm_bytes_per_worker": self.bytes_sent}
+                "comm_bytes_per_worker": self.bytes_sent, "diloco_replicas": len(self.replicas)}
 
     # --- state ----------------------------------------------------------------------------------------
     def stateful_parts(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.chaos.jobs import Job
 from tests.conftest import REPO
@@ -132,6 +133,35 @@ def test_two_hosts_two_workers_shm_goes_hierarchical(make_hosts, tmp_path):
     assert f"4 workers on 2 hosts: {hosts.addr(0)} ranks 0-1, {hosts.addr(1)} ranks 2-3" in jobs[0].stderr
     digests = _digests(tmp_path)
     assert len(digests) == 4 and len(set(digests)) == 1
+
+
+def test_diloco_across_two_hosts_makes_each_hosts_workers_one_replica(make_hosts, tmp_path):
+    """comm.strategy = 'diloco' on 2 hosts x 2 workers, diloco.inner left at 'auto': the host layout makes each
+    host's two workers one replica (DDP over shm inside it), and only the two leaders exchange pseudo-gradients.
+    A checkpoint taken between outer steps holds every rank's own parameters: the same bits inside a host,
+    different between the hosts; the run ends on one model."""
+    hosts = make_hosts(2)
+    sync_every = 4
+    jobs = _launchers(hosts, 2, tmp_path, "--set", "comm.strategy=diloco", "--set", "comm.algorithm=shm",
+                      "--set", f"diloco.sync_every={sync_every}", "--set", "checkpoint.every_steps=6",
+                      "--set", "checkpoint.keep_last=10")
+    _finish(jobs)
+    from ringtrain.checkpoint.manager import CheckpointManager
+
+    done = json.loads((tmp_path / "summary.json").read_text())
+    assert done["diloco_replicas"] == 2 and len(done["param_sha256"]) == 4 and len(set(done["param_sha256"])) == 1
+    manager = CheckpointManager(tmp_path / "checkpoints", is_writer=False)
+    ranks = manager.load(manager.path_for(6))["comm"]["ranks"]  # 6 % 4: two inner steps after an outer step
+    params = [r["params"] for r in ranks]
+
+    def same(a: int, b: int) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(params[a], params[b], strict=True))
+
+    assert same(0, 1) and same(2, 3) and not same(0, 2)
+    # Rank 0 (host 0's leader) sent one fp32 payload an outer step; nothing else crossed (the MLP has no buffers).
+    payload = sum(p.numel() for p in params[0]) * 4
+    outer_steps = -(-done["steps"] // sync_every)
+    assert done["outer_steps"] == outer_steps and done["comm_bytes_per_worker"] == outer_steps * payload, done
 
 
 _USER_SCRIPT = textwrap.dedent("""
