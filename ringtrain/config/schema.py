@@ -256,7 +256,7 @@ class TrainConfig(Section):
         return self
 
 
-HEALABLE_STRATEGIES = ("ddp", "manual")
+HEALABLE_STRATEGIES = ("ddp", "manual", "diloco")
 """Strategies dist.heal supports: every worker holds the whole model, so any survivor can hand it on."""
 RELOADED_STRATEGIES = ("zero1", "zero2", "zero3")
 """Sharded strategies dist.heal heals by reloading every shard from the newest sharded checkpoint (the lost
@@ -293,7 +293,8 @@ class DistConfig(Section):
     of samples among themselves (re-dealt; accumulation keeps global_batch_size). The job goes on while M
     workers remain; below that the survivors save the step they reached and exit with one line. Each heal is
     a 'heal' record in metrics.jsonl. Needs one agent per worker (--min-nproc below --nproc) and a replicated
-    strategy ('ddp' or 'manual') with algorithm 'torch', 'ring', 'ring_chunked', 'shm' (each generation sets
+    strategy ('ddp' or 'manual', or 'diloco': its survivors go back to the last outer step's model) with
+    algorithm 'torch', 'ring', 'ring_chunked', 'shm' (each generation sets
     up a fresh workspace, named for it; the broken group's is unmapped, and what a dead peer left in /dev/shm
     unlinked), 'fp16' or 'bf16'. A worker killed inside a ring or shm all-reduce or inside a checkpoint save
     is healed like any other: no partial gradient is applied, no half-written checkpoint is committed.
@@ -581,10 +582,10 @@ class Config(Section):
                 raise ValueError(f"[diloco] is set but comm.strategy = '{self.comm.strategy}'; set comm.strategy = "
                                  "'diloco' to train with it, or remove [diloco]")
             return self
-        if self.dist.heal:
-            raise ValueError("dist.heal = true (--heal) with comm.strategy = 'diloco' is not built yet (a new group "
-                             "would need every worker's own parameters since the last outer step); leave out --heal, "
-                             "or use strategy 'ddp' or 'manual'")
+        if self.dist.heal and self.diloco.inner == "host":
+            raise ValueError("dist.heal = true (--heal) with diloco.inner = 'host' is not built yet (a lost worker "
+                             "would leave its host's replica out of step); set diloco.inner = 'worker' (or 'auto', "
+                             "which --heal resolves to 'worker'), or leave out --heal")
         if self.checkpoint.sharded or self.checkpoint.async_:
             raise ValueError("comm.strategy = 'diloco' writes full checkpoints only (each worker's own parameters "
                              "and the outer state); set checkpoint.sharded = false and checkpoint.async = false")

@@ -152,6 +152,13 @@ class Supervisor(NoHealing):
         if self.trainer is None or self.trainer.ctx.rank == 0:
             self.membership.check_fence()
 
+    def _regroup_whole(self) -> None:
+        """Leave ``train()`` for an admission, every member on one model first: DiLoCo's workers run a whole
+        outer step in the group they are in (all of them at this boundary), so no inner progress is lost and a
+        joiner starts from the model everyone holds."""
+        self.trainer.parts.strategy.end_of_run()
+        raise Regroup()
+
     def committed(self, step: int) -> None:
         now = time.time()
         self._repeats = 0
@@ -172,11 +179,11 @@ class Supervisor(NoHealing):
         if membership.generation.rank != 0:
             plan = membership.admission()
             if plan is not None and plan[0] == step:
-                raise Regroup()
+                self._regroup_whole()
             return
         if self._plan is not None and self._plan[0] == number:
             if self._plan[1] == step:
-                raise Regroup()
+                self._regroup_whole()
             return
         room = (self.max_workers or sys.maxsize) - membership.generation.world_size
         if room <= 0 or step + 1 >= trainer.total_steps:
@@ -266,8 +273,12 @@ class Supervisor(NoHealing):
 
     def _leave(self, failed: bool) -> None:
         self.trainer.abandon_saves()
+        if failed:  # DiLoCo: back to the last outer step's model, every exchange in flight dropped
+            self._inner_steps_dropped = self.trainer.parts.strategy.abandon_interval()
         self.trainer.leave_group()
         abandon_group(failed=failed)
+
+    _inner_steps_dropped: int | None = None
 
     def _recover(self, failure: str) -> None:
         """Heal until a generation settles (see the module's docstring); raises when healing cannot go on."""
@@ -289,6 +300,8 @@ class Supervisor(NoHealing):
                 "remaining_ranks": [old.members.index(m) for m in generation.members if m in old.members],
                 "world_size": generation.world_size, "cause": failure,
             }
+            if self._inner_steps_dropped is not None:  # DiLoCo: each member's inner steps since its last sync
+                record["inner_steps_dropped"] = self._inner_steps_dropped
             if self.membership.store.add(f"{generation.number}/counted", 1) == 1:
                 self.membership.store.add("heals", 1)  # once per generation, whoever gets here first
             self._check_repeats(lost, failure, failed_step)

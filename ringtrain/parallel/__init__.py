@@ -69,8 +69,10 @@ class Strategy(Protocol):
     def model_state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int: ...
 
 
-def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None) -> Strategy:
-    """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None)."""
+def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None,
+                   heal: bool = False) -> Strategy:
+    """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None).
+    ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so)."""
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(
@@ -98,6 +100,7 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         return DiLoCoStrategy(device, sync_every=diloco.sync_every, outer_lr=diloco.outer_lr,
                               outer_momentum=diloco.outer_momentum, nesterov=diloco.nesterov,
                               algorithm=config.algorithm, chunk_kb=config.chunk_kb, fragments=diloco.fragments,
-                              delay=diloco.delay, dtype=diloco.dtype, inner=diloco.inner,
+                              delay=diloco.delay, dtype=diloco.dtype,
+                              inner="worker" if heal and diloco.inner == "auto" else diloco.inner,
                               bucket_mb=config.resolved_bucket_mb)
     raise ValueError(f"unknown strategy {config.strategy!r}")  # unreachable: the config validates the name

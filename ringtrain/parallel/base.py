@@ -58,6 +58,19 @@ class ReplicatedStrategy:
         """The run ends after the last committed step: DiLoCo's workers take one model if an inner step came
         after their last whole sync (``diloco.py``); nothing for strategies whose ranks are always in step."""
 
+    def abandon_interval(self) -> int | None:
+        """The group failed: DiLoCo's workers go back to the last outer step's model (``diloco.py``) and this
+        returns the inner steps dropped; None for strategies whose ranks are always in step."""
+        return None
+
+    def transfer_parts(self) -> dict[str, Any]:
+        """What a heal's transfer carries beyond the trainer's parts (DiLoCo: its outer state)."""
+        return {}
+
+    def take_over(self, old: Any, optimizer: torch.optim.Optimizer, received: dict[str, Any] | None = None) -> None:
+        """After a heal's regroup: go on from ``old`` (the strategy of the failed group) or from the state
+        ``received`` in the transfer (DiLoCo: the outer state); nothing for the others."""
+
     def figures(self) -> dict[str, Any]:
         """The strategy's own figures for records and the summary (DiLoCo: outer steps, bytes per worker)."""
         return {}

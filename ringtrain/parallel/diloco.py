@@ -67,6 +67,7 @@ from ringtrain.comm.groups import host_id, resolve_group
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.errors import ConfigError
 from ringtrain.monitor.comm_timer import CommTimer
+from ringtrain.testing import faults
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 from ringtrain.parallel.ddp import DDPStrategy
@@ -91,6 +92,7 @@ class _Fragment:
         self.numel = sum(p.numel() for p in params)
         self.error: torch.Tensor | None = None  # error feedback (compressed dtypes): what packets lost so far
         self.in_flight = False  # exchanged (or exchanging), its outer step not applied yet
+        self.synced_step = 0  # the step of its last outer step (0: the run's, or this group's, start)
         self.mean: torch.Tensor | None = None  # the averaged pseudo-gradient, once known
         self.work: dist.Work | None = None  # the asynchronous exchange (algorithm 'torch' with a delay)
         self.error_before: torch.Tensor | None = None  # ``error`` before the exchange in flight (to supersede it)
@@ -182,6 +184,10 @@ class DiLoCoStrategy(ReplicatedStrategy):
         """The replicas' ranks (``replicas_of``), once wrapped."""
         self._inner: torch.optim.Optimizer | None = None
         self._apart = False  # an inner step came after the last whole sync
+        self._step = 0  # the last optimizer step sync_due was told of
+        self._dropped: set[int] = set()
+        """Fragments whose exchange a failed group took with it: their next outer step is skipped (the next
+        exchange covers every inner step since their last one)."""
 
     # --- set-up ---------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -294,6 +300,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
         """Whether ``outer_step(step, last)`` has work after optimizer step ``step``: a fragment's exchange or
         outer step falls on it, or it is the run's last. Called after every committed step."""
         self._apart = True  # an inner step since the last whole sync: the ranks' parameters differ
+        self._step = step
         return last or any(self._prepares(f, step) or self._applies(f, step) for f in self.fragments)
 
     @contextmanager
@@ -352,6 +359,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
         delta = torch.cat([(g - p.detach().to(torch.float32)).reshape(-1)
                            for g, p in zip(fragment.globals, fragment.params)])
         fragment.in_flight, fragment.mean = True, None
+        faults.point("diloco.exchange")
         exchange = self.exchange_group  # None: a replica's other rank, whose leader exchanges for it
         if exchange is not None:
             self.bytes_sent += fragment.wire_bytes
@@ -414,6 +422,9 @@ class DiLoCoStrategy(ReplicatedStrategy):
 
     def _apply(self, fragment: _Fragment) -> None:
         """The outer step on ``fragment``'s global parameters by its mean pseudo-gradient; every worker takes them."""
+        if not fragment.in_flight and fragment.index in self._dropped:
+            self._dropped.discard(fragment.index)  # its exchange went with a failed group (``abandon_interval``)
+            return
         if not fragment.in_flight:  # the schedule's own invariant: never step on a buffer nothing was sent into
             raise RuntimeError(f"DiLoCo: fragment {fragment.index}'s outer step came with no exchange before it")
         mean = self._mean(fragment)
@@ -428,6 +439,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
             p.copy_(g)
             g.grad = None
         fragment.in_flight, fragment.mean, fragment.error_before = False, None, None
+        fragment.synced_step = self._step
         self.outer_steps += 1
 
     def _supersede(self, fragment: _Fragment) -> None:
@@ -441,6 +453,49 @@ class DiLoCoStrategy(ReplicatedStrategy):
         if fragment.error_before is not None:
             fragment.error.copy_(fragment.error_before)
         fragment.in_flight, fragment.mean, fragment.error_before = False, None, None
+
+    # --- healing (ringtrain/heal/supervisor.py) ---------------------------------------------------------
+    def abandon_interval(self) -> int:
+        """The group failed (a worker was lost): every exchange in flight goes with it (its error feedback taken
+        back), and this worker's parameters go back to the global ones, the model of the last outer step that
+        every survivor holds. A heal restarts the interval from there: what every worker learned since each
+        fragment's last outer step is dropped (its samples stay used: the ledger counts them once, as dealt).
+        Returns the inner steps dropped (since the oldest fragment's last outer step), for the heal's record."""
+        if self._module is None:  # a joiner whose first group failed: it never trained
+            return 0
+        for fragment in self.fragments:
+            if fragment.in_flight:
+                fragment.work = None  # the failed group's op: never waited on
+                if fragment.error_before is not None:
+                    fragment.error.copy_(fragment.error_before)
+                fragment.in_flight, fragment.mean, fragment.error_before = False, None, None
+                self._dropped.add(fragment.index)
+        with torch.no_grad():
+            for param, global_ in zip(self._params, self.global_params):
+                param.copy_(global_)
+        self._apart = False
+        return max((self._step - f.synced_step for f in self.fragments), default=0)
+
+    def transfer_parts(self) -> dict[str, Any]:
+        """What a heal's transfer carries beyond the trainer's parts: the outer state (a joiner has none)."""
+        return {"outer": OuterState(self)}
+
+    def take_over(self, old: ReplicatedStrategy, optimizer: torch.optim.Optimizer,
+                  received: dict[str, Any] | None = None) -> None:
+        """A heal's new group: this strategy, just wrapped around the same module (which holds the global
+        parameters on every member), goes on from ``old``'s outer state, or from the outer state ``received``
+        in the transfer (a joiner, or a member that was behind), and steps ``optimizer`` (the inner one, kept)."""
+        self._inner = optimizer
+        if received is not None:
+            OuterState(self).load_state_dict(received["outer"])
+        elif isinstance(old, DiLoCoStrategy) and old._module is not None:
+            OuterState(self).load_state_dict(OuterState(old).state_dict())
+            if self.dtype != "fp32":
+                for new_fragment, old_fragment in zip(self.fragments, old.fragments, strict=True):
+                    new_fragment.error.copy_(old_fragment.error)
+        with torch.no_grad():  # the module is the global model already (``abandon_interval``, a whole sync)
+            for param, global_ in zip(self._params, self.global_params):
+                param.copy_(global_)
 
     def figures(self) -> dict[str, Any]:
         """For records and the summary: fragment outer steps so far, the bytes per H steps (a replica's), those
@@ -504,7 +559,10 @@ class OuterState:
         return {"global_params": [g.detach().clone() for g in s.global_params],
                 "optimizer": s.outer_optimizer.state_dict(), "outer_steps": s.outer_steps,
                 "bytes_sent": s.bytes_sent,
-                "in_flight": [s._mean(f).clone() if f.in_flight else None for f in s.fragments]}
+                "in_flight": [s._mean(f).clone() if f.in_flight else None for f in s.fragments],
+                # The schedule's place: the last step, each fragment's last outer step, the exchanges a failed
+                # group took with it (a heal's new group, and a member that receives this state, skip them alike).
+                "step": s._step, "synced_steps": [f.synced_step for f in s.fragments], "dropped": sorted(s._dropped)}
 
     def absent_from_checkpoint(self) -> None:
         """The checkpoint loaded was saved by another strategy (a DDP run continued with DiLoCo, the paper's warm
@@ -538,3 +596,7 @@ class OuterState:
         for fragment, mean in zip(s.fragments, in_flight):
             fragment.work = None
             fragment.in_flight, fragment.mean = mean is not None, None if mean is None else mean.clone()
+        s._step = int(state.get("step", 0))
+        for fragment, synced in zip(s.fragments, state.get("synced_steps") or [0] * len(s.fragments)):
+            fragment.synced_step = int(synced)
+        s._dropped = {int(index) for index in state.get("dropped", [])}

@@ -84,6 +84,8 @@ POINTS: dict[str, str] = {
                       "its collectives",
     "train.finish": "train/loop.py Trainer.finish: the last evaluation and save done, before the summary's "
                     "collectives",
+    "diloco.exchange": "parallel/diloco.py DiLoCoStrategy._prepare: a fragment's pseudo-gradient taken, before "
+                       "its exchange with the other replicas (an outer sync under way)",
     "heal.form": "heal/supervisor.py Supervisor._settle: the next generation decided (or admitted), before its "
                  "members form its group",
     "heal.settle": "heal/supervisor.py Supervisor._settle: the new generation's group formed, before the members "

@@ -70,8 +70,12 @@ class GroupSeams:
         ctx = dataclasses.replace(ctx, host_rank=host_rank, host_world_size=host_world_size)
         old_rank, self.ctx = self.ctx.rank, ctx
         was_writer = old_rank == 0
-        parts.strategy = build_strategy(config.comm, ctx.device, config.diloco)
+        old_strategy = parts.strategy
+        parts.strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal)
         parts.model = parts.strategy.wrap(self.module)  # DDP broadcasts rank 0's state: the same everywhere already
+        # DiLoCo: the outer state goes on (the old strategy's, or the one received in the transfer).
+        parts.strategy.take_over(old_strategy, parts.optimizer, self._received_strategy_state)
+        self._received_strategy_state = None
         parts.train_loader, parts.eval_loader = parts.loaders(ctx.rank, ctx.world_size)
         batcher = MicroBatcher(config.train, parts.task, ctx.rank, ctx.world_size, ctx.device)
         batcher.load_state_dict(parts.batcher.state_dict())
@@ -121,13 +125,18 @@ class GroupSeams:
         holds them, out of any group) and the evaluations' progress. Tensors and plain values only."""
         parts = self.checkpoint_parts(local=True)
         return {**{name: part.state_dict() for name, part in parts.items() if name != "comm"},
+                "strategy": {name: part.state_dict() for name, part in self.parts.strategy.transfer_parts().items()},
                 "progress": {"eval_due": self.eval_due, "final_eval_done": self.final_eval_done,
                              "last_eval": dict(self.last_eval)}}
+
+    _received_strategy_state: dict[str, Any] | None = None
+    """The strategy's part of a transfer this member received, for the strategy of its next group (``regroup``)."""
 
     def load_transfer_state(self, state: dict[str, Any]) -> None:
         for name, part in self.checkpoint_parts(local=True).items():
             if name in state:
                 part.load_state_dict(state[name])
+        self._received_strategy_state = state.get("strategy") or None
         self.eval_due = bool(state["progress"]["eval_due"])
         self.final_eval_done = bool(state["progress"]["final_eval_done"])
         self.last_eval = dict(state["progress"]["last_eval"])

@@ -165,7 +165,7 @@ class Session:
         self.config = self.config.model_copy(update={
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
         apply_ac(module, self.config.train.activation_checkpointing)  # before the strategy wraps it
-        self.strategy = build_strategy(self.config.comm, self.device, self.config.diloco)
+        self.strategy = build_strategy(self.config.comm, self.device, self.config.diloco, heal=self.config.dist.heal)
         self.module, self.model = module, self.strategy.wrap(module)
         made = self._made_optimizer = optimizer is None
         optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer

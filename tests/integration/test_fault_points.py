@@ -22,6 +22,7 @@ PROVEN_ELSEWHERE = {
     "heal.planned": "tests/chaos/test_heal_compound.py",
     "heal.transfer": "tests/multiproc/test_heal_state.py",
     "heal.finished": "tests/chaos/test_heal_compound.py",
+    "diloco.exchange": "tests/chaos/test_heal_diloco.py",  # the ring and shm job above trains with ddp
 }
 
 JOB = ["train", "configs/debug_mlp.toml", "--nproc", "2", "--set", "train.max_steps=4",
