@@ -164,7 +164,7 @@ def test_a_launched_agent_that_starts_late_is_in_the_first_group(tmp_path):
              str(run_dir), "--set", "data.ledger=true", "--set", "train.epochs=1") as job:
         def agents():
             return [p for p in job.tree()[1:] if "--spec" in _cmdline(p)]
-        late = job.wait_for(lambda: agents()[2:3], timeout=30, what="the third agent")[0]
+        late = job.wait_for(lambda: agents()[2:3], timeout=120, what="the third agent")[0]
         late.suspend()
         try:
             time.sleep(15)
@@ -191,7 +191,7 @@ def test_a_launched_agent_lost_before_the_first_step_stops_a_heal_job_in_one_lin
              str(run_dir), "--set", "train.epochs=1") as job:
         def agents():
             return [p for p in job.tree()[1:] if "--spec" in _cmdline(p)]
-        job.wait_for(lambda: agents()[2:3], timeout=30, what="the third agent")[0].kill()
+        job.wait_for(lambda: agents()[2:3], timeout=120, what="the third agent")[0].kill()
         code = job.finish(timeout=120)
     assert code == 1, job.stderr
     assert "before the job's first step; stopping the other workers" in job.stderr, job.stderr
