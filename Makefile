@@ -25,13 +25,12 @@ run: install
 	$(BIN)/ringtrain train configs/digits_mlp.toml --nproc 2 --run-dir runs/digits_mlp-$$(date +%Y%m%d-%H%M%S)
 
 test: install
-	# Two phases. First every test that may share the machine, four test processes side by side on the two
-	# cores (pytest-xdist), a module to each: with three the cores were busy 70% of the phase (its tests wait on
-	# processes starting, heartbeats and timeouts), so a fourth fills the gaps. Then the
+	# Two phases. First every test that may share the machine, three test processes side by side on the two
+	# cores (pytest-xdist), a module to each: most of a test's time is waiting, so a third overlaps it. Then the
 	# tests marked exclusive, one after another in one process: scattered among the others, each one stopped the
 	# two other test processes while it ran and while the tests beside it finished (29 min of waiting a run).
 	# Both phases always run; the target fails if either did.
-	$(BIN)/python -m pytest -n 4 --dist loadscope -m "not exclusive"; shared=$$?; \
+	$(BIN)/python -m pytest -n 3 --dist loadscope -m "not exclusive"; shared=$$?; \
 	$(BIN)/python -m pytest -m exclusive; alone=$$?; \
 	test $$shared -eq 0 && test $$alone -eq 0
 
