@@ -24,7 +24,9 @@ REFUSED = [
     ([*DILOCO, "diloco.outer_momentum=1.0"], ["diloco.outer_momentum", "less than 1"]),
     ([*DILOCO, "diloco.outer_lr=0"], ["diloco.outer_lr", "greater than 0"]),
     (["diloco.sync_every=5"], ["[diloco] is set but comm.strategy = 'ddp'", "comm.strategy = 'diloco'"]),
-    ([*DILOCO, "dist.heal=true"], ["dist.heal = true (--heal) with comm.strategy = 'diloco' is not built yet"]),
+    ([*DILOCO, "dist.heal=true", "diloco.inner='host'"],
+     ["dist.heal = true (--heal) with diloco.inner = 'host' is not built yet", "diloco.inner = 'worker'"]),
+    ([*DILOCO, "diloco.inner='hosts'"], ["diloco.inner", "'auto'", "'worker'", "'host'"]),
     ([*DILOCO, "checkpoint.sharded=true"], ["diloco", "checkpoint.sharded = false"]),
     ([*DILOCO, "comm.algorithm='powersgd'"], ["algorithm 'powersgd'", "strategy 'diloco'"]),
 ]
@@ -46,8 +48,8 @@ def test_a_diloco_config_that_does_not_fit_is_one_line_exit_2_before_any_worker(
 
 def test_the_defaults_are_the_papers_outer_optimizer_with_h_50():
     d = DiLoCoConfig()
-    assert (d.sync_every, d.outer_lr, d.outer_momentum, d.nesterov, d.fragments, d.delay, d.dtype) == (
-        50, 0.7, 0.9, True, 1, 0, "fp32")
+    assert (d.sync_every, d.outer_lr, d.outer_momentum, d.nesterov, d.fragments, d.delay, d.dtype, d.inner) == (
+        50, 0.7, 0.9, True, 1, 0, "fp32", "auto")
 
 
 def test_the_limits_of_streaming_hold_at_their_edges():
