@@ -18,12 +18,12 @@
     └──────────── below --min-nproc with steps left: save (replicated) and end in one line
                   else go on; the heal's record is written when the next step completes
 
-Every failure is a failure of the current generation, wherever it comes from: a step's collectives, the
-ledger's gather, an epoch-end evaluation, a sharded save's own group, the last save, the summary, an
-admission, or the heal itself (a second worker lost while the survivors agree, form or compare state). The
-survivors heal again from wherever they are while ``--min-nproc`` remain. A member that fails on its own (an
-error that is not a lost peer) says so and every member stops with its line (``MemberFailed``): healing
-would meet the same error again.
+Every failure is a failure of the current generation, wherever it comes from: the start (the strategy's wrap,
+the resume: ``start``), a step's collectives, the ledger's gather, an epoch-end evaluation, a sharded save's
+own group, the last save, the summary, an admission, or the heal itself (a second worker lost while the
+survivors agree, form or compare state). The survivors heal again from wherever they are while ``--min-nproc``
+remain. A member that fails on its own (an error that is not a lost peer) says so and every member stops with
+its line (``MemberFailed``): healing would meet the same error again.
 
 Liveness is certain (membership.py, liveness.py): a member is lost when its process exited (this host's
 /proc, or the exit its launcher recorded), when it withdrew (a joiner that left), or when its heartbeat stood
@@ -224,12 +224,48 @@ class Supervisor(NoHealing):
         return fenced
 
     # --- the machine -------------------------------------------------------------------------------------
+    def start(self, build: Callable[[bool], Trainer], prepare: Callable[[Trainer], Any]) -> tuple[Trainer, Any]:
+        """Start-up in generation 0, within the heal's reach: ``build(joining)`` the trainer (its strategy's first
+        collectives: DDP's broadcast of rank 0's state) and ``prepare`` it (the resume's agreement and load, the
+        finished check). A worker lost on the way is healed like one lost in a step: the survivors form the next
+        generation, agree on one state, and prepare again in it, so a resume still starts from its checkpoint.
+        Returns the trainer (a heal may have rebuilt it) and what ``prepare`` returned."""
+        generation = self.membership.generation
+        # The launched rank 0 holds the run directory's lock already (train/run.py); a later writer takes it over.
+        self._lock = True if generation.rank == 0 else None
+        trainer: Trainer | None = None
+        self._starting = True
+        while True:
+            failure = None
+            try:
+                if trainer is None:
+                    trainer = build(False)
+                self.trainer = trainer
+                step = trainer.state.step
+                result = prepare(trainer)
+                for record in self.pending:  # healed before the resume loaded: the job goes on from its step
+                    if trainer.state.step != step:
+                        record.update(step=trainer.state.step + 1, from_step=trainer.state.step)
+                self._starting = False
+                return trainer, result
+            except (Fenced, HealFailed, MemberFailed, Stopped, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # noqa: BLE001 - sorted below, as in run()
+                failure = failure_of(err)
+                if failure is None:
+                    self._say_error(err, self.membership.generation.rank)
+                    raise
+            # Outside the except block: the failure's frames must not keep the broken group alive.
+            if trainer is None:  # the strategy's wrap failed: built again unwrapped (no collective), as a joiner's
+                trainer = build(True)
+            self.trainer = trainer
+            self._recover(failure)
+            trainer = self.trainer
+
     def run(self, trainer: Trainer, joining: bool = False) -> dict[str, Any]:
         """Train with ``trainer`` to the end through every failure and admission; returns the summary.
         ``joining``: an admitted worker whose trainer is built but not yet in its group."""
         self.trainer = trainer
-        # The launched rank 0 holds the run directory's lock already (train/run.py); a later writer takes it over.
-        self._lock = None if joining or trainer.ctx.rank != 0 else True
         if joining:
             self._has_state = False
             failure = self._settle(self.membership.generation, None)
@@ -263,11 +299,11 @@ class Supervisor(NoHealing):
                 if failure is not None:
                     self._recover(failure)
 
-    def _say_error(self, err: BaseException) -> None:
+    def _say_error(self, err: BaseException, rank: int | None = None) -> None:
         text = str(err).strip().splitlines()
         line = text[0] if isinstance(err, RingtrainError) and text else f"{type(err).__name__}: {text[0] if text else ''}"
         try:
-            self.membership.publish_error(f"[rank {self.trainer.ctx.rank}] {line}")
+            self.membership.publish_error(f"[rank {self.trainer.ctx.rank if rank is None else rank}] {line}")
         except Exception:  # noqa: BLE001 - the store is gone too: the error itself is what matters
             pass
 
@@ -279,6 +315,8 @@ class Supervisor(NoHealing):
         abandon_group(failed=failed)
 
     _inner_steps_dropped: int | None = None
+    _starting = False
+    """In ``start``: the trainer's records are not open yet (and its step is not the resume's until it loaded)."""
 
     def _recover(self, failure: str) -> None:
         """Heal until a generation settles (see the module's docstring); raises when healing cannot go on."""
@@ -339,7 +377,8 @@ class Supervisor(NoHealing):
                 check_agreed(self.trainer.position, state_digest(self.trainer.module))
                 self._has_state = True
                 self.trainer.regroup(context_for(self.trainer.ctx, generation))
-                self._fix_ledger()
+                if not self._starting:  # at the start nothing is open yet: the trainer's start cuts the ledger
+                    self._fix_ledger()
                 if record is not None:
                     record.update(from_step=self.trainer.state.step, rolled_forward=source is not None,
                                   steps_lost=max(0, applied - self.trainer.state.step))

@@ -80,6 +80,10 @@ POINTS: dict[str, str] = {
     "checkpoint.sharded.enter": "checkpoint/sharded.py ShardedCheckpointer.save: a sharded save starts, on every rank",
     "checkpoint.sharded.commit": "checkpoint/sharded.py ShardedCheckpointer._commit: rank 0, every rank's files "
                                  "done, before the manifest that commits them (a background save: in its thread)",
+    "train.wrap": "train/build.py build_trainer: the model built, before the strategy wraps it (DDP's first "
+                  "collectives: a worker lost here is lost while the group starts)",
+    "train.resume": "train/loop_checkpoints.py Trainer.resume: before every rank agrees which checkpoint to "
+                    "continue from (its collectives), on every start",
     "train.evaluate": "train/loop.py Trainer._evaluate: an evaluation (an epoch's or the last one) starts, before "
                       "its collectives",
     "train.finish": "train/loop.py Trainer.finish: the last evaluation and save done, before the summary's "

@@ -52,6 +52,8 @@ def build_trainer(
     # Before the strategy wraps the model: DDP, the zero units and FSDP's fully_shard see checkpointed blocks.
     checkpointed = apply_ac(model, train_cfg.activation_checkpointing)
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal)
+    if not joining:
+        faults.point("train.wrap")
     wrapped = model if joining else strategy.wrap(model)
     if parts.optimizer is not None:
         optimizer = parts.optimizer(model)

@@ -12,6 +12,7 @@ from ringtrain.checkpoint.front import CheckpointFront, Found, Stateful, load_pa
 from ringtrain.checkpoint.manager import checkpoint_step
 from ringtrain.group.watch import first_line
 from ringtrain.errors import CheckpointError
+from ringtrain.testing import faults
 from ringtrain.train.guards import Stopped
 from ringtrain.train.resume import ResumePlan, check_same_choice, resume_record
 from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunInfo, ScheduleState, ShardedTensors
@@ -56,8 +57,14 @@ class CheckpointSeams:
 
     def resume(self, plan: ResumePlan) -> Path | None:
         """Called once before training on every start: continue from the checkpoint the plan picks (the run's
-        newest that verifies, else --resume-from's; every rank picks the same), or return None to start fresh."""
-        self.previous = self.parts.job_store.begin_attempt()
+        newest that verifies, else --resume-from's; every rank picks the same), or return None to start fresh.
+        Called again after a heal at start-up (heal/supervisor.py ``start``): the start is counted once, and the
+        notices are those of the last call."""
+        if self._notices_at_resume is None:
+            self.previous = self.parts.job_store.begin_attempt()
+            self._notices_at_resume = len(self.notices)
+        del self.notices[self._notices_at_resume:]
+        faults.point("train.resume")
         found = self.checkpoints.newest(self._warn) if plan.resume else None
         if found is None and plan.resume and plan.source is not None:
             found = Found(plan.source, checkpoint_step(plan.source) or 0, sharded=False)
@@ -74,6 +81,8 @@ class CheckpointSeams:
         record["lr"] = self.parts.scheduler.get_last_lr()[0]
         self.notices.append(record)
         return found.path
+
+    _notices_at_resume: int | None = None
 
     def load_checkpoint(self, found: Found) -> None:
         """Load ``found`` into every part; a checkpoint that does not fit is one line (with the config fields

@@ -83,11 +83,12 @@ class GroupSeams:
         parts.job_store.is_writer = ctx.rank == 0
         if ctx.rank == 0 and not was_writer:  # rank 0 was lost: this worker takes over the run directory's files
             logger = build_logger(config, 0, config.run_dir)
-            logger.start(self.total_steps, self.state.step, parts.sampler.steps_per_epoch)
             self.logger = self.healing.wrap_logger(logger)
             self.checkpoints = self._checkpoint_front()
             parts.ledger = build_ledger(config.data.ledger, config.run_dir, parts.sampler.num_samples, 0)
-            parts.ledger.start(self.state.step)
+            if self._started is not None:  # before the start (a heal while the group starts) ``start`` opens them
+                logger.start(self.total_steps, self.state.step, parts.sampler.steps_per_epoch)
+                parts.ledger.start(self.state.step)
             print(f"ringtrain: rank {old_rank} is now rank 0 and writes the run directory", file=sys.stderr, flush=True)
         self._bind_group()
 
@@ -111,6 +112,7 @@ class GroupSeams:
     def carry_over(self, old: Trainer) -> None:
         """Go on where ``old`` (built for a group that failed) left off: its start, its signals, its restarts."""
         self.previous, self._started = old.previous, old._started
+        self._notices_at_resume = None if old._notices_at_resume is None else 0  # the start counted once
         self.stop_signal = old.stop_signal  # installed by whoever drives the training
         self._bind_group()
 

@@ -167,15 +167,26 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
     parts = user if user is not None else UserParts.from_config(config)
     check_lengths(parts)  # before anything is built: the sampler deals from the length
     supervisor = _start_healing(config, ctx, job_store, parts) if config.dist.heal else None
-    trainer = build_trainer(config, ctx, job_store, parts, healing=supervisor)
-    check_one_batch(trainer, parts, config.train.local_batch_size)
+
+    def build(joining: bool = False):
+        trainer = build_trainer(config, ctx, job_store, parts, healing=supervisor, joining=joining)
+        check_one_batch(trainer, parts, config.train.local_batch_size)
+        return trainer
+
+    def prepare(trainer) -> dict[str, Any] | None:
+        trainer.resume(plan)
+        return _finished(trainer, plan)
+
+    trainer = None if supervisor else build()
     # The heartbeat lets a failed collective name the rank that stopped responding.
     # It is also the watchdog that writes the flight recorder when asked (SIGUSR1 to the launcher).
     beat_s, dump = (HEAL_BEAT_S, supervisor.dump) if supervisor else (HEARTBEAT_INTERVAL_S, trainer.dump_flight)
     with _writer_lock(config, ctx), Heartbeat(job_store, ctx.rank, beat_s, on_dump_request=dump):
-        trainer.resume(plan)
+        # Under --heal a worker lost while the group starts (the wrap's broadcast, the resume) is healed too.
+        trainer, summary = supervisor.start(build, prepare) if supervisor else (trainer, None)
         try:
-            summary = _finished(trainer, plan)
+            if supervisor is None:
+                summary = prepare(trainer)
             if summary is None:
                 if on_start is not None:
                     on_start()

@@ -57,6 +57,9 @@ def test_a_joiner_receives_the_global_model_and_the_outer_state(tmp_path):
         joiner = Job("join", str(run_dir)).__enter__()
         try:
             joiner.wait_for_line("asked to join")
+            # After an outer step (the outer state has momentum to hand on): a kill at once can land while the
+            # group starts (healed too, tests/chaos/test_heal_start.py), before any outer step.
+            job.wait_for(lambda: len(ledger_steps(run_dir)) >= H + 2, what=f"step {H + 2}")
             job.worker(2).kill()
             code = job.finish(timeout=240)
             join_code = joiner.finish(timeout=60)
