@@ -13,7 +13,8 @@ checkpoint is the sum of the logged step times up to it (checkpoint saves and ev
 
 Cases: ``ddp`` (Gloo's all-reduce every step), ``powersgd`` (DDP's PowerSGD hook, rank ``--powersgd-rank``),
 ``shm`` (shared memory inside a host, a ring between the hosts' leaders), ``localsgd:H`` (DiLoCo with outer lr
-1 and no momentum), ``diloco:H`` (outer Nesterov SGD at ``--outer-lr`` / ``--outer-momentum``), and
+1 and no momentum), ``diloco:H`` (outer Nesterov SGD at ``--outer-lr`` / ``--outer-momentum``, or this case's
+own: ``diloco:H:LR:MOMENTUM``, an outer-settings sweep in one run), and
 ``streaming:H`` (``--fragments`` fragments, a delay of one step, ``--stream-dtype`` packets). DiLoCo cases take
 ``diloco.inner = auto``: on 2x2 each host's two workers are one replica (DDP over shm inside it).
 
@@ -47,6 +48,7 @@ WITHIN = 0.03
 
 def case_settings(case: str, args: argparse.Namespace) -> list[str]:
     kind, _, h = case.partition(":")
+    h, *outer_args = h.split(":")  # diloco:H:LR:MOMENTUM / streaming:H:LR:MOMENTUM: this case's outer settings
     if kind == "ddp":
         return ["comm.strategy=ddp", "comm.algorithm=torch"]
     if kind == "powersgd":
@@ -56,10 +58,13 @@ def case_settings(case: str, args: argparse.Namespace) -> list[str]:
         return ["comm.strategy=ddp", "comm.algorithm=shm"]
     if kind not in ("localsgd", "diloco", "streaming") or not h.isdigit():
         raise SystemExit(f"--cases: unknown case {case!r}; use ddp, powersgd, shm, localsgd:H, diloco:H, streaming:H")
+    if len(outer_args) not in (0, 2) or kind == "localsgd" and outer_args:
+        raise SystemExit(f"--cases: {case!r}: give both outer settings, {kind}:H:LR:MOMENTUM (localsgd has none)")
     common = ["comm.strategy=diloco", "comm.algorithm=shm", f"diloco.sync_every={h}"]
     if kind == "localsgd":
         return [*common, "diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"]
-    outer = [f"diloco.outer_lr={args.outer_lr}", f"diloco.outer_momentum={args.outer_momentum}"]
+    outer_lr, momentum = outer_args if len(outer_args) == 2 else (args.outer_lr, args.outer_momentum)
+    outer = [f"diloco.outer_lr={outer_lr}", f"diloco.outer_momentum={momentum}"]
     if kind == "diloco":
         return [*common, *outer]
     return [*common, *outer, f"diloco.fragments={args.fragments}", "diloco.delay=1",
@@ -69,7 +74,8 @@ def case_settings(case: str, args: argparse.Namespace) -> list[str]:
 def run_case(case: str, layout: str, args: argparse.Namespace, out: Path) -> dict:
     hosts_n, per_host = (int(x) for x in layout.split("x"))
     workers = hosts_n * per_host
-    name = f"{layout}-{case.replace(':', 'H')}"
+    kind, *h_outer = case.split(":")
+    name = f"{layout}-{kind}" + "".join(f"{tag}{v}" for tag, v in zip(("H", "-lr", "-m"), h_outer))
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     settings = [f"train.max_steps={args.steps}", f"monitor.log_every_steps={args.every}", "monitor.progress=false",
