@@ -231,7 +231,7 @@ def main() -> int:
     args = parser.parse_args()
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     for case in split(args.cases):
-        h = case.partition(":")[2]
+        h = case.partition(":")[2].partition(":")[0]
         if h and (args.every % int(h) and int(h) % args.every):
             parser.error(f"--every {args.every} and H = {h}: one must divide the other (checkpoints at outer steps)")
     out = Path(args.out)
