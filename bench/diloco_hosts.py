@@ -20,7 +20,8 @@ own: ``diloco:H:LR:MOMENTUM``, an outer-settings sweep in one run), and
 
 The table (``OUT/table.md``, rows in ``OUT/results.json``): final validation loss at equal samples and its
 ratio to DDP's, the training time to come within 3% of DDP's final validation loss and DDP's time to it over
-the case's, bytes each worker sent between hosts, and the median step time. Needs root.
+the case's, bytes each worker sent between hosts, the median step time and compute utilisation (the step
+breakdown's forward/backward and optimizer share of it, median over logged intervals). Needs root.
 """
 
 from __future__ import annotations
@@ -128,13 +129,21 @@ def score(run_dir: Path, row: dict, known: dict[int, float] | None = None) -> di
             loss = known.get(record["step"])
             curve.append({"step": record["step"], "train_s": elapsed,
                           "val_loss": loss if loss is not None else validation_loss(run_dir, checkpoint)})
-    return {**row, "curve": curve, "step_time_s": statistics.median(_training_s(r) for r in train[1:] or train),
+    steady = train[1:] or train
+    return {**row, "curve": curve, "step_time_s": statistics.median(_training_s(r) for r in steady),
+            "compute_share": statistics.median(_compute_s(r) / _training_s(r) for r in steady),
             "comm_bytes_per_worker": done.get("comm_bytes_per_worker"), "diloco_replicas": done.get("diloco_replicas"),
             "outer_payload_bytes": train[-1].get("outer_payload_bytes")}
 
 
 def _training_s(record: dict) -> float:
     return record["step_time_s"] - record.get("time/checkpoint_s", 0.0)
+
+
+def _compute_s(record: dict) -> float:
+    """The step's own compute (the step breakdown's forward/backward and optimizer phases): compute utilisation
+    is its share of the training step, the rest being the link (exposed communication, an outer sync) and data."""
+    return record.get("time/forward_backward_s", 0.0) + record.get("time/optimizer_s", 0.0)
 
 
 _SCORER: dict = {}
@@ -189,8 +198,8 @@ def table(rows: list[dict]) -> str:
                   f"sequences in {mine[0]['steps']} steps)", "",
                   f"Target: within {WITHIN:.0%} of DDP's final validation loss ({ddp['curve'][-1]['val_loss']:.4f}): "
                   f"{target:.4f}.", "",
-                  "| case | final val loss | vs DDP | time to target | speed-up | bytes/worker | step |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| case | final val loss | vs DDP | time to target | speed-up | bytes/worker | step | compute |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in mine:
             final = r["curve"][-1]["val_loss"]
             reach = _time_to(r, target)
@@ -198,7 +207,8 @@ def table(rows: list[dict]) -> str:
             sent = r["comm_bytes_per_worker"]
             lines.append(f"| {r['case']} | {final:.4f} | {final / ddp['curve'][-1]['val_loss'] - 1:+.1%} | "
                          f"{f'{reach:.1f} s' if reach else 'not reached'} | {speed} | "
-                         f"{f'{sent / 1e6:.1f} MB' if sent else '-'} | {r['step_time_s'] * 1e3:.0f} ms |")
+                         f"{f'{sent / 1e6:.1f} MB' if sent else '-'} | {r['step_time_s'] * 1e3:.0f} ms | "
+                         f"{r['compute_share']:.0%} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -239,7 +249,8 @@ def main() -> int:
     results = out / "results.json"
     rows = json.loads(results.read_text()) if results.exists() else []
     if args.rescore:
-        rows = [score(out / "runs" / r["name"], {k: v for k, v in r.items() if k not in ("curve", "step_time_s")},
+        rows = [score(out / "runs" / r["name"], {k: v for k, v in r.items()
+                                                  if k not in ("curve", "step_time_s", "compute_share")},
                       {p["step"]: p["val_loss"] for p in r["curve"]}) for r in rows]
         results.write_text(json.dumps(rows, indent=1) + "\n")
         (out / "table.md").write_text(table(rows))
