@@ -51,18 +51,15 @@ def all_reduce(
     """
     if algorithm == "shm" and chunk_kb is None:
         # The hot path of a training step (DDP buckets, small gradients): one call into shm's native path,
-        # which reduces a tensor it takes as it is (0.6 us of Python) or leaves it to the general path below,
-        # which checks everything and says what is wrong.
-        workspace = shm_fast_path(group)
-        if workspace is not None and (op == "sum" or op == "avg") and type(tensor) is torch.Tensor:
-            entry = flight.begin("all_reduce", algorithm, tensor)
-            status = workspace.run(tensor, op == "avg", timeout_s or 0.0)
+        # which reduces a tensor it takes as it is (and records it for the flight recorder) or leaves it to
+        # the general path below, which checks everything and says what is wrong.
+        run = shm_fast_path(group)
+        if run is not None and (op == "sum" or op == "avg"):
+            status = run(tensor, op == "avg", timeout_s or 0.0)  # a subclass of Tensor: not taken
             if status == 0:
-                flight.end(entry)
                 return tensor
             if status == 1:
                 raise shm.native_error(group, tensor, op == "avg", timeout_s)
-            flight.discard(entry)  # not taken: recorded again below
     _check(tensor, op, algorithm, chunk_kb, "all_reduce")
     group = resolve_group(group)
     size = group_size(group)

@@ -8,6 +8,9 @@ keeps a ring buffer of what it issued, in order:
 - ringtrain's own collectives (``ringtrain.comm``: ring, ring_chunked, shm, torch), recorded here with the
   sequence number, operation, algorithm, bytes, dtype, the caller (the region the trainer named: "DDP
   gradient sync", "step agreement", "evaluation", ...) and step, start and end;
+- the shm all-reduces of its C++ fast path (``comm.all_reduce(algorithm="shm")``), which that path records
+  itself (``attach``: a Python entry cost 0.5 us a call) with the caller and step of the region open, and
+  which are merged in by start time, numbered in the same sequence;
 - the process group's collectives as torch's own flight recorder sees them (DDP's bucket all-reduces run
   in C++ and never pass through Python): enabled by ``TORCH_FR_BUFFER_SIZE`` before the group is created
   (``torch_recorder_env``), read at dump time and attributed to the region open when they were issued.
@@ -56,6 +59,11 @@ class FlightRecorder:
         self.caller = ""
         self.step: int | None = None
         self._lock = threading.Lock()  # a dump from the watchdog thread copies while the main thread records
+        # Native recorders (shm's workspaces): each keeps its own ring; ``detach`` freezes a closed one's records.
+        self.sources: list = []
+        self.callers: dict[str, int] = {}  # the native records name their caller by a code: the index here
+        self.frozen: collections.deque[tuple[int, list]] = collections.deque()
+        self.dropped_calls, self.dropped_before_ns = 0, 0
         self.resize(capacity)
 
     @property
@@ -70,6 +78,34 @@ class FlightRecorder:
             self.capacity = capacity
             self.entries = collections.deque(self.entries, maxlen=max(capacity, 1))
             self.regions = collections.deque(self.regions, maxlen=max(capacity, 1))
+            for source in self.sources:
+                source.flight_capacity = capacity
+
+    def attach(self, source) -> None:
+        """Merge the records of a native path into this recorder's: ``source.flight_capacity`` (settable) and
+        ``source.flight_records()`` -> (calls since it started, [(bytes, dtype, average, start_ns, end_ns), ...]
+        of the last ones, oldest first; end_ns 0 while running or after a failure)."""
+        with self._lock:
+            source.flight_capacity = self.capacity
+            self.sources.append(source)
+            self.tell_region(source)
+
+    def tell_region(self, source) -> None:
+        """Tell ``source`` the region open now (its records carry it as Python's entries do)."""
+        source.set_region(self.callers.setdefault(self.caller, len(self.callers)) if self.caller else -1, self.step)
+
+    def detach(self, source) -> None:
+        """``source`` is closing: keep what it recorded (the last few closed sources' records are kept)."""
+        with self._lock:
+            if source not in self.sources:
+                return
+            self.sources.remove(source)
+            self.frozen.append(source.flight_records())
+            while len(self.frozen) > _FROZEN_SOURCES:
+                calls, records = self.frozen.popleft()
+                self.dropped_calls += calls
+                if records:
+                    self.dropped_before_ns = max(self.dropped_before_ns, records[-1][3] + 1)
 
     def begin(self, op: str, algorithm: str, tensor: torch.Tensor) -> list | None:
         """Record the start of a collective; pass the result to ``end``. None (nothing recorded) when off."""
@@ -105,8 +141,11 @@ class FlightRecorder:
             # list(deque) runs in C under the GIL: a consistent copy while the main thread appends.
             entries = [list(e) for e in list(self.entries)]
             regions = [list(r) for r in list(self.regions)]
+            rings = [source.flight_records() for source in self.sources] + list(self.frozen)
+            seq, dropped_calls, cutoff = self.seq, self.dropped_calls, self.dropped_before_ns
+            callers = list(self.callers)
         return {
-            "collectives": [dict(zip(_ENTRY_FIELDS, e), dtype=_dtype_name(e[4])) for e in entries],
+            "collectives": _merge(entries, seq, rings, dropped_calls, cutoff, callers),
             "regions": [dict(zip(_REGION_FIELDS, r)) for r in regions],
             "torch": _torch_entries(regions),
         }
@@ -149,14 +188,50 @@ class _Region:
         self.span = [self.caller, self.step, time.time_ns(), None]
         recorder.regions.append(self.span)  # deque.append is atomic; snapshot() copies the deque at once
         recorder.caller, recorder.step = self.caller, self.step
+        for source in recorder.sources:
+            recorder.tell_region(source)
 
     def __exit__(self, *exc) -> None:
         if self.span is not None:
             self.span[-1] = time.time_ns()
-            self.recorder.caller, self.recorder.step = self.outer
+            recorder = self.recorder
+            recorder.caller, recorder.step = self.outer
+            for source in recorder.sources:
+                recorder.tell_region(source)
 
 
 _ENTRY_FIELDS = ("seq", "op", "algorithm", "bytes", "dtype", "caller", "step", "start_ns", "end_ns")
+_FROZEN_SOURCES = 4
+"""Closed native sources whose records a recorder keeps (a heal closes the group's workspace; its last calls
+matter in the next dump)."""
+
+
+def _merge(entries: list[list], seq: int, rings: list[tuple[int, list]], dropped_calls: int, dropped_before_ns: int,
+           callers: list[str]) -> list[dict[str, Any]]:
+    """Python's entries and the native rings' records as one sequence by start time, numbered 1.. over every
+    collective of the process. Each ring keeps only its last calls: the merged list starts where every ring
+    still holds all of its calls (a ring that lost older ones cuts the list at its oldest kept), so the
+    numbers, counted back from the total, are exact. ``callers``: the native records' caller codes, by index."""
+    merged = [(e[7], dict(zip(_ENTRY_FIELDS, e), dtype=_dtype_name(e[4]))) for e in entries]
+    cutoff = dropped_before_ns
+    if len(entries) < seq and entries:
+        cutoff = max(cutoff, entries[0][7])
+    total = seq + dropped_calls
+    for calls, records in rings:
+        total += calls
+        if records and len(records) < calls:
+            cutoff = max(cutoff, records[0][3])
+        for nbytes, dtype, _average, start, end, caller, step in records:
+            caller = callers[caller] if 0 <= caller < len(callers) else ""
+            merged.append((start, {"seq": 0, "op": "all_reduce", "algorithm": "shm", "bytes": nbytes,
+                                   "dtype": _dtype_name(dtype), "caller": caller, "step": step, "start_ns": start,
+                                   "end_ns": end or None}))
+    if not rings:  # only Python's entries: their own numbers
+        return [entry for _, entry in merged]
+    kept = [entry for start, entry in sorted(merged, key=lambda pair: pair[0]) if start >= cutoff]
+    for index, entry in enumerate(kept):
+        entry["seq"] = total - len(kept) + 1 + index
+    return kept
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm import flight
 from ringtrain.comm.groups import global_rank, group_rank, group_size, group_timeout_s, host_id
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.comm.shm_board import FlagBoard, encode_call, header_bytes, require_tso
@@ -95,6 +96,7 @@ def destroy(group: dist.ProcessGroup | None) -> ShmGroup | None:
     if shm_group is None:
         return None
     del _groups[group]
+    _last_fast[:] = [None, None]
     pids = shm_group.board.pids if shm_group.board is not None else []
     shm_group.close()
     sweep_dead(pids)
@@ -102,15 +104,27 @@ def destroy(group: dist.ProcessGroup | None) -> ShmGroup | None:
 
 
 def fast_path(group: dist.ProcessGroup | None):
-    """``comm.all_reduce``'s shortcut: the native workspace of ``group``'s ShmGroup (None: the default group's)
-    if shm is set up for it already (nothing collective), on one host, with the native path running; its
-    ``run(tensor, average, timeout_s)`` reduces a tensor it takes or says it did not. None: the general path."""
+    """``comm.all_reduce``'s shortcut: the native workspace's ``run`` of ``group``'s ShmGroup (None: the default
+    group's) if shm is set up for it already (nothing collective), on one host, with the native path running:
+    ``run(tensor, average, timeout_s)`` reduces a tensor it takes or says it did not (``Workspace.fast_run``).
+    None: the general path."""
     if group is None:
         group = dist.group.WORLD
         if group is None:
             return None
-    shm_group = _groups.get(group)
-    return None if shm_group is None else shm_group.fast
+    # The last group asked about, by identity: a WeakKeyDictionary lookup took a third of this call's Python.
+    ref, shm_group = _last_fast
+    if ref is None or ref() is not group:
+        shm_group = _groups.get(group)
+        if shm_group is None:
+            return None
+        _last_fast[:] = [weakref.ref(group), shm_group]
+    return shm_group.fast
+
+
+_last_fast: list = [None, None]
+"""``fast_path``'s cache: a weak reference to the last group it found, and that group's ShmGroup (``destroy``
+empties it; a closed ShmGroup's ``fast`` is None)."""
 
 
 def _count_arenas(arenas: dict, native) -> None:
@@ -320,12 +334,15 @@ class ShmGroup:
         self.turns = workspace  # one record of the turns for both paths
         workspace.timeout_s_default = self.timeout_s
         workspace.in_place_bytes = NATIVE_IN_PLACE_BYTES
+        flight.recorder().attach(workspace)  # its fast path records its own calls
         self.native = workspace
-        self.fast = None if self.hierarchical else workspace
+        self.fast = None if self.hierarchical else workspace.fast_run()
 
     def close(self) -> None:
         """Let go of the workspace (``destroy``): the native path first, which points into it, then every
         view; the mapping goes now, or with the last tensor that still points into it."""
+        if self.native is not None:
+            flight.recorder().detach(self.native)
         self.fast = self.native = None
         self.native_dtypes = frozenset()
         self.turns = Turns()

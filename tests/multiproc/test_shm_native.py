@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ringtrain import comm
 from ringtrain.comm import flight, shm, shm_local, shm_native
 from ringtrain.comm.shm_group import NATIVE_DIRECT_BYTES, NATIVE_IN_PLACE_BYTES, NATIVE_PIECE_BYTES, get_shm_group, near_mask
+from ringtrain.comm.shm_group import destroy as destroy_shm
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
 
@@ -195,6 +196,48 @@ def test_in_place_and_python_path_calls_interleave_with_native_ones():
                                                           (14, "int16")]
     expected = calls * 3 + [(160, "float32")]
     assert all(r["recorded"] == expected for r in results), results[0]["recorded"]
+
+
+def numbered_across_wrap(rank: int, world_size: int) -> dict:
+    """More calls than the recorder keeps, native and Python-path ones interleaved (in regions), then the
+    workspace closed (as a heal closes it) and more calls in the next one: the dump numbers every call of the
+    process in order, the last ones kept."""
+    flight.enable(12)
+    calls = []
+    for index in range(30):
+        native = index % 3 != 2
+        # float32 of its own size per call (native), int16 the Python path: the record says which call it is.
+        tensor = torch.ones(100 + index, dtype=torch.float32 if native else torch.int16)
+        with flight.region("DDP gradient sync" if native else "evaluation", step=index):
+            comm.all_reduce(tensor, algorithm="shm")
+        calls.append((tensor.nbytes, "float32" if native else "int16", index))
+    before_close = flight.recorder().snapshot()["collectives"]
+    destroy_shm(dist.group.WORLD)  # the workspace closes; its records stay with the recorder
+    for index in range(30, 33):
+        tensor = torch.ones(100 + index)
+        comm.all_reduce(tensor, algorithm="shm")  # a new workspace for the same ranks
+        calls.append((tensor.nbytes, "float32", None))
+    after = flight.recorder().snapshot()["collectives"]
+    flight.enable(0)
+    seen = lambda entries: [(e["seq"], e["bytes"], e["dtype"], e["step"], e["end_ns"] is not None) for e in entries]
+    return {"before": seen(before_close), "after": seen(after), "calls": calls}
+
+
+def test_the_flight_recorder_numbers_native_and_python_calls_as_one_sequence():
+    results = run_distributed(numbered_across_wrap, 2, timeout_s=120)
+    for result in results:
+        calls = [tuple(c) for c in result["calls"]]
+        # The native ring shows its last 11 of 20 calls, Python's deque all 10 of its own: the merged window
+        # starts where both still hold everything, and the numbers count back from call 30.
+        before = result["before"]
+        assert len(before) >= 11, before
+        expected = [(seq, *calls[seq - 1], True) for seq in range(31 - len(before), 31)]
+        assert [tuple(e) for e in before] == expected
+        # After the close: the closed workspace's records, then the new one's, numbered on (31-33).
+        after = [tuple(e) for e in result["after"]]
+        assert [e[0] for e in after] == list(range(34 - len(after), 34)) and len(after) >= 11
+        assert after[-3:] == [(31 + i, *calls[30 + i][:2], None, True) for i in range(3)]
+        assert after[: len(after) - 3] == [(seq, *calls[seq - 1], True) for seq in range(34 - len(after), 31)]
 
 
 def one_core(rank: int, world_size: int) -> dict:
