@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# shm's native all-reduce (C++, ~30 s with g++): built now so no job waits; without a compiler, one warning line.
 	$(BIN)/python -m ringtrain.comm.shm_native || true
+	# Open MPI, measured beside ringtrain by `ringtrain bench collectives --algorithms ...,openmpi` (optional):
+	# Debian's packages where this runs as root with apt, then mpi4py built against them; else one note.
+	command -v mpicc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null 2>&1; } || true
+	command -v mpicc >/dev/null && $(BIN)/python -m pip install --quiet -e '.[mpi]' || \
+		echo "note: Open MPI not installed (bench --algorithms openmpi needs: apt-get install openmpi-bin libopenmpi-dev; pip install -e '.[mpi]')"
 	touch $(STAMP)
 
 run: install

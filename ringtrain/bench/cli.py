@@ -35,7 +35,8 @@ def _add_collectives(benchmarks) -> None:
     )
     collectives.add_argument("--nproc", default="2", help="world sizes, comma-separated (default 2)")
     collectives.add_argument("--algorithms", default="torch,ring,ring_chunked,shm",
-                             help="comma-separated: torch, ring, ring_chunked, shm, shm_inplace (default: the first four)")
+                             help="comma-separated: torch, ring, ring_chunked, shm, shm_inplace, deepspeed_shm, openmpi "
+                             "(default: the first four)")
     collectives.add_argument("--sizes", default="4K:64M", help="MIN:MAX[:FACTOR] or a list, e.g. 4K:64M, 1M,16M (default 4K:64M)")
     collectives.add_argument("--out", default="bench-out", help="folder for collectives.json/.csv/.png (default bench-out)")
     collectives.add_argument("--iters", type=int, default=20, help="timed calls per point, at least (default 20)")

@@ -2,6 +2,7 @@
 
     ringtrain bench collectives --nproc 2,4 --algorithms torch,ring,ring_chunked,shm --sizes 4K:64M --out DIR
     ringtrain bench collectives --nproc 2,4 --algorithms torch,shm,shm_inplace,deepspeed_shm --out DIR
+    ringtrain bench collectives --nproc 2,4 --algorithms shm,openmpi --sizes 4K,64K,1M,16M,64M --out DIR
 
 For every world size, N worker processes are started (pinned one per core, round robin, as ``ringtrain
 train`` pins them; sockets on loopback) and time ``all_reduce(sum)`` of every size with every algorithm,
@@ -15,8 +16,9 @@ all of them alike. A block's time per call is the maximum over ranks; the row re
 busbw is what each rank's links carry for a bandwidth-optimal all-reduce, comparable across world sizes.
 ``shm_inplace`` is shm on a tensor that already lives in shared memory (``shm.shared_empty``), as the
 manual strategy's gradient buckets do. ``deepspeed_shm`` is DeepSpeed's CPU shared-memory all-reduce
-(``torch.ops.deepspeed.inference_all_reduce_``, see ``deepspeed_shm.py``), called directly. Writes ``DIR/collectives.json`` (a list of rows), ``.csv`` and
-``.png`` (busbw against size).
+(``torch.ops.deepspeed.inference_all_reduce_``, see ``deepspeed_shm.py``), called directly. ``openmpi`` is Open
+MPI's ``MPI_Allreduce`` (mpi4py, ranks started by ``mpirun``), which takes its turns between ringtrain's blocks
+(``openmpi.py``). Writes ``DIR/collectives.json`` (a list of rows), ``.csv`` and ``.png`` (busbw against size).
 
 Across hosts (``--nnodes H --node-rank R --rdzv-endpoint ADDR:PORT --local-addr ADDR``, the flags of
 ``ringtrain train``), each host runs the command with ``--nproc`` workers; node 0 hosts the store, prints
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import comm
+from ringtrain.bench import openmpi
 from ringtrain.bench.options import BenchOptions
 from ringtrain.bench.plot import plot_busbw
 from ringtrain.comm import shm
@@ -61,7 +64,11 @@ _MAX_ITERS = 2000
 BLOCK = 5
 """Timed calls per turn, back to back: a collective called in a loop overlaps one call's exit with the next
 call's entry, which one call alone, timed between two others, does not show."""
+REMOTE_TURN_S = 0.005
+"""With Open MPI among the algorithms, each turn runs this long at least (up to ``_MAX_TURN_CALLS`` calls)."""
+_MAX_TURN_CALLS = 200
 _LOOPBACK = "127.0.0.1"
+_REFERENCES = ("torch", "deepspeed_shm", "openmpi")
 
 
 def bus_bandwidth_factor(world_size: int) -> float:
@@ -73,13 +80,15 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
     """Run the sweep for every world size, print the table as it goes, write the files; return the rows."""
     options.validate()
     options.out.mkdir(parents=True, exist_ok=True)
-    # The references first: torch (Gloo) and DeepSpeed, so every other row can give its ratio to them.
-    order = sorted(options.algorithms, key=lambda a: (a != "torch", a != "deepspeed_shm"))
+    # The references first: torch (Gloo), DeepSpeed and Open MPI, so every other row can give its ratio to them.
+    order = sorted(options.algorithms, key=lambda a: (a not in _REFERENCES, _REFERENCES.index(a) if a in _REFERENCES else 0))
     options = BenchOptions(**{**asdict(options), "algorithms": tuple(order)})
     if "deepspeed_shm" in options.algorithms:
         from ringtrain.bench import deepspeed_shm
 
         deepspeed_shm.build()  # once, here: workers find it cached; a missing DeepSpeed is one line
+    if "openmpi" in options.algorithms:
+        openmpi.check()  # a missing Open MPI or mpi4py is one line
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     world_sizes = options.nprocs if options.nnodes == 1 else (options.nnodes * options.nprocs[0],)
     if options.node_rank > 0:  # node 0 reports; this host only runs its workers
@@ -94,10 +103,10 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
     rows: list[dict] = []
     for world_size in world_sizes:
         echo(f"#\n# world_size {world_size}\n# {'size':>10}  {'algorithm':<13}{'iters':>6}{'p50(us)':>12}"
-             f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'vs torch':>10}{'vs deepspeed':>14}")
+             f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'vs torch':>10}{'vs deepspeed':>14}{'vs openmpi':>12}")
         for row in _run_world(world_size, options):
             ratios = []
-            for reference_name, key in (("torch", "vs_torch"), ("deepspeed_shm", "vs_deepspeed")):
+            for reference_name, key in zip(_REFERENCES, ("vs_torch", "vs_deepspeed", "vs_openmpi")):
                 reference = next((r for r in rows if r["algorithm"] == reference_name and r["bytes"] == row["bytes"]
                                   and r["world_size"] == world_size), None)
                 # Speed relative to the reference: above 1 is faster.
@@ -105,7 +114,7 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
                 ratios.append(f"{row[key]:.2f}" if row[key] is not None else "-")
             rows.append(row)
             echo(f"  {_format_size(row['bytes']):>10}  {row['algorithm']:<13}{row['iters']:>6}{row['p50_s'] * 1e6:>12.1f}"
-                 f"{row['algbw_gbps']:>13.3f}{row['busbw_gbps']:>13.3f}{ratios[0]:>10}{ratios[1]:>14}")
+                 f"{row['algbw_gbps']:>13.3f}{row['busbw_gbps']:>13.3f}{ratios[0]:>10}{ratios[1]:>14}{ratios[2]:>12}")
     _write(rows, options.out)
     echo(f"# wrote {options.out / 'collectives.json'}, .csv and .png")
     return rows
@@ -129,7 +138,9 @@ def _run_world(world_size: int, options: BenchOptions):
     results = context.Queue()
     local_world_size = world_size // options.nnodes
     first = options.node_rank * local_world_size
-    placement = (world_size, local_world_size, host, port, bind)
+    # Open MPI's ranks (one host only: options.validate) start first and wait asleep for their turns.
+    referee = openmpi.Referee.start(world_size) if "openmpi" in options.algorithms else None
+    placement = (world_size, local_world_size, host, port, bind, referee.port if referee else None)
     workers = [context.Process(target=_worker, args=(first + local, local, placement, options, results), daemon=True)
                for local in range(local_world_size)]
     for worker in workers:
@@ -149,31 +160,40 @@ def _run_world(world_size: int, options: BenchOptions):
             elif message[0] == "done":
                 done += 1
             else:
+                if referee is not None and referee.error:  # the cause, where the worker saw only its effect
+                    raise RingtrainError(f"Open MPI's side of the bench failed: {referee.error}")
                 raise RingtrainError(f"bench worker {message[1]} failed: {message[2].strip().splitlines()[-1]}")
     finally:
         for worker in workers:
             worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
+        if referee is not None:
+            referee.stop()
         del store
 
 
 def _worker(rank: int, local_rank: int, placement: tuple, options: BenchOptions, results) -> None:
-    world_size, local_world_size, host, port, bind = placement
+    world_size, local_world_size, host, port, bind, referee_port = placement
     try:
         env = DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
                       master_addr=host, master_port=port, use_agent_store=True, bind_addr=bind)
         config = DistConfig(backend="gloo", timeout_s=options.timeout_s, pin_cpu=True, threads_per_worker=1)
         with init_distributed(env, config):
-            for row in _sweep(rank, world_size, port, options):
-                if rank == 0:
-                    results.put(("row", row))
+            turns = openmpi.Turns.connect(referee_port, rank) if referee_port else None
+            try:
+                for row in _sweep(rank, world_size, port, options, turns):
+                    if rank == 0:
+                        results.put(("row", row))
+            finally:
+                if turns is not None:
+                    turns.close()
         results.put(("done", rank))
     except BaseException:  # noqa: BLE001 - the parent must hear about every failure
         results.put(("error", rank, traceback.format_exc()))
 
 
-def _sweep(rank: int, world_size: int, port: int, options: BenchOptions):
+def _sweep(rank: int, world_size: int, port: int, options: BenchOptions, turns: openmpi.Turns | None = None):
     dtype = getattr(torch, options.dtype)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     largest = max(options.sizes) // itemsize + 1
@@ -188,6 +208,9 @@ def _sweep(rank: int, world_size: int, port: int, options: BenchOptions):
         numel = max(1, nbytes // itemsize)
         calls = {}
         for algorithm in options.algorithms:
+            if algorithm == "openmpi":  # Open MPI's ranks check their own first call
+                calls[algorithm] = _Remote(turns, numel * itemsize, options.dtype)
+                continue
             tensor = arena[:numel] if algorithm == "shm_inplace" else torch.empty(numel, dtype=dtype)
             calls[algorithm] = _caller(tensor, algorithm, options.chunk_kb, deepspeed_call)
             _verify(tensor, calls[algorithm], rank, world_size)
@@ -223,6 +246,28 @@ def _caller(tensor: torch.Tensor, algorithm: str, chunk_kb: int | None, deepspee
     return lambda: comm.all_reduce(tensor, algorithm=name, **options)
 
 
+class _Remote:
+    """An algorithm that runs in other processes (Open MPI's ranks): a block is a turn handed to them."""
+
+    def __init__(self, turns: openmpi.Turns, nbytes: int, dtype: str):
+        self.turns, self.nbytes, self.dtype = turns, nbytes, dtype
+
+    def block(self, calls: int) -> float:
+        """One untimed call, then ``calls`` back to back: the time per call (max over the other side's ranks)."""
+        return self.turns.block(self.nbytes, self.dtype, calls)
+
+
+def _block(call, calls: int) -> float:
+    """A turn of one algorithm: an untimed call, then ``calls`` timed back to back; the time per call."""
+    if isinstance(call, _Remote):
+        return call.block(calls)
+    call()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / max(1, calls)
+
+
 def _verify(tensor: torch.Tensor, call: Callable[[], None], rank: int, world_size: int) -> None:
     """A fast algorithm that computes the wrong thing is not fast: check one call before timing."""
     tensor.fill_(rank + 1)
@@ -232,33 +277,32 @@ def _verify(tensor: torch.Tensor, call: Callable[[], None], rank: int, world_siz
         raise RuntimeError(f"all_reduce of {tensor.numel()} elements gave {tensor[0].item()}, not {expected}")
 
 
-def _time(calls: dict[str, Callable[[], None]], options: BenchOptions) -> dict[str, torch.Tensor]:
+def _time(calls: dict[str, Callable[[], None] | _Remote], options: BenchOptions) -> dict[str, torch.Tensor]:
     """Per algorithm, the time of every timed call (max over ranks).
 
     The algorithms take turns, so that a burst of load from another process on the machine slows all of
     them alike and the ratios stay fair. Each turn is an untimed call, then ``BLOCK`` timed ones back to
     back: ranks leave the previous algorithm at different moments, and the first call of a turn absorbs that
-    skew (as in a back-to-back loop of one algorithm).
+    skew (as in a back-to-back loop of one algorithm). When other processes take turns too (Open MPI's ranks),
+    a turn lasts at least ``REMOTE_TURN_S``: every turn then starts with processes woken from a socket read,
+    which the scheduler settles over several calls; a loop of all-reduces in a training job does not see that.
     """
     estimates = []
     for call in calls.values():
-        for _ in range(options.warmup):
-            call()
-        start = time.perf_counter()
-        call()
-        estimates.append(time.perf_counter() - start)
-    estimate = torch.tensor([(BLOCK + 1) * sum(estimates)], dtype=torch.float64)
+        _block(call, options.warmup - 1)
+        estimates.append(_block(call, 1))
+    estimate = torch.tensor(estimates, dtype=torch.float64)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
-    iters = int(min(_MAX_ITERS, max(options.iters, options.min_time_s / max(float(estimate), 1e-9))))
+    blocks = [BLOCK] * len(calls)
+    if any(isinstance(call, _Remote) for call in calls.values()):
+        blocks = [max(BLOCK, min(_MAX_TURN_CALLS, int(REMOTE_TURN_S / max(float(e), 1e-9)))) for e in estimate]
+    round_s = sum((block + 1) * float(e) for block, e in zip(blocks, estimate))
+    iters = int(min(_MAX_ITERS, max(options.iters, options.min_time_s / max(round_s, 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in calls}
     dist.barrier()
     for _ in range(iters):
-        for name, call in calls.items():
-            call()
-            start = time.perf_counter()
-            for _ in range(BLOCK):
-                call()
-            times[name].append((time.perf_counter() - start) / BLOCK)
+        for (name, call), block in zip(calls.items(), blocks):
+            times[name].append(_block(call, block))
     result = {}
     for name, values in times.items():
         per_call = torch.tensor(values, dtype=torch.float64)

@@ -14,9 +14,10 @@ from ringtrain.errors import ConfigError
 
 __all__ = ["BenchOptions", "BENCH_ALGORITHMS", "parse_sizes", "parse_world_sizes"]
 
-BENCH_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "shm_inplace", "deepspeed_shm")
+BENCH_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "shm_inplace", "deepspeed_shm", "openmpi")
 """ringtrain.comm.ALGORITHMS, plus shm on a tensor that lives in shared memory, plus DeepSpeed's CPU shm
-all-reduce (``pip install -e '.[bench]'``)."""
+all-reduce (``pip install -e '.[bench]'``), plus Open MPI's MPI_Allreduce (Debian's Open MPI and
+``pip install -e '.[mpi]'``)."""
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -66,6 +67,12 @@ class BenchOptions:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of float32, float64, float16, bfloat16, int32, int64")
         if "deepspeed_shm" in self.algorithms and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--algorithms deepspeed_shm reduces float32, bfloat16 and float16 only, not --dtype {self.dtype}")
+        if "openmpi" in self.algorithms and self.dtype not in ("float32", "float64", "int32", "int64"):
+            raise ConfigError(f"--algorithms openmpi reduces float32, float64, int32 and int64 (MPI has no {self.dtype}), "
+                              f"not --dtype {self.dtype}")
+        if "openmpi" in self.algorithms and self.nnodes > 1:
+            raise ConfigError("--algorithms openmpi measures one host (Open MPI's ranks start here with mpirun); "
+                              "drop it with --nnodes above 1")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
