@@ -290,7 +290,7 @@ def _time(calls: dict[str, Callable[[], None] | _Remote], options: BenchOptions)
     estimates = []
     for call in calls.values():
         _block(call, options.warmup - 1)
-        estimates.append(_block(call, 1))
+        estimates.append(_block(call, BLOCK))  # per call over a block: one call alone may be a slow first one
     estimate = torch.tensor(estimates, dtype=torch.float64)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
     blocks = [BLOCK] * len(calls)
