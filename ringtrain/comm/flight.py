@@ -79,6 +79,8 @@ class FlightRecorder:
             self.entries = collections.deque(self.entries, maxlen=max(capacity, 1))
             self.regions = collections.deque(self.regions, maxlen=max(capacity, 1))
             for source in self.sources:
+                if source.flight_records()[0] > 0:  # its records so far are dropped: the merged list starts now
+                    self.dropped_before_ns = time.time_ns()
                 source.flight_capacity = capacity
 
     def attach(self, source) -> None:

@@ -218,26 +218,30 @@ def numbered_across_wrap(rank: int, world_size: int) -> dict:
         comm.all_reduce(tensor, algorithm="shm")  # a new workspace for the same ranks
         calls.append((tensor.nbytes, "float32", None))
     after = flight.recorder().snapshot()["collectives"]
+    flight.enable(12)  # resized: what the native ring held is dropped, so the dump starts here
+    comm.all_reduce(torch.ones(5, dtype=torch.int16), algorithm="shm")  # the Python path's: the native ring stays empty
+    resized = flight.recorder().snapshot()["collectives"]
     flight.enable(0)
     seen = lambda entries: [(e["seq"], e["bytes"], e["dtype"], e["step"], e["end_ns"] is not None) for e in entries]
-    return {"before": seen(before_close), "after": seen(after), "calls": calls}
+    return {"before": seen(before_close), "after": seen(after), "resized": seen(resized), "calls": calls}
 
 
 def test_the_flight_recorder_numbers_native_and_python_calls_as_one_sequence():
     results = run_distributed(numbered_across_wrap, 2, timeout_s=120)
     for result in results:
         calls = [tuple(c) for c in result["calls"]]
-        # The native ring shows its last 11 of 20 calls, Python's deque all 10 of its own: the merged window
-        # starts where both still hold everything, and the numbers count back from call 30.
+        # The native ring keeps its last 12 of 20 calls (from call 13), Python's deque all 10 of its own: the
+        # merged window starts where both still hold everything, and the numbers count back from call 30.
         before = result["before"]
-        assert len(before) >= 11, before
+        assert len(before) == 18, before
         expected = [(seq, *calls[seq - 1], True) for seq in range(31 - len(before), 31)]
         assert [tuple(e) for e in before] == expected
         # After the close: the closed workspace's records, then the new one's, numbered on (31-33).
         after = [tuple(e) for e in result["after"]]
-        assert [e[0] for e in after] == list(range(34 - len(after), 34)) and len(after) >= 11
+        assert [e[0] for e in after] == list(range(13, 34))
         assert after[-3:] == [(31 + i, *calls[30 + i][:2], None, True) for i in range(3)]
         assert after[: len(after) - 3] == [(seq, *calls[seq - 1], True) for seq in range(34 - len(after), 31)]
+        assert [tuple(e) for e in result["resized"]] == [(34, 10, "int16", None, True)]
 
 
 def one_core(rank: int, world_size: int) -> dict:

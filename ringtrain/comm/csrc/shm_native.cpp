@@ -317,10 +317,11 @@ class Workspace {
         region_has_step_ = step.has_value();
         region_step_ = step.value_or(0);
     }
-    int64_t flight_capacity() const { return int64_t(flight_.size()); }
+    int64_t flight_capacity() const { return flight_.empty() ? 0 : int64_t(flight_.size()) - 1; }
     void set_flight_capacity(int64_t capacity) {
         TORCH_CHECK(capacity >= 0, "shm_native: flight_capacity must be >= 0, got ", capacity);
-        flight_.assign(size_t(capacity), FlightRecord{});
+        // One slot more than the records kept: the oldest slot of a full ring may be in rewrite (below).
+        flight_.assign(capacity > 0 ? size_t(capacity) + 1 : 0, FlightRecord{});
         flight_first_ = flight_total_;  // records made under another capacity are not kept
     }
     // (calls recorded since the workspace started, [(nbytes, dtype, average, start_ns, end_ns, caller, step), ...]
