@@ -109,8 +109,10 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
             for reference_name, key in zip(_REFERENCES, ("vs_torch", "vs_deepspeed", "vs_openmpi")):
                 reference = next((r for r in rows if r["algorithm"] == reference_name and r["bytes"] == row["bytes"]
                                   and r["world_size"] == world_size), None)
-                # Speed relative to the reference: above 1 is faster.
-                row[key] = round(row["busbw_gbps"] / reference["busbw_gbps"], 3) if reference else None
+                # Speed relative to the reference (same bytes, so the ratio of the times): above 1 is faster. From
+                # the times, not the rounded bandwidths (a call slowed to 2.8 ms on a loaded machine had 0.0015 GB/s,
+                # rounded to 0.002), and to three significant figures.
+                row[key] = float(f"{reference['p50_s'] / row['p50_s']:.3g}") if reference else None
                 ratios.append(f"{row[key]:.2f}" if row[key] is not None else "-")
             rows.append(row)
             echo(f"  {_format_size(row['bytes']):>10}  {row['algorithm']:<13}{row['iters']:>6}{row['p50_s'] * 1e6:>12.1f}"

@@ -186,8 +186,22 @@ class Membership:
             newest = self.newest()
             if time.monotonic() - started < _FRESH_S:
                 break
-        if newest > self.generation.number:
+        if newest > self.generation.number and not self._carried_to(newest):
             raise Fenced(self._fenced_line(newest))
+
+    def _carried_to(self, newest: int) -> bool:
+        """True when every decision from this worker's generation up to ``newest`` keeps it: the others moved on
+        through an admission this worker has not reached yet, not without it. An admission is decided at a step
+        boundary by whichever member reaches it first; the writer, still writing the step before it (its ledger
+        line, its metrics), reads a newer generation than its own, and is one of its members (seen in CI: a live
+        writer that took that for being cut off). A failure's decision holds only members that arrived in
+        ``agree``, which this worker has not, so a heal without it is still found."""
+        me = self.generation.member
+        for number in range(self.generation.number, newest):
+            key = f"{number}/decision"
+            if not self.store.check([key]) or me not in json.loads(self.store.get(key))["members"]:
+                return False
+        return True
 
     def _fenced_line(self, newest: int) -> str:
         return (f"member {self.generation.member} was cut off: the job healed to generation {newest} without it "

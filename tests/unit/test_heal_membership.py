@@ -97,6 +97,34 @@ def test_a_fence_read_that_took_long_is_read_again_so_a_stopped_worker_does_not_
         membership.check_fence()  # the stale "0" took 0.7 s to arrive: read again, and it is "1"
 
 
+def test_a_writer_still_writing_the_step_before_an_admission_is_not_cut_off_but_one_left_out_later_is(job_store_port):
+    # Generation 1 = members 0 and 2. Member 2 reaches the planned boundary first and admits joiner 1001
+    # (generation 2), while member 0, the writer, is still writing the step before it: its fence check reads
+    # generation 2 and must let it write, since it is one of generation 2's members.
+    writer = Membership(connect(job_store_port), Generation(1, (0, 2), member=0), timeout_s=10)
+    other = Membership(connect(job_store_port), Generation(1, (0, 2), member=2), timeout_s=10)
+    assert other.admit([1001]) == Generation(2, (0, 2, 1001), member=2)
+    assert writer.newest() == 2
+    writer.check_fence()  # behind, not cut off
+    assert writer.admit([1001]) == Generation(2, (0, 2, 1001), member=0)  # then it reaches the boundary too
+    # Generation 2 then fails and the others agree without member 0 (it never arrived): now it is cut off,
+    # from its own generation 2 and from the generation 1 it would have been in had it not reached the boundary.
+    other.publish_failure(step=9)
+    joiner = Membership(connect(job_store_port), Generation(2, (0, 2, 1001), member=1001), timeout_s=0.3)
+    other.timeout_s = 0.3
+    threads = [threading.Thread(target=m.agree, kwargs={"applied_step": 8}) for m in (other, joiner)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert other.generation == Generation(3, (2, 1001), member=2)
+    with pytest.raises(Fenced, match="healed to generation 3 without it"):
+        writer.check_fence()
+    behind = Membership(connect(job_store_port), Generation(1, (0, 2), member=0), timeout_s=10)
+    with pytest.raises(Fenced, match="healed to generation 3 without it"):
+        behind.check_fence()
+
+
 def test_a_new_writer_takes_the_run_files_over_so_an_old_writers_open_handle_writes_nowhere(tmp_path):
     from ringtrain.monitor.loggers import RunDirLogger
     from ringtrain.monitor.sinks import CsvLogger
