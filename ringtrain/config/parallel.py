@@ -27,7 +27,8 @@ from ringtrain.errors import ConfigError
 if TYPE_CHECKING:
     from ringtrain.config.schema import Config
 
-__all__ = ["DEGREES", "ParallelConfig", "check_parallel", "check_strategy_agrees", "resolve_degrees"]
+__all__ = ["DEGREES", "ParallelConfig", "check_parallel", "check_strategy_agrees", "check_tensor_parallel",
+           "resolve_degrees"]
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 """The mesh's dimensions, outermost first (torchtitan's order)."""
@@ -126,6 +127,41 @@ def resolve_degrees(parallel: ParallelConfig, strategy: str, world_size: int) ->
     return degrees
 
 
+def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
+    """What tensor parallelism (``parallel/tensor.py``) runs with: the built-in transformer (the model with a
+    plan), whole heads per rank, FSDP2 on a data-parallel dimension, full checkpoints, no heal."""
+    tp, model, strategy = degrees["tp"], config.model, config.comm.strategy
+    where = f"[parallel] tp = {tp}"
+    if model.factory is not None or model.name != "transformer":
+        name = model.factory or f"model.name = '{model.name}'"
+        raise ConfigError(f"{where}: tensor parallelism has a plan for the built-in transformer (model.name = "
+                          f"'transformer') only, not for {name}; set tp = 1 (plans for other models: not built yet, "
+                          "issue 23)")
+    if model.n_heads % tp:
+        raise ConfigError(f"{where} does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
+                          f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
+    if degrees["dp_replicate"] > 1:
+        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} (comm.strategy = '{strategy}'): "
+                          "replicas beside tensor parallelism are not built yet (issue 23); set comm.strategy = "
+                          "'fsdp' to shard the data-parallel dimension (a 2-D FSDP2 x TP mesh), or tp = -1")
+    if degrees["dp_shard"] > 1 and strategy != "fsdp":
+        raise ConfigError(f"{where} with dp_shard = {degrees['dp_shard']} under comm.strategy = '{strategy}': only "
+                          "FSDP2 shards beside tensor parallelism so far (issue 23); set comm.strategy = 'fsdp'")
+    if strategy == "diloco":
+        raise ConfigError(f"{where} with comm.strategy = 'diloco': DiLoCo replicas of a split model are not built "
+                          "yet (issue 23); set tp = 1, or comm.strategy = 'fsdp'")
+    if config.train.auto_micro_batch:
+        raise ConfigError(f"{where} with train.auto_micro_batch: shrinking needs a step without collectives until "
+                          "its end, and a tensor-parallel forward all-reduces in every block; set "
+                          "train.auto_micro_batch = false")
+    if config.dist.heal:
+        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 23); leave out "
+                          "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
+    if config.checkpoint.sharded or config.checkpoint.async_:
+        raise ConfigError(f"{where} with sharded checkpoints: not built yet (issue 23); set checkpoint.sharded = "
+                          "false and checkpoint.async = false: the full checkpoint loads into any layout")
+
+
 def check_parallel(config: Config, world_size: int) -> dict[str, int]:
     """The mesh at ``world_size``: the product, the pipeline's layout, then what is not built yet; one
     ConfigError line naming the numbers. Returns the resolved degrees."""
@@ -145,8 +181,7 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
                               f"stages_per_rank ({parallel.stages_per_rank}) = {stages} stages; set n_layers to a "
                               f"multiple of {stages}, or change pp or stages_per_rank")
     if tp > 1:
-        raise ConfigError(f"[parallel] tp = {tp}: tensor parallelism is not built yet (issue 23); set tp = 1 "
-                          "(data parallelism: comm.strategy and dp_replicate / dp_shard)")
+        check_tensor_parallel(config, degrees)
     if pp > 1:
         raise ConfigError(f"[parallel] pp = {pp}: pipeline parallelism is not built yet (issue 23); set pp = 1 "
                           "(data parallelism: comm.strategy and dp_replicate / dp_shard)")

@@ -44,10 +44,13 @@ class NullLedger:
 class Ledger(NullLedger):
     """Gathers every rank's ids each step; only the writer (rank 0) holds the file."""
 
-    def __init__(self, path: Path, num_samples: int, is_writer: bool):
+    def __init__(self, path: Path, num_samples: int, is_writer: bool, group: dist.ProcessGroup | None = None):
         self.path = path
         self.num_samples = num_samples
         self.is_writer = is_writer
+        self.group = group
+        """The ranks whose ids are gathered (None: all; under tensor parallelism, one rank of each
+        tensor-parallel group, whose peers read the same samples)."""
         self.file = None
 
     def start(self, resumed_step: int) -> None:
@@ -63,7 +66,7 @@ class Ledger(NullLedger):
 
     def record(self, step: int, epoch: int, ids: list[int], skipped: bool) -> None:
         """One committed step; every rank calls it (a gather to rank 0)."""
-        gathered = _gather_to_writer(ids, self.is_writer)
+        gathered = _gather_to_writer(ids, self.group)
         faults.point("ledger.gathered")
         self.write(step, epoch, gathered, skipped)
 
@@ -86,10 +89,13 @@ class Ledger(NullLedger):
         return max((r["step"] for r in read_ledger(self.path) if "ids" in r), default=0)
 
 
-def build_ledger(enabled: bool, run_dir: str | Path, num_samples: int, rank: int) -> NullLedger:
-    if not enabled:
+def build_ledger(enabled: bool, run_dir: str | Path, num_samples: int, rank: int, group: dist.ProcessGroup | None = None,
+                 leader: bool = True) -> NullLedger:
+    """``group``: the data-parallel ranks whose ids are gathered (None: all); ``leader``: this rank is one of
+    them (under tensor parallelism the other ranks of its group hold the same ids and record nothing)."""
+    if not enabled or not leader:
         return NullLedger()
-    return Ledger(Path(run_dir) / LEDGER_FILE, num_samples, is_writer=rank == 0)
+    return Ledger(Path(run_dir) / LEDGER_FILE, num_samples, is_writer=rank == 0, group=group)
 
 
 class CorruptLedger(RingtrainError, ValueError):
@@ -173,8 +179,8 @@ def check_ledger(path: str | Path) -> list[EpochReport]:
     return reports
 
 
-def _gather_to_writer(ids: list[int], is_writer: bool) -> list[list[int]]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gather_to_writer(ids: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [ids]
-    gathered = gather_ints(ids, dst=0)  # int64s, not pickle: no peer's bytes are unpickled
+    gathered = gather_ints(ids, dst=0, group=group)  # int64s, not pickle: no peer's bytes are unpickled
     return gathered or []

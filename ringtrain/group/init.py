@@ -40,6 +40,12 @@ class DistContext:
     host_rank: int
     """Index of this worker among the workers on its host (equals local_rank with one agent per host)."""
     host_world_size: int
+    dp: tuple[int, int] | None = None
+    """(rank, size) in the data-parallel dimension when the model is split across ranks (tensor parallelism:
+    the ranks of one tensor-parallel group read the same samples). None: every rank is a data rank of its own."""
+    dp_group: dist.ProcessGroup | None = None
+    """The ranks that read different samples and share this rank's place in the model (data sums, the sample
+    ledger and token counts run over it); None: the whole group."""
 
     @property
     def rank(self) -> int:
@@ -48,6 +54,23 @@ class DistContext:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ranks that read different samples (its rank without model parallelism)."""
+        return self.env.rank if self.dp is None else self.dp[0]
+
+    @property
+    def dp_size(self) -> int:
+        """How many ranks read different samples: the data-parallel degree (the world size without model
+        parallelism)."""
+        return self.env.world_size if self.dp is None else self.dp[1]
+
+    @property
+    def data_leader(self) -> bool:
+        """This rank speaks for its samples in sums over ranks (the first rank of its tensor-parallel group: its
+        peers hold the same samples and count nothing, so nothing is counted twice)."""
+        return self.dp is None or self.env.rank % (self.env.world_size // self.dp[1]) == 0
 
 
 def resolve_backend(requested: str) -> str:

@@ -26,19 +26,23 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
         self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, d_model = x.shape
-        # (B, T, 3C) -> three (B, H, T, C/H) tensors
-        q, k, v = self.qkv(x).view(batch, time, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
+        batch, time = x.shape[:2]
+        # (B, T, 3C) -> three (B, H, T, C/H) tensors. H from the width: under tensor parallelism this rank's
+        # qkv holds its own heads only (q_r | k_r | v_r: parallel/tensor.py).
+        qkv = self.qkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(batch, time, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, d_model)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, heads * self.head_dim)))
 
 
 class FeedForward(nn.Module):

@@ -7,7 +7,8 @@ the model and optimizer state, and the bytes of model state. The training loop o
 
 Replicated: 'ddp' (torch DDP), 'manual' (ringtrain's buckets); 'diloco' (``diloco.py``: no gradient sync,
 an outer step on the averaged pseudo-gradient every H steps). Sharded: 'zero1', 'zero2', 'zero3'
-(ringtrain's collectives, ``zero.py``), 'fsdp' (PyTorch's FSDP2, ``fsdp.py``).
+(ringtrain's collectives, ``zero.py``), 'fsdp' (PyTorch's FSDP2, ``fsdp.py``). Model-parallel: ``[parallel] tp``
+(``tensor.py``: DTensor's tensor parallelism of the built-in transformer, under FSDP2 on a 2-D mesh).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from ringtrain.parallel.ddp import DDPStrategy
 from ringtrain.parallel.diloco import DiLoCoStrategy
 from ringtrain.parallel.fsdp import FSDPStrategy
 from ringtrain.parallel.manual import ManualStrategy
+from ringtrain.parallel.tensor import TensorParallelStrategy
 from ringtrain.parallel.zero import ZeroStrategy
 
 __all__ = ["Strategy", "ReplicatedStrategy", "DDPStrategy", "ManualStrategy", "ZeroStrategy", "FSDPStrategy",
-           "DiLoCoStrategy", "build_strategy"]
+           "DiLoCoStrategy", "TensorParallelStrategy", "build_strategy"]
 
 
 class Strategy(Protocol):
@@ -70,9 +72,13 @@ class Strategy(Protocol):
 
 
 def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None,
-                   heal: bool = False) -> Strategy:
+                   heal: bool = False, mesh=None) -> Strategy:
     """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None).
-    ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so)."""
+    ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so).
+    ``mesh``: a (dp, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
+    dp when dp > 1 (the config checks refused every other data-parallel strategy beside it)."""
+    if mesh is not None:
+        return TensorParallelStrategy(device, mesh)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

@@ -60,13 +60,17 @@ class StepPlan:
 class MicroBatcher:
     """Plans each step's micro-batches; checks memory; shrinks the micro-batch when some rank ran out."""
 
-    def __init__(self, train: TrainConfig, task: Task, rank: int, world_size: int, device: torch.device):
+    def __init__(self, train: TrainConfig, task: Task, rank: int, world_size: int, device: torch.device,
+                 group: dist.ProcessGroup | None = None):
+        """``rank`` and ``world_size`` in the data-parallel dimension (``group``: its ranks; None, the whole
+        group): under tensor parallelism the ranks of one tensor-parallel group cut the same samples alike."""
         self.micro_batch_size = train.local_batch_size
         self.max_tokens = train.max_tokens
         self.recoverable = train.auto_micro_batch
         self.task = task
         self.rank = rank
         self.world_size = world_size
+        self.group = group
         self.device = device
         self.memory_budget_bytes = None if train.memory_budget_mb is None else int(train.memory_budget_mb * 2**20)
         self.shrinks = 0
@@ -87,7 +91,7 @@ class MicroBatcher:
         counts = torch.zeros(1 + self.world_size, dtype=torch.int64, device=self.device)
         counts[0] = self.task.count_items(batch.targets)
         counts[1 + self.rank] = len(micro)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.group)
         busiest = int(counts[1:].max())
         # Empty micro-batches go first, so the last one (the one that synchronises) has data if any.
         return StepPlan([batch.empty()] * (busiest - len(micro)) + micro, int(counts[0]))
@@ -116,8 +120,10 @@ class MicroBatcher:
         The decision is one all-reduce of a flag per rank; only after a failure are the messages gathered
         too, so the log can say what happened where.
         """
-        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
-        flags[self.rank] = error is not None
+        # Every rank of the job, whatever its place in the model: a rank of a tensor-parallel group that ran out
+        # leaves its peers waiting in the next collective unless all of them redo the step.
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=self.device)
+        flags[dist.get_rank()] = error is not None
         dist.all_reduce(flags)
         if not flags.any():
             return {}

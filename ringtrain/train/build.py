@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.config import Config, validate_for_backend
+from ringtrain.config.parallel import resolve_degrees
 from ringtrain.data import ResumableSampler, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
 from ringtrain.group.env import forget_fault_plan
@@ -16,6 +17,7 @@ from ringtrain.group.jobstore import NullJobStore
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.parallel.activation_checkpoint import apply_ac
+from ringtrain.parallel.tensor import mesh_context
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.healing_hooks import NoHealing
 from ringtrain.train.loop import TrainParts, Trainer
@@ -51,7 +53,11 @@ def build_trainer(
     task = parts.task
     # Before the strategy wraps the model: DDP, the zero units and FSDP's fully_shard see checkpointed blocks.
     checkpointed = apply_ac(model, train_cfg.activation_checkpointing)
-    strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal)
+    mesh = None
+    tp = resolve_degrees(config.parallel, config.comm.strategy, ctx.world_size)["tp"]
+    if tp > 1:  # the model split over tp ranks: they read the same samples (ctx's data-parallel coordinates)
+        ctx, mesh = mesh_context(ctx, tp)
+    strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh)
     if not joining:
         faults.point("train.wrap")
     wrapped = model if joining else strategy.wrap(model)
@@ -89,7 +95,7 @@ def build_trainer(
             pin_memory=pin_memory,
         )
 
-    train_loader, eval_loader = loaders(ctx.rank, ctx.world_size)
+    train_loader, eval_loader = loaders(ctx.dp_rank, ctx.dp_size)
     parts = TrainParts(
         model=wrapped,
         module=model,
@@ -102,10 +108,10 @@ def build_trainer(
         task=task,
         metrics=_on_device(parts.metrics, ctx.device),
         total_steps=total_steps,
-        ledger=build_ledger(config.data.ledger, run_dir, len(data.train), ctx.rank),
+        ledger=build_ledger(config.data.ledger, run_dir, len(data.train), ctx.rank, ctx.dp_group, ctx.data_leader),
         job_store=job_store or NullJobStore(),
         precision=Precision(train_cfg.precision, ctx.device),
-        batcher=MicroBatcher(train_cfg, task, ctx.rank, ctx.world_size, ctx.device),
+        batcher=MicroBatcher(train_cfg, task, ctx.dp_rank, ctx.dp_size, ctx.device, ctx.dp_group),
         data_stats=data.stats,
         checkpointed_blocks=len(checkpointed),
         loaders=loaders,

@@ -26,6 +26,7 @@ def evaluate(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     metrics: Mapping[str, Any] | None = None,
     collective_forward: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> dict:
     """Metrics over the whole test set, every sample counted once. ``module`` is the unwrapped model: a DDP
     forward would run collectives, and ranks may hold different numbers of eval batches. ``autocast`` gives
@@ -50,7 +51,7 @@ def evaluate(
         sums += task.eval_sums(outputs, targets).to(device)
         for name, metric in metrics.items():
             metric.update(*task.metric_inputs(outputs, targets, name))
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=group)  # the data-parallel ranks: a tensor-parallel group scored the same samples
     module.train(was_training)
     results = task.eval_metrics(sums.cpu())
     for name, metric in metrics.items():

@@ -156,7 +156,8 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
         window = self.parts.sampler.next_window_size()
         # The model's randomness (dropout) from (seed, step, rank): distinct per rank, and the same after a
         # resume, without carrying generator state.
-        seed_everything(derive_seed(STEP_STREAM, self.config.train.seed, step, self.ctx.rank))
+        # (The data-parallel rank: the ranks of one tensor-parallel group drop the same replicated activations.)
+        seed_everything(derive_seed(STEP_STREAM, self.config.train.seed, step, self.ctx.dp_rank))
         with self.clock.phase("data"):
             batch = batch.to(self.ctx.device)
         # One small all-reduce: did any rank see a non-finite loss (all skip) or a stop signal? Started just
@@ -212,7 +213,7 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
         with self.watch.op("all_reduce (evaluation sums)", self.state.step), self.parts.strategy.evaluation_weights():
             metrics = evaluate(
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
-                self.parts.metrics, collective_forward=self.parts.strategy.forward_is_collective,
+                self.parts.metrics, collective_forward=self.parts.strategy.forward_is_collective, group=self.ctx.dp_group,
             )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics

@@ -32,7 +32,7 @@ class GroupSeams:
         self.model = parts.model
         self.comm_timer = parts.strategy.comm_timer
         self.batcher = parts.batcher
-        self.gradient = GradientStep(parts, self.clock, ctx.world_size, ctx.device)
+        self.gradient = GradientStep(parts, self.clock, ctx.dp_size, ctx.device)
         dump = flight_dumper(config.run_dir, ctx.rank, ctx.world_size) if config.dist.flight_recorder else None
         self.dump_flight = self.healing.wrap_dump(dump)
         self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s,
@@ -76,8 +76,8 @@ class GroupSeams:
         # DiLoCo: the outer state goes on (the old strategy's, or the one received in the transfer).
         parts.strategy.take_over(old_strategy, parts.optimizer, self._received_strategy_state)
         self._received_strategy_state = None
-        parts.train_loader, parts.eval_loader = parts.loaders(ctx.rank, ctx.world_size)
-        batcher = MicroBatcher(config.train, parts.task, ctx.rank, ctx.world_size, ctx.device)
+        parts.train_loader, parts.eval_loader = parts.loaders(ctx.dp_rank, ctx.dp_size)
+        batcher = MicroBatcher(config.train, parts.task, ctx.dp_rank, ctx.dp_size, ctx.device, ctx.dp_group)
         batcher.load_state_dict(parts.batcher.state_dict())
         parts.batcher = batcher
         parts.job_store.is_writer = ctx.rank == 0

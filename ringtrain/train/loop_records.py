@@ -25,10 +25,11 @@ class RecordKeeping:
             memory = memory_mb(self.ctx.device)
         loss_sum, items = self._step_loss
         busy_s = timing.get("time/data_s", 0.0) + timing.get("time/forward_backward_s", 0.0)
-        # Every rank takes part in this collective; only rank 0's logger writes the record. It waits for
+        # Every rank takes part in this collective; only rank 0's logger writes the record. A tensor-parallel
+        # group's loss is counted once (its first rank's: the others computed the same one). It waits for
         # the slowest rank like the gradient all-reduce would, so it is booked as exposed communication.
         with self.clock.phase("comm_exposed"), self.watch.op("all_gather (metrics of every rank)", self.state.step):
-            ranks = gather_rank_stats(loss_sum.item(), busy_s, memory["memory/peak_rss_mb"], self._state_mb)
+            ranks = gather_rank_stats(loss_sum.item() if self.ctx.data_leader else 0.0, busy_s, memory["memory/peak_rss_mb"], self._state_mb)
         with self.clock.phase("monitor"):
             self._log_train_record(timing, memory, ranks, items)
 

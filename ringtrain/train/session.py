@@ -52,6 +52,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.checkpoint.front import CheckpointFront
 from ringtrain.config import validate_for_world_size
+from ringtrain.config.parallel import resolve_degrees
 from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch, build_eval_loader, build_train_loader
 from ringtrain.data.sampler import ResumableSampler
@@ -97,6 +98,9 @@ class Session:
         try:
             self.config = resolve_config(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
+            if resolve_degrees(self.config.parallel, self.config.comm.strategy, env.world_size)["tp"] > 1:
+                raise ConfigError("[parallel] tp > 1 in a Session: tensor parallelism runs under ringtrain train "
+                                  "so far (issue 23); set tp = 1 here")
             self.plan = resume_plan(resume, env, self.config)
         except RingtrainError as err:
             exit_with(err, env)

@@ -50,13 +50,32 @@ def test_an_elastic_job_is_checked_at_every_size_and_says_so():
         validate_for_world_sizes(config({"dp_replicate": 2}), 1, 2)
 
 
-def test_tensor_and_pipeline_parallelism_are_refused_as_not_built_yet_never_ignored():
-    with pytest.raises(ConfigError, match=r"^\[parallel\] tp = 2: tensor parallelism is not built yet \(issue 23\)"):
-        check_parallel(config({"tp": 2}), 4)
+def test_pipeline_parallelism_is_refused_as_not_built_yet_never_ignored():
     with pytest.raises(ConfigError, match=r"^\[parallel\] pp = 2: pipeline parallelism is not built yet \(issue 23\)"):
         check_parallel(config({"pp": 2}), 2)
-    with pytest.raises(ConfigError, match=r"tp = 2: tensor"):  # -1 resolving above 1 is refused the same way
-        check_parallel(config({"dp_replicate": 2, "tp": -1}), 4)
+    with pytest.raises(ConfigError, match=r"pp = 2: pipeline"):  # -1 resolving above 1 is refused the same way
+        check_parallel(config({"dp_replicate": 2, "pp": -1}), 4)
+
+
+def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
+    assert check_parallel(config({"tp": -1}), 2) == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1}
+    assert check_parallel(config({"tp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
+
+
+@pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
+    ({"tp": 2}, "ddp", {}, 4, r"^\[parallel\] tp = 2 with dp_replicate = 2 \(comm.strategy = 'ddp'\): replicas beside "
+                              r"tensor parallelism are not built yet \(issue 23\); set comm.strategy = 'fsdp'"),
+    ({"tp": 2}, "zero2", {}, 4, r"tp = 2 with dp_shard = 2 under comm.strategy = 'zero2': only FSDP2 shards"),
+    ({"tp": -1}, "diloco", {}, 2, r"tp = 2 with comm.strategy = 'diloco'"),
+    ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
+    ({"tp": 2}, "fsdp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
+     r"a plan for the built-in transformer \(model.name = 'transformer'\) only, not for model.name = 'mlp'"),
+    ({"tp": 2}, "fsdp", {"checkpoint": {"sharded": True}}, 2, r"tp = 2 with sharded checkpoints: not built yet"),
+    ({"tp": -1}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"tp = 2 with train.auto_micro_batch"),
+])
+def test_what_tensor_parallelism_cannot_run_with_is_one_line(parallel, strategy, sections, world_size, words):
+    with pytest.raises(ConfigError, match=words):
+        check_parallel(config(parallel, strategy, **sections), world_size)
 
 
 def test_the_pipeline_layout_is_checked_before_it_is_refused():

@@ -1,0 +1,187 @@
+"""Tensor parallelism for the built-in Transformer LM (Megatron's column / row split, as DTensor's
+``parallelize_module``), alone or under FSDP2 on the data-parallel dimension of a 2-D mesh (torchtitan's
+layout: ``dp`` outermost, ``tp`` innermost, so one tensor-parallel group is consecutive ranks, one host):
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    strategy = TensorParallelStrategy(torch.device("cpu"), mesh)
+    model = strategy.wrap(model)      # the plan below on mesh["tp"]; with dp > 1, fully_shard per block on mesh["dp"]
+    optimizer = build_optimizer(config, model.parameters())   # over DTensors
+    loss_fn(model(x)).backward()      # every rank of a tp group runs the same samples
+
+The plan, per block: the attention's qkv and the MLP's up projection are split by output features (each rank
+computes whole heads and whole hidden units, with no communication), the attention's proj and the MLP's down
+by input features, each followed by one all-reduce in forward (and one before the column split in backward).
+Embeddings, norms and the tied output layer stay whole on every rank as replicated DTensors (a byte
+vocabulary of 256 is not worth splitting, so loss_parallel does not apply).
+
+The fused qkv layer's rows are q | k | v: split by rows as they are, rank 0 would get q and half of k. At wrap
+its rows are put in rank order (rank r's rows are q_r | k_r | v_r, its heads), and every full form (the
+checkpoint's model and optimizer state, the parameter digests, the model a run returns) puts them back:
+checkpoints are the unsplit model's and load into any layout. (DTensor's strided placement would express the
+split without moving rows, but FSDP2's sharding on top of it gathers back wrong: measured, torch 2.14.)
+
+Gradients of a tensor-parallel group are not averaged over it: each of its ranks holds the exact gradient of
+its own slice (of the replicated parameters, the same gradient as its peers). Across the data-parallel
+dimension FSDP2 averages, as the loss is scaled for (``GradientStep``: the data-parallel size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringtrain.errors import ConfigError
+from ringtrain.group.init import DistContext
+from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
+from ringtrain.parallel.units import block_units
+
+__all__ = ["TensorParallelStrategy", "parallelize_transformer", "mesh_context"]
+
+_FUSED = ("attn.qkv.weight", "attn.qkv.bias")
+"""Parameters whose rows are q | k | v (put in rank order at wrap, back in every full form)."""
+
+
+class TensorParallelStrategy(FSDPStrategy):
+    """Tensor parallelism over ``mesh['tp']``, FSDP2 over ``mesh['dp']`` when it has more than one rank."""
+
+    gradients_replicated = False
+    reduces_every_micro_batch = True
+    forward_is_collective = True
+
+    def __init__(self, device: torch.device, mesh: Any):
+        super().__init__(device)
+        self.mesh = mesh
+        self.tp = mesh["tp"].size()
+        self.dp = mesh["dp"].size()
+        self.name = "tp" if self.dp == 1 else "fsdp+tp"
+        self._fused: set[int] = set()
+        """ids of the parameters whose rows are in rank order (the qkv layers)."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from ringtrain.models.transformer import TransformerLM
+
+        if not isinstance(model, TransformerLM):
+            raise ConfigError(f"[parallel] tp = {self.tp}: tensor parallelism has a plan for the built-in "
+                              f"transformer only, and this model is a {type(model).__name__}; set tp = 1 "
+                              "(plans for other models: not built yet, issue 23)")
+        # Quiet: DTensor warns on every clip that a 2-D norm takes two all-reduces (it does; they are small).
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        model.to(self.device)
+        _broadcast_from_rank0(model)  # each rank cuts its slice from one copy
+        parallelize_transformer(model, self.mesh["tp"])
+        if self.dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in block_units(model):
+                fully_shard(block, mesh=self.mesh["dp"])
+            fully_shard(model, mesh=self.mesh["dp"])
+        self._fused = {id(p) for name, p in model.named_parameters() if name.endswith(_FUSED)}
+        return model
+
+    # --- the full form: the unsplit model's (qkv rows back in q | k | v order) -----------------------------
+    def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: self._natural(name, _full(p.detach())) for name, p in model.named_parameters()}
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {key: self._natural(key, _full(value)) for key, value in model.state_dict().items()}
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        super().load_model_state_dict(model, {key: self._ranked(key, value) for key, value in state.items()})
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        full = super().optimizer_state_dict(optimizer)
+        return {**full, "state": self._map_state(optimizer, full["state"], _to_natural)}
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        ranked = {**state, "state": self._map_state(optimizer, state["state"], _to_ranks)}
+        return super().shard_optimizer_state(optimizer, ranked)
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # Refused before any worker starts (config/parallel.py); here for a caller that did not check.
+        raise ConfigError("checkpoint.sharded with tp > 1 is not built yet (the qkv rows are in rank order); "
+                          "set checkpoint.sharded = false: the full checkpoint loads into any layout")
+
+    def _natural(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return _to_natural(value, self.tp) if name.endswith(_FUSED) and isinstance(value, torch.Tensor) else value
+
+    def _ranked(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return _to_ranks(value, self.tp) if name.endswith(_FUSED) and isinstance(value, torch.Tensor) else value
+
+    def _map_state(self, optimizer: torch.optim.Optimizer, state: dict, move) -> dict:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        mapped = {}
+        for index, entry in state.items():
+            param = params[int(index)]
+            if id(param) not in self._fused:
+                mapped[index] = entry
+                continue
+            mapped[index] = {key: move(value, self.tp) if isinstance(value, torch.Tensor)
+                             and tuple(value.shape) == tuple(param.shape) else value for key, value in entry.items()}
+        return mapped
+
+
+def parallelize_transformer(model: nn.Module, mesh: Any) -> None:
+    """The tensor-parallel plan of ``models.transformer.TransformerLM`` on the 1-D ``mesh`` (see the module's
+    docstring); every parameter becomes a DTensor (the split ones sharded, the rest replicated)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, parallelize_module)
+
+    tp = mesh.size()
+    if model.n_heads % tp:
+        raise ConfigError(f"[parallel] tp = {tp} does not divide model.n_heads ({model.n_heads}): each rank computes "
+                          f"whole heads; set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
+    with torch.no_grad():
+        for block in model.blocks:
+            for param in block.attn.qkv.parameters():
+                param.copy_(_to_ranks(param, tp))
+    for block in model.blocks:
+        # The column splits hand on local tensors (whole heads, whole hidden units); the row splits' outputs are
+        # replicated DTensors, so the residual stream stays one.
+        parallelize_module(block, mesh, {
+            "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(use_local_output=False),
+            "ff.up": ColwiseParallel(),
+            "ff.down": RowwiseParallel(use_local_output=False),
+        })
+    whole = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
+    parallelize_module(model, mesh, {
+        "token_embedding": whole,
+        "position_embedding": whole,
+        "head": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True),
+    })
+    replicated: dict[int, nn.Parameter] = {}  # by the plain parameter's id: the tied head keeps its embedding
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or hasattr(param, "device_mesh"):
+                continue
+            if id(param) not in replicated:
+                replicated[id(param)] = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
+                                                     requires_grad=param.requires_grad)
+            module._parameters[name] = replicated[id(param)]
+
+
+def _to_ranks(full: torch.Tensor, tp: int) -> torch.Tensor:
+    """q | k | v rows (each cut in ``tp`` pieces) -> rank order: q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ..."""
+    return full.reshape(3, tp, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+
+
+def _to_natural(ranked: torch.Tensor, tp: int) -> torch.Tensor:
+    """The inverse of ``_to_ranks``."""
+    return ranked.reshape(tp, 3, -1, *ranked.shape[1:]).transpose(0, 1).reshape(ranked.shape)
+
+
+
+def mesh_context(ctx: DistContext, tp: int) -> tuple[DistContext, Any]:
+    """The 2-D mesh (dp = world / tp, tp) over the whole group, and ``ctx`` with this rank's data-parallel
+    coordinates: its index along ``dp`` (the samples it reads, the same for its tensor-parallel peers), the
+    ``dp`` size, and its ``dp`` group (the ranks whose data sums and ids are gathered). Every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = ctx.world_size // tp
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return dataclasses.replace(ctx, dp=(mesh.get_local_rank("dp"), dp), dp_group=mesh.get_group("dp")), mesh
