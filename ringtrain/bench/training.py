@@ -31,7 +31,7 @@ from ringtrain.group.init import interface_for_address
 from ringtrain.errors import RingtrainError
 from ringtrain.launch import LOOPBACK
 
-__all__ = ["TrainCase", "parse_strategies", "run_train_bench"]
+__all__ = ["TrainCase", "parse_strategies", "run_train_bench", "LAYOUTS"]
 
 # Phases of the step breakdown, as the loop books them (time/<phase>_s).
 _PHASES = ("data", "forward_backward", "comm_exposed", "optimizer", "monitor")
@@ -79,6 +79,20 @@ class TrainResult:
         row = {**asdict(self.case), "name": self.case.name, "label": self.case.label}
         row.update({k: v for k, v in asdict(self).items() if k != "case"})
         return row
+
+
+LAYOUTS = {"tp": ("ddp", -1), "fsdp+tp": ("fsdp", 2)}
+"""Model-parallel cases by name: (comm.strategy, parallel.tp). 'tp': every worker of the run in one
+tensor-parallel group; 'fsdp+tp': tensor-parallel pairs, FSDP2 across them. Their ranks of a tp group read the
+same samples, so a step's batch is local x accumulation x the data-parallel ranks (the workers / tp)."""
+
+
+def tp_degree(case: TrainCase) -> int:
+    """The case's tensor-parallel degree (1: data parallel only)."""
+    if case.runner != "ringtrain" or case.strategy not in LAYOUTS:
+        return 1
+    tp = LAYOUTS[case.strategy][1]
+    return case.world_size if tp == -1 else min(tp, case.world_size)
 
 
 def parse_strategies(text: str) -> list[tuple[str, str]]:
@@ -141,7 +155,7 @@ def run_train_bench(
                 reference.samples_per_s = reference.global_batch_size / reference.median_step_s
                 results.append(reference)
             for case in cases:
-                result = _ringtrain_result(case, records[case], local * accum * nproc)
+                result = _ringtrain_result(case, records[case], local * accum * nproc // tp_degree(case))
                 if reference is not None:
                     _compare_with_bare(result, reference, out_dir)
                 results.append(result)
@@ -153,7 +167,12 @@ def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: P
     """One run of `ringtrain train`; its training records after the first (warm-up) interval."""
     run_dir = _fresh_run_dir(out_dir, case)
     args = ["train", config, "--nproc", str(case.world_size), "--run-dir", str(run_dir)]
-    for setting in [*settings, f"comm.strategy={case.strategy}"] + (
+    strategy, layout = case.strategy, []
+    if strategy in LAYOUTS:  # model parallel: the same samples for a tp group, no micro-batch shrinking
+        strategy, tp = LAYOUTS[strategy][0], tp_degree(case)
+        batch = next(int(s.partition("=")[2]) for s in settings if s.startswith("train.global_batch_size="))
+        layout = [f"parallel.tp={tp}", "train.auto_micro_batch=false", f"train.global_batch_size={batch // tp}"]
+    for setting in [*settings, f"comm.strategy={strategy}", *layout] + (
         [f"comm.algorithm={case.algorithm}"] if case.algorithm != "torch" else []
     ):
         args += ["--set", setting]

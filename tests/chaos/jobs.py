@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -114,6 +115,24 @@ class Job:
         def found():
             return next(((t, line) for t, line in self.lines if text in line), None)
         return self.wait_for(found, timeout, f"a line containing {text!r}")
+
+    def describe(self) -> str:
+        """Every process of the job's tree: pid, state, the end of its command line, and its Python stacks when
+        py-spy is installed (for a test that found a process still running when it should have ended)."""
+        lines = []
+        for proc in self.tree():
+            try:
+                status, command = proc.status(), " ".join(proc.cmdline()[-3:])
+            except psutil.ZombieProcess:
+                status, command = "zombie (exited, not reaped by its parent)", ""
+            except psutil.Error as err:
+                status, command = type(err).__name__, ""
+            lines.append(f"pid {proc.pid} ({status}): {command}")
+            spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+            if spy and status != psutil.STATUS_ZOMBIE and command:
+                dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=30)
+                lines.append(dump.stdout[-3000:] or dump.stderr[-500:])
+        return "\n".join(lines) or "no process left"
 
     def finish(self, timeout: float = 180) -> int:
         code = self.process.wait(timeout=timeout)

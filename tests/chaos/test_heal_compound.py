@@ -132,9 +132,9 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
             try:
                 polite_code, killed_code = polite.finish(timeout=60), killed.finish(timeout=60)
             except subprocess.TimeoutExpired as err:  # seen once in a full run: say which process still lives
-                alive = {name: [" ".join(p.cmdline()[-3:]) for p in joiner.tree()]
-                         for name, joiner in (("Ctrl-C'd", polite), ("killed", killed))}
-                raise AssertionError(f"a joiner did not exit within 60 s ({err.cmd[-2:]}); still running: {alive}\n"
+                alive = "\n".join(f"[{name}]\n{joiner.describe()}" for name, joiner in (("Ctrl-C'd", polite),
+                                                                                        ("killed", killed)))
+                raise AssertionError(f"a joiner did not exit within 60 s ({err.cmd[-2:]}); still running:\n{alive}\n"
                                      f"[Ctrl-C'd]\n{polite.stderr}\n[killed]\n{killed.stderr}") from None
             assert polite_code == 130 and killed_code != 0, (
                 f"exit codes: Ctrl-C'd joiner {polite_code}, killed one {killed_code}\n[Ctrl-C'd]\n{polite.stderr}\n"

@@ -36,3 +36,31 @@ def test_ringtrain_own_error_line_comes_first():
 def test_empty_output_still_says_something():
     assert _cause("") == "(no output)"
     assert _cause("just this\n") == "just this"
+
+
+def test_model_parallel_cases_run_their_layout_on_the_batch_of_their_data_ranks(tmp_path, monkeypatch):
+    """`ringtrain bench train --strategies tp,fsdp+tp`: each case's `ringtrain train` gets its comm.strategy, its
+    parallel.tp and a batch for the data-parallel ranks only (a tp group reads one share), set after the
+    bench's own batch so that it wins."""
+    from ringtrain.bench import training
+    from ringtrain.bench.training import TrainCase, parse_strategies, tp_degree
+
+    commands = []
+
+    def run(command, case, run_dir, extra_env=None):  # the run itself: only its command line matters here
+        commands.append(command)
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text('{"type": "train", "step_time_s": 1.0}\n' * 2)
+
+    monkeypatch.setattr(training, "_run", run)
+    settings = ["train.global_batch_size=64", "train.max_steps=5"]
+    layout = ["train.auto_micro_batch=false", "train.global_batch_size=32"]
+    for name, world, expected in [("tp", 2, ["comm.strategy=ddp", "parallel.tp=2", *layout]),
+                                  ("fsdp+tp", 4, ["comm.strategy=fsdp", "parallel.tp=2", *layout]),
+                                  ("ddp", 2, ["comm.strategy=ddp"])]:
+        (strategy, algorithm), = parse_strategies(name)
+        case = TrainCase("ringtrain", world, 1, strategy, algorithm)
+        training._run_ringtrain("configs/text_lm.toml", case, settings, tmp_path)
+        sets = [arg for flag, arg in zip(commands[-1], commands[-1][1:]) if flag == "--set"]
+        assert sets == [*settings, *expected], sets
+        assert tp_degree(case) == (1 if name == "ddp" else 2)
