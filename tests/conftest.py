@@ -20,6 +20,14 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Tests that press Ctrl-C (send SIGINT to a job's processes) need those processes to take it. A shell starts a
+# background job (`make test &`, a CI step run as one) with SIGINT ignored, and an ignored signal stays ignored
+# across exec in every process started from it: the joiner of
+# test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finishes then never exited (seen in a
+# full run started in the background). A caught signal goes back to its default across exec instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
