@@ -34,7 +34,7 @@ from ringtrain.launch import LOOPBACK
 __all__ = ["TrainCase", "parse_strategies", "run_train_bench", "LAYOUTS"]
 
 # Phases of the step breakdown, as the loop books them (time/<phase>_s).
-_PHASES = ("data", "forward_backward", "comm_exposed", "optimizer", "monitor")
+_PHASES = ("data", "forward_backward", "pipeline_wait", "comm_exposed", "optimizer", "monitor")
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,20 @@ class TrainResult:
         return row
 
 
-LAYOUTS = {"tp": ("ddp", -1), "fsdp+tp": ("fsdp", 2)}
-"""Model-parallel cases by name: (comm.strategy, parallel.tp). 'tp': every worker of the run in one
-tensor-parallel group; 'fsdp+tp': tensor-parallel pairs, FSDP2 across them. Their ranks of a tp group read the
-same samples, so a step's batch is local x accumulation x the data-parallel ranks (the workers / tp)."""
+LAYOUTS = {"tp": ("ddp", "tp", -1), "fsdp+tp": ("fsdp", "tp", 2), "pp": ("ddp", "pp", -1), "ddp+pp": ("ddp", "pp", 2)}
+"""Model-parallel cases by name: (comm.strategy, the split dimension, its degree; -1: every worker of the run).
+'tp': one tensor-parallel group; 'fsdp+tp': tensor-parallel pairs, FSDP2 across them; 'pp': one pipeline;
+'ddp+pp': two-stage pipelines, their gradients averaged. The ranks of one tp group or pipeline read the same
+samples, so a step's batch is local x accumulation x the data-parallel ranks (the workers / the degree). Every
+other case runs unsplit (tp = pp = 1, whatever the config says)."""
 
 
-def tp_degree(case: TrainCase) -> int:
-    """The case's tensor-parallel degree (1: data parallel only)."""
+def split_degree(case: TrainCase) -> int:
+    """The case's tensor- or pipeline-parallel degree (1: data parallel only)."""
     if case.runner != "ringtrain" or case.strategy not in LAYOUTS:
         return 1
-    tp = LAYOUTS[case.strategy][1]
-    return case.world_size if tp == -1 else min(tp, case.world_size)
+    degree = LAYOUTS[case.strategy][2]
+    return case.world_size if degree == -1 else min(degree, case.world_size)
 
 
 def parse_strategies(text: str) -> list[tuple[str, str]]:
@@ -155,7 +157,7 @@ def run_train_bench(
                 reference.samples_per_s = reference.global_batch_size / reference.median_step_s
                 results.append(reference)
             for case in cases:
-                result = _ringtrain_result(case, records[case], local * accum * nproc // tp_degree(case))
+                result = _ringtrain_result(case, records[case], local * accum * nproc // split_degree(case))
                 if reference is not None:
                     _compare_with_bare(result, reference, out_dir)
                 results.append(result)
@@ -167,11 +169,12 @@ def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: P
     """One run of `ringtrain train`; its training records after the first (warm-up) interval."""
     run_dir = _fresh_run_dir(out_dir, case)
     args = ["train", config, "--nproc", str(case.world_size), "--run-dir", str(run_dir)]
-    strategy, layout = case.strategy, []
-    if strategy in LAYOUTS:  # model parallel: the same samples for a tp group, no micro-batch shrinking
-        strategy, tp = LAYOUTS[strategy][0], tp_degree(case)
+    strategy, layout = case.strategy, ["parallel.tp=1", "parallel.pp=1"]
+    if strategy in LAYOUTS:  # model parallel: the same samples for a tp group or pipeline, no micro-batch shrinking
+        strategy, dimension, degree = LAYOUTS[strategy][0], LAYOUTS[strategy][1], split_degree(case)
         batch = next(int(s.partition("=")[2]) for s in settings if s.startswith("train.global_batch_size="))
-        layout = [f"parallel.tp={tp}", "train.auto_micro_batch=false", f"train.global_batch_size={batch // tp}"]
+        layout = [f"parallel.tp={degree if dimension == 'tp' else 1}", f"parallel.pp={degree if dimension == 'pp' else 1}",
+                  "train.auto_micro_batch=false", f"train.global_batch_size={batch // degree}"]
     for setting in [*settings, f"comm.strategy={strategy}", *layout] + (
         [f"comm.algorithm={case.algorithm}"] if case.algorithm != "torch" else []
     ):

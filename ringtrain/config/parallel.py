@@ -7,8 +7,9 @@ schedule, with the checks that need no worker. The existing strategies are this 
 
 ``comm.strategy`` chooses how the data-parallel dimension runs; an unset ``dp_replicate`` / ``dp_shard`` is
 what the strategy implies (its own dimension -1, the rest; the other 1). A degree that disagrees with the
-strategy is refused in one line, and so are tp > 1 and pp > 1, which are not built yet (issue 23): the
-checks of their layout run first, so a config that will not fit is told why before it is told "not yet".
+strategy is refused in one line. tp > 1 (``check_tensor_parallel``) and pp > 1 (``check_pipeline_parallel``) each
+run with the layouts they are built for, and refuse the rest (issue 23) in one line naming the numbers; the
+checks of the layout's own numbers run first, so a config that will not fit is told why before "not yet".
 
     >>> resolve_degrees(ParallelConfig(), "fsdp", world_size=4)
     {'dp_replicate': 1, 'dp_shard': 4, 'tp': 1, 'pp': 1}
@@ -27,8 +28,8 @@ from ringtrain.errors import ConfigError
 if TYPE_CHECKING:
     from ringtrain.config.schema import Config
 
-__all__ = ["DEGREES", "ParallelConfig", "check_parallel", "check_strategy_agrees", "check_tensor_parallel",
-           "resolve_degrees"]
+__all__ = ["DEGREES", "ParallelConfig", "check_parallel", "check_pipeline_parallel", "check_strategy_agrees",
+           "check_tensor_parallel", "resolve_degrees"]
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 """The mesh's dimensions, outermost first (torchtitan's order)."""
@@ -48,11 +49,13 @@ class ParallelConfig(Section):
     Unset: what comm.strategy implies (zero1-3, fsdp: -1; ddp, manual, diloco: 1)."""
 
     tp: int = 1
-    """Tensor-parallel degree (-1: the rest). Not built yet (issue 23): only 1 runs."""
+    """Tensor-parallel degree (-1: the rest): the built-in transformer's attention and MLP split over tp ranks,
+    under FSDP2 on the other ranks (comm.strategy = 'fsdp')."""
 
     pp: int = 1
-    """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest). Not built yet
-    (issue 23): only 1 runs."""
+    """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest): the built-in
+    transformer's blocks in pp x stages_per_rank stages, its pipelines replicated over the other ranks
+    (comm.strategy = 'ddp')."""
 
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining's): 'gpipe' and '1f1b' run one stage per rank;
@@ -60,8 +63,9 @@ class ParallelConfig(Section):
     two, in a V."""
 
     pp_microbatches: int | None = Field(default=None, gt=0)
-    """Micro-batches a step's batch is cut into for the pipeline; at least one per stage (pp x
-    stages_per_rank). Unset: one per stage."""
+    """Micro-batches a step's batch is cut into for the pipeline (they replace train.local_batch_size's
+    accumulation); at least one per stage (pp x stages_per_rank), a multiple of pp for the interleaved
+    schedules. Unset: one per stage."""
 
     stages_per_rank: int = Field(default=1, gt=0)
     """Pipeline stages each pipeline rank holds (more than one: an interleaved schedule)."""
@@ -162,6 +166,45 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
                           "false and checkpoint.async = false: the full checkpoint loads into any layout")
 
 
+def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
+    """What pipeline parallelism (``parallel/pipeline.py``) runs with: the built-in transformer, its pipelines
+    replicated by plain data parallelism over dp, a fixed number of equal micro-batches, full checkpoints, no
+    heal. (The layout's own numbers, stages against layers and micro-batches, are checked by the caller.)"""
+    pp, model, strategy, parallel = degrees["pp"], config.model, config.comm.strategy, config.parallel
+    where = f"[parallel] pp = {pp}"
+    if model.factory is not None or model.name != "transformer":
+        name = model.factory or f"model.name = '{model.name}'"
+        raise ConfigError(f"{where}: pipeline parallelism splits the built-in transformer (model.name = "
+                          f"'transformer') into stages, not {name}; set pp = 1 (splitting other models: not built "
+                          "yet, issue 23)")
+    if strategy != "ddp":
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}': the pipelines' replicas are averaged by one "
+                          "all-reduce over the data-parallel ranks (as DDP does); sharding (zero, fsdp), 'manual' and "
+                          "'diloco' beside a pipeline are not built yet (issue 23); set comm.strategy = 'ddp'")
+    if config.comm.algorithm != "torch":
+        raise ConfigError(f"{where} with comm.algorithm = '{config.comm.algorithm}': the replicas' gradients are "
+                          "all-reduced by the backend itself so far; set comm.algorithm = 'torch'")
+    if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        microbatches = parallel.pp_microbatches or pp * parallel.stages_per_rank
+        if microbatches % pp:
+            raise ConfigError(f"[parallel] pp_schedule = '{parallel.pp_schedule}' runs micro-batches in rounds of pp "
+                              f"({pp}), but pp_microbatches = {microbatches}; set it to a multiple of {pp}")
+    if config.train.max_tokens is not None:
+        raise ConfigError(f"{where} with train.max_tokens = {config.train.max_tokens}: a pipeline's stages exchange "
+                          "micro-batches of one shape, cut by count (parallel.pp_microbatches), not by a token budget; "
+                          "leave train.max_tokens unset")
+    if config.train.auto_micro_batch:
+        raise ConfigError(f"{where} with train.auto_micro_batch: a pipeline's micro-batches are its schedule's "
+                          "(parallel.pp_microbatches), and a rank that ran out of memory mid-schedule would leave its "
+                          "neighbours waiting; set train.auto_micro_batch = false")
+    if config.dist.heal:
+        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 23); leave out "
+                          "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
+    if config.checkpoint.sharded or config.checkpoint.async_:
+        raise ConfigError(f"{where} with sharded checkpoints: not built yet (issue 23); set checkpoint.sharded = "
+                          "false and checkpoint.async = false: the full checkpoint loads into any layout")
+
+
 def check_parallel(config: Config, world_size: int) -> dict[str, int]:
     """The mesh at ``world_size``: the product, the pipeline's layout, then what is not built yet; one
     ConfigError line naming the numbers. Returns the resolved degrees."""
@@ -180,9 +223,11 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
             raise ConfigError(f"[parallel] model.n_layers ({layers}) does not divide into pp ({pp}) x "
                               f"stages_per_rank ({parallel.stages_per_rank}) = {stages} stages; set n_layers to a "
                               f"multiple of {stages}, or change pp or stages_per_rank")
+    if tp > 1 and pp > 1:
+        raise ConfigError(f"[parallel] tp = {tp} with pp = {pp}: tensor and pipeline parallelism together are not "
+                          "built yet (issue 23); set one of them to 1")
     if tp > 1:
         check_tensor_parallel(config, degrees)
     if pp > 1:
-        raise ConfigError(f"[parallel] pp = {pp}: pipeline parallelism is not built yet (issue 23); set pp = 1 "
-                          "(data parallelism: comm.strategy and dp_replicate / dp_shard)")
+        check_pipeline_parallel(config, degrees)
     return degrees

@@ -8,7 +8,8 @@ the model and optimizer state, and the bytes of model state. The training loop o
 Replicated: 'ddp' (torch DDP), 'manual' (ringtrain's buckets); 'diloco' (``diloco.py``: no gradient sync,
 an outer step on the averaged pseudo-gradient every H steps). Sharded: 'zero1', 'zero2', 'zero3'
 (ringtrain's collectives, ``zero.py``), 'fsdp' (PyTorch's FSDP2, ``fsdp.py``). Model-parallel: ``[parallel] tp``
-(``tensor.py``: DTensor's tensor parallelism of the built-in transformer, under FSDP2 on a 2-D mesh).
+(``tensor.py``: DTensor's tensor parallelism of the built-in transformer, under FSDP2 on a 2-D mesh), ``[parallel]
+pp`` (``pipeline.py``: torch's pipeline schedules over the built-in transformer's stages, replicas over dp).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 import torch
 
 from ringtrain.config import CommConfig, DiLoCoConfig
+from ringtrain.config.parallel import ParallelConfig
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.errors import ConfigError
 from ringtrain.parallel.base import ReplicatedStrategy
@@ -25,11 +27,12 @@ from ringtrain.parallel.ddp import DDPStrategy
 from ringtrain.parallel.diloco import DiLoCoStrategy
 from ringtrain.parallel.fsdp import FSDPStrategy
 from ringtrain.parallel.manual import ManualStrategy
+from ringtrain.parallel.pipeline import PipelineStrategy
 from ringtrain.parallel.tensor import TensorParallelStrategy
 from ringtrain.parallel.zero import ZeroStrategy
 
 __all__ = ["Strategy", "ReplicatedStrategy", "DDPStrategy", "ManualStrategy", "ZeroStrategy", "FSDPStrategy",
-           "DiLoCoStrategy", "TensorParallelStrategy", "build_strategy"]
+           "DiLoCoStrategy", "TensorParallelStrategy", "PipelineStrategy", "build_strategy"]
 
 
 class Strategy(Protocol):
@@ -72,11 +75,17 @@ class Strategy(Protocol):
 
 
 def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None,
-                   heal: bool = False, mesh=None) -> Strategy:
+                   heal: bool = False, mesh=None, parallel: ParallelConfig | None = None) -> Strategy:
     """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None).
     ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so).
     ``mesh``: a (dp, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
-    dp when dp > 1 (the config checks refused every other data-parallel strategy beside it)."""
+    dp when dp > 1 (the config checks refused every other data-parallel strategy beside it); a (dp, pp) mesh
+    (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule, its replicas
+    averaged over dp."""
+    if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
+        parallel = parallel or ParallelConfig()
+        return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
+                                stages_per_rank=parallel.stages_per_rank)
     if mesh is not None:
         return TensorParallelStrategy(device, mesh)
     if config.algorithm == "shm" and device.type != "cpu":

@@ -61,9 +61,11 @@ class MicroBatcher:
     """Plans each step's micro-batches; checks memory; shrinks the micro-batch when some rank ran out."""
 
     def __init__(self, train: TrainConfig, task: Task, rank: int, world_size: int, device: torch.device,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, count: int | None = None):
         """``rank`` and ``world_size`` in the data-parallel dimension (``group``: its ranks; None, the whole
-        group): under tensor parallelism the ranks of one tensor-parallel group cut the same samples alike."""
+        group): under tensor and pipeline parallelism the ranks of one model's group cut the same samples
+        alike. ``count``: cut every step into exactly this many micro-batches (a pipeline's)."""
+        self.count = count
         self.micro_batch_size = train.local_batch_size
         self.max_tokens = train.max_tokens
         self.recoverable = train.auto_micro_batch
@@ -79,7 +81,9 @@ class MicroBatcher:
     # --- planning --------------------------------------------------------------------------------------
     def plan(self, batch: StepBatch, window: int) -> StepPlan:
         """This rank's micro-batches of the step whose window holds ``window`` samples."""
-        if self.max_tokens is not None:
+        if self.count is not None:
+            micro = batch.micro_batches(self.count)
+        elif self.max_tokens is not None:
             micro = batch.token_micro_batches(self.max_tokens, self.micro_batch_size)
         else:
             # The same count on every rank, from the window: a rank with a smaller share (the window need not

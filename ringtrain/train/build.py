@@ -17,6 +17,7 @@ from ringtrain.group.jobstore import NullJobStore
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.parallel.activation_checkpoint import apply_ac
+from ringtrain.parallel.pipeline import pipeline_mesh_context
 from ringtrain.parallel.tensor import mesh_context
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.healing_hooks import NoHealing
@@ -54,10 +55,14 @@ def build_trainer(
     # Before the strategy wraps the model: DDP, the zero units and FSDP's fully_shard see checkpointed blocks.
     checkpointed = apply_ac(model, train_cfg.activation_checkpointing)
     mesh = None
-    tp = resolve_degrees(config.parallel, config.comm.strategy, ctx.world_size)["tp"]
-    if tp > 1:  # the model split over tp ranks: they read the same samples (ctx's data-parallel coordinates)
-        ctx, mesh = mesh_context(ctx, tp)
-    strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh)
+    degrees = resolve_degrees(config.parallel, config.comm.strategy, ctx.world_size)
+    # The model split over tp (or pp) ranks: they read the same samples (ctx's data-parallel coordinates).
+    if degrees["tp"] > 1:
+        ctx, mesh = mesh_context(ctx, degrees["tp"])
+    elif degrees["pp"] > 1:
+        ctx, mesh = pipeline_mesh_context(ctx, degrees["pp"])
+    strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh,
+                              parallel=config.parallel)
     if not joining:
         faults.point("train.wrap")
     wrapped = model if joining else strategy.wrap(model)
@@ -111,7 +116,8 @@ def build_trainer(
         ledger=build_ledger(config.data.ledger, run_dir, len(data.train), ctx.rank, ctx.dp_group, ctx.data_leader),
         job_store=job_store or NullJobStore(),
         precision=Precision(train_cfg.precision, ctx.device),
-        batcher=MicroBatcher(train_cfg, task, ctx.dp_rank, ctx.dp_size, ctx.device, ctx.dp_group),
+        batcher=MicroBatcher(train_cfg, task, ctx.dp_rank, ctx.dp_size, ctx.device, ctx.dp_group,
+                             count=getattr(strategy, "microbatches", None)),
         data_stats=data.stats,
         checkpointed_blocks=len(checkpointed),
         loaders=loaders,

@@ -27,13 +27,16 @@ def evaluate(
     metrics: Mapping[str, Any] | None = None,
     collective_forward: bool = False,
     group: dist.ProcessGroup | None = None,
+    forward: Callable[[Any], Any] | None = None,
 ) -> dict:
     """Metrics over the whole test set, every sample counted once. ``module`` is the unwrapped model: a DDP
     forward would run collectives, and ranks may hold different numbers of eval batches. ``autocast`` gives
     the training precision's context (the sums themselves are fp64). ``metrics``: torchmetrics objects,
     updated with every batch and computed (synchronised across ranks by torchmetrics) at the end.
     ``collective_forward``: the module's forward runs collectives (zero3/fsdp gather parameters), so every
-    rank runs as many forwards as the rank with the most batches, the others on batches of zero rows."""
+    rank runs as many forwards as the rank with the most batches, the others on batches of zero rows.
+    ``forward``: a pipeline's (``PipelineStrategy.forward``): the outputs on the last stage's rank, None on the
+    others, which count nothing; the ranks of one pipeline hold the same batches."""
     was_training = module.training
     module.eval()
     metrics = metrics or {}
@@ -47,7 +50,9 @@ def evaluate(
             continue
         targets = targets.to(device)
         with autocast():
-            outputs = call_model(module, to_device(inputs, device))
+            outputs = call_model(module, to_device(inputs, device)) if forward is None else forward(to_device(inputs, device))
+        if outputs is None:
+            continue
         sums += task.eval_sums(outputs, targets).to(device)
         for name, metric in metrics.items():
             metric.update(*task.metric_inputs(outputs, targets, name))

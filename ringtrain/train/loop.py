@@ -211,9 +211,12 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
         faults.point("train.evaluate")
         # DiLoCo between outer steps: the global model is scored, not each worker's own.
         with self.watch.op("all_reduce (evaluation sums)", self.state.step), self.parts.strategy.evaluation_weights():
+            strategy = self.parts.strategy
+            pipelined = getattr(strategy, "pipelined", False)  # its last stages hold the sums: add over all ranks
             metrics = evaluate(
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
-                self.parts.metrics, collective_forward=self.parts.strategy.forward_is_collective, group=self.ctx.dp_group,
+                self.parts.metrics, collective_forward=strategy.forward_is_collective and not pipelined,
+                group=None if pipelined else self.ctx.dp_group, forward=strategy.forward if pipelined else None,
             )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics

@@ -98,9 +98,10 @@ class Session:
         try:
             self.config = resolve_config(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
-            if resolve_degrees(self.config.parallel, self.config.comm.strategy, env.world_size)["tp"] > 1:
-                raise ConfigError("[parallel] tp > 1 in a Session: tensor parallelism runs under ringtrain train "
-                                  "so far (issue 23); set tp = 1 here")
+            degrees = resolve_degrees(self.config.parallel, self.config.comm.strategy, env.world_size)
+            if degrees["tp"] > 1 or degrees["pp"] > 1:
+                raise ConfigError("[parallel] tp or pp > 1 in a Session: model parallelism runs under ringtrain "
+                                  "train so far (issue 23); set tp = 1 and pp = 1 here")
             self.plan = resume_plan(resume, env, self.config)
         except RingtrainError as err:
             exit_with(err, env)

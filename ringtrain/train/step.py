@@ -14,6 +14,7 @@ With ``train.auto_micro_batch`` a step survives running out of memory: see ``Gra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -78,6 +79,8 @@ class GradientStep:
         micro-batch and redoes the step (``on_shrink`` gets the record). The price: that all-reduce no
         longer overlaps the last backward.
         """
+        if getattr(self.strategy, "pipelined", False):
+            return self._pipeline(self._plan(batch, window))
         if not self.batcher.recoverable:
             plan = self._plan(batch, window)
             with self.clock.phase("forward_backward"):
@@ -139,6 +142,36 @@ class GradientStep:
                     _backward_zero(outputs, None if sharded else self.module)
                 self.batcher.check_budget()
         return loss_sum
+
+    def _pipeline(self, plan: StepPlan) -> tuple[torch.Tensor, int]:
+        """A pipelined step (``parallel/pipeline.py``): the plan's micro-batches are the schedule's. The loss
+        of each, on the last stage, is the task's sum over its real rows (padding rows are not read) times the
+        step's scale; the schedule runs every forward and backward. The time a rank waited on its neighbours
+        is booked as ``pipeline_wait`` (the bubble and the activation transfers); the tied weight's and the
+        replicas' gradient sums as exposed communication. Returns the loss sum on every rank of the pipeline."""
+        loss_scale = self.world_size / plan.global_items
+        sums: list[torch.Tensor] = []
+
+        def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            if len(targets) == 0:  # a rank with fewer samples than micro-batches: its extra ones are padding
+                sums.append(torch.zeros((), device=self.device))
+                return outputs.sum() * 0.0
+            loss = self.task.loss_sum(outputs[: len(targets)], targets)
+            sums.append(loss.detach().float())
+            return self.precision.scale(loss * loss_scale)
+
+        start = time.perf_counter()
+        with self.clock.phase("forward_backward"):
+            compute_s = self.strategy.pipeline_step(plan.micro_batches, loss_fn, self.precision.autocast)
+        self.clock.move("forward_backward", "pipeline_wait", max(0.0, time.perf_counter() - start - compute_s))
+        with self.clock.phase("comm_exposed"):
+            self.strategy.synchronize_gradients()
+            # The last stage's losses, one a micro-batch (the calls before them, on a new schedule's first step,
+            # were the schedule's shape inference).
+            real = sums[len(sums) - len(plan.micro_batches):]
+            loss_sum = torch.stack(real).sum() if real else torch.zeros((), device=self.device)
+            loss_sum = self.strategy.share_loss(loss_sum)
+        return loss_sum, plan.global_items
 
     def _sync_gradients(self, batch: StepBatch) -> None:
         """A recoverable step's one gradient all-reduce, run by the strategy: a forward of zero samples

@@ -39,11 +39,12 @@ def test_empty_output_still_says_something():
 
 
 def test_model_parallel_cases_run_their_layout_on_the_batch_of_their_data_ranks(tmp_path, monkeypatch):
-    """`ringtrain bench train --strategies tp,fsdp+tp`: each case's `ringtrain train` gets its comm.strategy, its
-    parallel.tp and a batch for the data-parallel ranks only (a tp group reads one share), set after the
-    bench's own batch so that it wins."""
+    """`ringtrain bench train --strategies tp,fsdp+tp,pp,ddp+pp`: each case's `ringtrain train` gets its
+    comm.strategy, its parallel.tp and parallel.pp (1 for the unsplit cases, whatever the config says) and a batch
+    for the data-parallel ranks only (a tp group or a pipeline reads one share), set after the bench's own batch
+    so that it wins."""
     from ringtrain.bench import training
-    from ringtrain.bench.training import TrainCase, parse_strategies, tp_degree
+    from ringtrain.bench.training import TrainCase, parse_strategies, split_degree
 
     commands = []
 
@@ -55,12 +56,14 @@ def test_model_parallel_cases_run_their_layout_on_the_batch_of_their_data_ranks(
     monkeypatch.setattr(training, "_run", run)
     settings = ["train.global_batch_size=64", "train.max_steps=5"]
     layout = ["train.auto_micro_batch=false", "train.global_batch_size=32"]
-    for name, world, expected in [("tp", 2, ["comm.strategy=ddp", "parallel.tp=2", *layout]),
-                                  ("fsdp+tp", 4, ["comm.strategy=fsdp", "parallel.tp=2", *layout]),
-                                  ("ddp", 2, ["comm.strategy=ddp"])]:
+    for name, world, expected in [("tp", 2, ["comm.strategy=ddp", "parallel.tp=2", "parallel.pp=1", *layout]),
+                                  ("fsdp+tp", 4, ["comm.strategy=fsdp", "parallel.tp=2", "parallel.pp=1", *layout]),
+                                  ("pp", 2, ["comm.strategy=ddp", "parallel.tp=1", "parallel.pp=2", *layout]),
+                                  ("ddp+pp", 4, ["comm.strategy=ddp", "parallel.tp=1", "parallel.pp=2", *layout]),
+                                  ("ddp", 2, ["comm.strategy=ddp", "parallel.tp=1", "parallel.pp=1"])]:
         (strategy, algorithm), = parse_strategies(name)
         case = TrainCase("ringtrain", world, 1, strategy, algorithm)
         training._run_ringtrain("configs/text_lm.toml", case, settings, tmp_path)
         sets = [arg for flag, arg in zip(commands[-1], commands[-1][1:]) if flag == "--set"]
         assert sets == [*settings, *expected], sets
-        assert tp_degree(case) == (1 if name == "ddp" else 2)
+        assert split_degree(case) == (1 if name == "ddp" else 2)

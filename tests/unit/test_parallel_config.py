@@ -50,11 +50,32 @@ def test_an_elastic_job_is_checked_at_every_size_and_says_so():
         validate_for_world_sizes(config({"dp_replicate": 2}), 1, 2)
 
 
-def test_pipeline_parallelism_is_refused_as_not_built_yet_never_ignored():
-    with pytest.raises(ConfigError, match=r"^\[parallel\] pp = 2: pipeline parallelism is not built yet \(issue 23\)"):
-        check_parallel(config({"pp": 2}), 2)
-    with pytest.raises(ConfigError, match=r"pp = 2: pipeline"):  # -1 resolving above 1 is refused the same way
-        check_parallel(config({"dp_replicate": 2, "pp": -1}), 4)
+def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
+    assert check_parallel(config({"pp": 2}), 2) == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2}
+    assert check_parallel(config({"dp_replicate": 2, "pp": -1}), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 1,
+                                                                        "pp": 2}
+    assert check_parallel(config({"pp": 2, "stages_per_rank": 2, "pp_schedule": "zbv_zero_bubble"}), 2)["pp"] == 2
+
+
+@pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
+    ({"pp": 2}, "fsdp", {}, 4, r"^\[parallel\] pp = 2 with comm.strategy = 'fsdp': the pipelines' replicas are "
+                               r"averaged by one all-reduce .* set comm.strategy = 'ddp'"),
+    ({"pp": 2}, "diloco", {}, 2, r"pp = 2 with comm.strategy = 'diloco'"),
+    ({"pp": 2, "tp": 2}, "fsdp", {}, 4, r"tp = 2 with pp = 2: tensor and pipeline parallelism together are not built"),
+    ({"pp": 2}, "ddp", {"comm": {"strategy": "ddp", "algorithm": "shm"}}, 2, r"comm.algorithm = 'shm'"),
+    ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
+     r"splits the built-in transformer \(model.name = 'transformer'\) into stages, not model.name = 'mlp'"),
+    ({"pp": 2}, "ddp", {"train": {"max_tokens": 512}}, 2, r"pp = 2 with train.max_tokens = 512: .* leave "
+                                                          r"train.max_tokens unset"),
+    ({"pp": 2}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"pp = 2 with train.auto_micro_batch"),
+    ({"pp": 2}, "ddp", {"checkpoint": {"sharded": True}}, 2, r"pp = 2 with sharded checkpoints: not built yet"),
+    ({"pp": 2}, "ddp", {"dist": {"heal": True}}, 2, r"pp = 2 with --heal: healing a split model"),
+    ({"pp": 2, "stages_per_rank": 2, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 5}, "ddp", {}, 2,
+     r"'interleaved_1f1b' runs micro-batches in rounds of pp \(2\), but pp_microbatches = 5; set it to a multiple"),
+])
+def test_what_pipeline_parallelism_cannot_run_with_is_one_line(parallel, strategy, sections, world_size, words):
+    with pytest.raises(ConfigError, match=words):
+        check_parallel(config(parallel, strategy, **sections), world_size)
 
 
 def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
@@ -78,7 +99,7 @@ def test_what_tensor_parallelism_cannot_run_with_is_one_line(parallel, strategy,
         check_parallel(config(parallel, strategy, **sections), world_size)
 
 
-def test_the_pipeline_layout_is_checked_before_it_is_refused():
+def test_the_pipeline_layout_is_checked_first():
     with pytest.raises(ConfigError, match=r"pp_microbatches \(3\) is fewer than the pipeline's stages \(pp \(2\) x "
                                           r"stages_per_rank \(2\) = 4\).*set pp_microbatches = 4 or more"):
         check_parallel(config({"pp": 2, "stages_per_rank": 2, "pp_schedule": "interleaved_1f1b",

@@ -1,0 +1,431 @@
+"""Pipeline parallelism for the built-in Transformer LM (``torch.distributed.pipelining``'s stages and
+schedules), alone or with data-parallel replicas of the pipeline on a 2-D mesh (``dp`` outermost, ``pp``
+innermost: one pipeline is consecutive ranks):
+
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    strategy = PipelineStrategy(torch.device("cpu"), mesh, schedule="1f1b", microbatches=4)
+    model = strategy.wrap(model)          # this rank's stages: blocks [i*L/S, (i+1)*L/S) of stage i
+    optimizer = strategy.shard_optimizer(build_optimizer(config, model.parameters()))   # its stages' parameters
+    loss_sum = strategy.pipeline_step(micro_batches, loss_fn, autocast)   # the schedule's forward and backward
+    strategy.synchronize_gradients()      # the tied embedding's two halves, then the mean over dp replicas
+
+Stage ``i`` of ``S = pp x stages_per_rank`` holds ``L / S`` consecutive blocks; the first also the embeddings,
+the last the final norm and the output layer. Stages sit on pipeline ranks in a loop (stage i on rank i mod pp:
+gpipe, 1f1b and the interleaved schedules) or a V (rank r holds r and 2pp-1-r: zbv_zero_bubble). Every
+submodule keeps the whole model's name, so checkpoints are the unsplit model's and load into any layout.
+
+The output layer is tied to the token embedding. When the first and last stages are on different ranks each
+holds its own copy of the weight (the last stage's is a clone made at wrap), and after every backward the two
+ranks add their gradients (Megatron's embedding group): both copies then take the same update and stay equal
+bit for bit. The global norm counts the weight once.
+
+The pipeline's micro-batches are ringtrain's: a step's batch is cut into ``microbatches`` near-equal parts,
+each padded to the largest with rows that the loss does not read (a schedule's stages exchange activations of
+one shape). The loss of each micro-batch is the task's sum over its items times the step's scale (the
+data-parallel size over the step's items), so the accumulated gradient is the full batch's mean, as for every
+other strategy; the schedule does not scale gradients again. Each activation shape (the last, smaller window
+of an epoch; text of another width) gets its own stages and schedule, built once and kept.
+
+Limits of this first layout (refused in one line before any worker starts, config/parallel.py): the built-in
+transformer only, no tensor parallelism or sharded data parallelism beside it, full checkpoints only, no
+--heal, no token budgets or automatic micro-batch shrinking. Every rank still builds the whole model before
+keeping its stages (its other blocks' weights stay allocated, untouched; the model state counted is its
+stages').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringtrain.errors import ConfigError
+from ringtrain.group.init import DistContext
+from ringtrain.monitor.comm_timer import CommTimer
+from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
+from ringtrain.parallel.fsdp import _broadcast_from_rank0
+
+__all__ = ["PipelineStrategy", "TransformerStage", "stage_indices", "pipeline_mesh_context", "SCHEDULES"]
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+}
+"""``[parallel] pp_schedule`` -> the class in ``torch.distributed.pipelining``."""
+_MULTI = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+
+
+def stage_indices(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds: a loop (rank r: r, r + pp, ...) or, for the V schedule,
+    r and 2pp - 1 - r.
+
+        >>> stage_indices(0, 2, 2, "interleaved_1f1b"), stage_indices(0, 2, 2, "zbv_zero_bubble")
+        ([0, 2], [0, 3])
+    """
+    if schedule == "zbv_zero_bubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+class TransformerStage(nn.Module):
+    """Stage ``index`` of ``stages`` of a ``models.transformer.TransformerLM``: its blocks (the whole model's
+    modules, under their whole-model names), with the embeddings before the first stage's and the final norm
+    and ``head`` after the last stage's. The forward is ``TransformerLM.forward`` cut at the stage's edges."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int, head: nn.Module | None = None):
+        super().__init__()
+        per = model.n_layers // stages
+        self.index, self.is_first, self.is_last = index, index == 0, index == stages - 1
+        if self.is_first:
+            self.token_embedding, self.position_embedding, self.dropout = (
+                model.token_embedding, model.position_embedding, model.dropout)
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(index * per, (index + 1) * per)})
+        if self.is_last:
+            self.norm, self.head = model.norm, head if head is not None else model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.dropout(self.token_embedding(x) + self.position_embedding(positions))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x)) if self.is_last else x
+
+
+class PipelineStrategy(ReplicatedStrategy):
+    """The model's stages over ``mesh['pp']``; gradients averaged over ``mesh['dp']`` when it has more than one
+    rank (each pipeline a replica)."""
+
+    gradients_replicated = False
+    pipelined = True
+    forward_is_collective = True
+
+    def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
+                 stages_per_rank: int = 1):
+        self.device = device
+        self.mesh = mesh
+        self.pp, self.dp = mesh["pp"].size(), mesh["dp"].size()
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.schedule = schedule
+        self.stages = self.pp * stages_per_rank
+        self.stages_per_rank = stages_per_rank
+        self.microbatches = microbatches or self.stages
+        self.indices = stage_indices(self.pp_rank, self.pp, stages_per_rank, schedule)
+        self.name = "pp" if self.dp == 1 else "ddp+pp"
+        self.comm_timer = CommTimer()
+        """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
+        self.modules: list[TransformerStage] = []
+        self._full: nn.Module | None = None
+        self._clone: nn.Parameter | None = None
+        """The last stage's copy of the tied embedding weight, when the first stage is on another rank."""
+        self._tie_group: dist.ProcessGroup | None = None
+        self._tie_src: int | None = None
+        self._schedules: dict[tuple, Any] = {}
+        self._compute_s = 0.0
+        self._groups: list[list[str]] = []
+        """The optimizer's parameter groups by whole-model parameter name (the full form's order)."""
+
+    # --- building ------------------------------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from ringtrain.models.transformer import TransformerLM
+
+        if not isinstance(model, TransformerLM):
+            raise ConfigError(f"[parallel] pp = {self.pp}: pipeline parallelism splits the built-in transformer "
+                              f"only, and this model is a {type(model).__name__}; set pp = 1 (splitting other "
+                              "models: not built yet, issue 23)")
+        model.to(self.device)
+        _broadcast_from_rank0(model)  # every rank keeps its stages of one copy
+        self._full = model
+        first_here, last_here = 0 in self.indices, self.stages - 1 in self.indices
+        head = None
+        if last_here and not first_here:
+            head = nn.Linear(model.d_model, model.head.out_features, bias=False, device=self.device)
+            head.weight = self._clone = nn.Parameter(model.token_embedding.weight.detach().clone())
+        self.modules = [TransformerStage(model, index, self.stages, head) for index in self.indices]
+        self._make_tie_groups()
+        return nn.ModuleList(self.modules)
+
+    def _make_tie_groups(self) -> None:
+        """One group per pipeline of the ranks holding the first and last stages (every rank makes every group,
+        in the same order, as ``new_group`` asks); none when one rank holds both."""
+        first = self._stage_rank(0)
+        last = self._stage_rank(self.stages - 1)
+        if first == last:
+            return
+        world = dist.get_world_size()
+        for start in range(0, world, self.pp):  # pipelines are consecutive ranks (pp innermost)
+            ranks = [start + first, start + last]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                self._tie_group, self._tie_src = group, ranks[0]
+
+    def _stage_rank(self, stage: int) -> int:
+        """The pipeline rank holding ``stage``."""
+        return next(r for r in range(self.pp) if stage in stage_indices(r, self.pp, self.stages_per_rank, self.schedule))
+
+    def _own_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (the tied weight once when both its ends are here)."""
+        seen, params = set(), []
+        for module in self.modules:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    params.append(param)
+        return params
+
+    def _name(self, param: nn.Parameter) -> str:
+        return self._names[id(param)]
+
+    @property
+    def _names(self) -> dict[int, str]:
+        names = {id(p): name for name, p in self._full.named_parameters()}
+        if self._clone is not None:
+            names[id(self._clone)] = "head.weight"
+        return names
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer over this rank's stages: each group keeps its own parameters that are here (the last
+        stage's copy of the tied weight joins the embedding's group)."""
+        names = self._names
+        own = {id(p) for p in self._own_parameters()}
+        self._groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            kept = [p for p in group["params"] if id(p) in own]
+            if self._clone is not None and any(names[id(p)] == "token_embedding.weight" for p in group["params"]):
+                kept.append(self._clone)
+            group["params"] = kept
+        return optimizer
+
+    # --- a step --------------------------------------------------------------------------------------------
+    def pipeline_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      autocast: Callable[[], AbstractContextManager] = nullcontext) -> float:
+        """Run the schedule's forward and backward over ``micro_batches`` (every rank of the pipeline passes
+        the same ones); ``loss_fn(outputs, targets)`` is called on the last stage with each micro-batch's real
+        rows. Returns the seconds this rank computed (the rest of the step it waited on its neighbours)."""
+        rows = max(1, max(len(targets) for _, targets in micro_batches))
+        inputs = [_pad_rows(x, rows) for x, _ in micro_batches]
+        key = (tuple(inputs[0].shape), inputs[0].dtype)
+        schedule = self._schedules.get(key) or self._build_schedule(key, loss_fn)
+        schedule._loss_fn = loss_fn  # this step's scale
+        first = 0 in self.indices
+        last = self.stages - 1 in self.indices
+        self._compute_s = 0.0
+        with autocast():
+            schedule.step(arg_mbs=[(x,) for x in inputs] if first else None,
+                          kwarg_mbs=[{} for _ in inputs] if first else None,
+                          target_mbs=[t for _, t in micro_batches] if last else None,
+                          return_outputs=False)
+        return self._compute_s
+
+    def _build_schedule(self, key: tuple, loss_fn: Callable) -> Any:
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [PipelineStage(module, module.index, self.stages, self.device, group=self.pp_group)
+                  for module in self.modules]
+        for stage in stages:
+            self._time_chunks(stage)
+        cls = getattr(pipelining, SCHEDULES[self.schedule])
+        if self.schedule in _MULTI:
+            schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._schedules[key] = schedule
+        return schedule
+
+    def _time_chunks(self, stage: Any) -> None:
+        """Count the seconds the stage computes (its forward, input-gradient and weight-gradient chunks); the
+        schedule's sends and receives run between them."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            method = getattr(stage, name)
+
+            def timed(*args, _method=method, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    self._compute_s += time.perf_counter() - start
+
+            setattr(stage, name, timed)
+
+    def synchronize_gradients(self) -> float:
+        """After the schedule: the tied weight's two gradients added, then every gradient averaged over the
+        data-parallel replicas. Returns the seconds it took (exposed communication)."""
+        start = time.perf_counter()
+        params = self._own_parameters()
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if self._tie_group is not None:
+            tied = self._clone if self._clone is not None else self._full.token_embedding.weight
+            dist.all_reduce(tied.grad, group=self._tie_group)
+        if self.dp > 1:
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        return time.perf_counter() - start
+
+    def share_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The step's loss sum (known on the last stage) on every rank of the pipeline."""
+        dist.broadcast(loss_sum, group_src=self._stage_rank(self.stages - 1), group=self.pp_group)
+        return loss_sum
+
+    # --- the strategy's answers ------------------------------------------------------------------------------
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self._full if self._full is not None else model
+
+    def gradient_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return self._own_parameters()
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """The whole model's gradient norm: each rank's squares (the tied weight counted on the first stage
+        only), summed over the pipeline (replicas hold the same gradients)."""
+        params = self._own_parameters()
+        counted = [p for p in params if p is not self._clone and p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for param in counted:
+            squares += param.grad.detach().double().pow(2).sum()
+        dist.all_reduce(squares, group=self.pp_group)
+        norm = squares.sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.dtype))
+        return norm
+
+    def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: value for name, value in self.model_state_dict(model).items()
+                if name in dict(self._full.named_parameters())}
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state on every rank: each pipeline rank's stages, gathered over the pipeline."""
+        mine = {}
+        for module in self.modules:
+            mine.update({name: value.detach().cpu() for name, value in module.state_dict().items()})
+        parts: list[dict] = [None] * self.pp
+        dist.all_gather_object(parts, mine, group=self.pp_group)
+        merged = {name: value for part in parts for name, value in part.items()}
+        merged["head.weight"] = merged["token_embedding.weight"]  # one weight, stored twice as torch does
+        return {name: merged[name].to(self.device) for name in self._full.state_dict()}
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for module in self.modules:
+                for name, tensor in module.state_dict(keep_vars=True).items():
+                    source = state["token_embedding.weight"] if name == "head.weight" else state[name]
+                    tensor.copy_(source)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """torch's form of one optimizer over the whole model: every rank's states by parameter name, gathered
+        over the pipeline, indexed as the unsplit model's optimizer numbers them."""
+        local = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names = self._names
+        mine = {names[id(params[int(i)])]: entry for i, entry in local["state"].items()
+                if params[int(i)] is not self._clone}
+        parts: list[dict] = [None] * self.pp
+        dist.all_gather_object(parts, _to_cpu(mine), group=self.pp_group)
+        by_name = {name: entry for part in parts for name, entry in part.items()}
+        index = {name: i for i, name in enumerate(n for group in self._groups for n in group)}
+        groups = []
+        for group, group_names in zip(local["param_groups"], self._groups):
+            groups.append({**group, "params": [index[name] for name in group_names]})
+        state = {index[name]: entry for name, entry in by_name.items()}
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        flat_names = [n for group in self._groups for n in group]
+        full = {flat_names[int(i)]: entry for i, entry in state["state"].items()}
+        names = self._names
+        local_state, groups, offset = {}, [], 0
+        for group, full_group in zip(optimizer.param_groups, state["param_groups"]):
+            indices = []
+            for param in group["params"]:
+                name = "token_embedding.weight" if param is self._clone else names[id(param)]
+                if name in full:
+                    local_state[offset] = _to_device(full[name], self.device)
+                indices.append(offset)
+                offset += 1
+            groups.append({**full_group, "params": indices})
+        return {"state": local_state, "param_groups": groups}
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # Refused before any worker starts (config/parallel.py); here for a caller that did not check.
+        raise ConfigError("checkpoint.sharded with pp > 1 is not built yet; set checkpoint.sharded = false: the "
+                          "full checkpoint loads into any layout")
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        params = self._own_parameters()
+        yield from params
+        yield from (p.grad for p in params if p.grad is not None)
+        yield from optimizer_tensors(optimizer)
+
+    # --- evaluation ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """One batch through the stages in order, without a schedule (evaluation): each stage receives its
+        input from the previous one's rank and sends its output on. The logits on the rank of the last stage,
+        None on the others. Every rank of the pipeline calls it with the same batch."""
+        x = inputs
+        for stage in range(self.stages):
+            holder, before = self._stage_rank(stage), self._stage_rank(stage - 1) if stage else None
+            if before is not None and before != holder:  # the activation crosses ranks (as fp32: exact)
+                if holder == self.pp_rank:
+                    x = torch.empty(*inputs.shape, self._full.d_model, device=self.device)
+                    dist.recv(x, group_src=before, group=self.pp_group)
+                elif before == self.pp_rank:
+                    dist.send(x.float().contiguous(), group_dst=holder, group=self.pp_group)
+            if holder == self.pp_rank:
+                x = self.modules[self.indices.index(stage)](x)
+        return x if self._stage_rank(self.stages - 1) == self.pp_rank else None
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if len(x) == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - len(x), *x.shape[1:])])
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def pipeline_mesh_context(ctx: DistContext, pp: int) -> tuple[DistContext, Any]:
+    """The 2-D mesh (dp = world / pp, pp) and ``ctx`` with this rank's data-parallel coordinates (the ranks of
+    one pipeline read the same samples). Every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = ctx.world_size // pp
+    mesh = init_device_mesh(ctx.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    return dataclasses.replace(ctx, dp=(mesh.get_local_rank("dp"), dp), dp_group=mesh.get_group("dp")), mesh

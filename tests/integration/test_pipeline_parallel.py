@@ -1,0 +1,139 @@
+"""Pipeline parallelism through `ringtrain train` (``[parallel] pp``, ringtrain/parallel/pipeline.py) on real
+workers against one worker training the unsplit model on the same batches (the oracle): every schedule at pp = 2,
+and two pipelines of two stages on four workers. The loss at every one of 20 steps and the parameters after the
+run agree within fp32 rounding (micro-batch gradients add in another order), each sample is dealt once per
+pipeline (its stages share their samples), and full checkpoints cross layouts: resumed at the same layout they
+go on bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringtrain.data.ledger import check_ledger
+from tests.conftest import run_cli, run_clis
+
+STEPS = 20
+COMMON = ["--set", "train.precision='fp32'", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
+          "--set", "checkpoint.every_steps=10"]
+INTERLEAVED = ["parallel.stages_per_rank=2", "parallel.pp_microbatches=4"]
+
+
+def train(run_dir: Path, nproc: int, *settings: str, steps: int = STEPS) -> list[str]:
+    return ["train", "configs/debug_pp.toml", "--nproc", str(nproc), "--run-dir", str(run_dir), *COMMON,
+            "--set", f"train.max_steps={steps}", *(arg for s in settings for arg in ("--set", s))]
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("type") == kind]
+
+
+def parameters(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["model"]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_same_run(run_dir: Path, oracle: Path, steps: range = range(1, STEPS + 1)) -> None:
+    mine = {r["step"]: r["loss"] for r in records(run_dir, "train")}
+    reference = {r["step"]: r["loss"] for r in records(oracle, "train")}
+    assert sorted(mine) == list(steps), sorted(mine)
+    for step in steps:
+        assert mine[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}: {mine[step]} vs {reference[step]}"
+    # The closing evaluation, through the stages: the same loss over the same test set, each sample counted once.
+    evaluated, expected = records(run_dir, "eval")[-1], records(oracle, "eval")[-1]
+    assert evaluated["count"] == expected["count"] and evaluated["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    split, whole = parameters(run_dir), parameters(oracle)
+    assert split.keys() == whole.keys()
+    worst = max((split[k] - whole[k]).abs().max().item() for k in whole)
+    print(f"{run_dir.name}: largest parameter difference from one worker {worst:.2e}")
+    assert worst < 1e-5
+    assert split["head.weight"].equal(split["token_embedding.weight"])  # the tied weight's two copies stayed one
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The oracle (one worker, unsplit) and the plain pipeline (pp = 2, 1F1B), run side by side."""
+    root = tmp_path_factory.mktemp("pp")
+    runs = {"oracle": root / "one_worker", "1f1b": root / "pp_1f1b"}
+    results = run_clis(train(runs["oracle"], 1, "parallel.pp=1"), train(runs["1f1b"], 2), timeout=400)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    return runs
+
+
+def test_pp2_1f1b_trains_as_one_worker_step_for_step_holding_half_the_blocks(runs):
+    oracle, run_dir = runs["oracle"], runs["1f1b"]
+    assert_same_run(run_dir, oracle)
+    done, whole = summary(run_dir), summary(oracle)
+    assert len(done["param_sha256"]) == 2 and len(set(done["param_sha256"])) == 1  # both gather the same model
+    assert done["model_state_mb"] < 0.75 * whole["model_state_mb"]  # two of four blocks a rank
+    # Both stages read the same samples: the ledger has one share a step, the oracle's.
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()[1:]]
+    assert {r["world_size"] for r in ledger} == {1} and len(ledger) == STEPS
+    assert ledger == [json.loads(line) for line in (oracle / "ledger.jsonl").read_text().splitlines()[1:]]
+    # The step breakdown has the pipeline's wait (its bubble and the activation transfers) as a phase of its own.
+    assert all(r["time/pipeline_wait_s"] > 0 for r in records(run_dir, "train"))
+
+
+def test_every_other_schedule_trains_as_one_worker(tmp_path, runs):
+    schedules = {"gpipe": [], "interleaved_1f1b": INTERLEAVED, "interleaved_zero_bubble": INTERLEAVED,
+                 "zbv_zero_bubble": INTERLEAVED}
+    dirs = {name: tmp_path / name for name in schedules}
+    results = run_clis(*(train(dirs[name], 2, f"parallel.pp_schedule='{name}'", *extra)
+                         for name, extra in schedules.items()), timeout=500)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    for run_dir in dirs.values():
+        assert_same_run(run_dir, runs["oracle"])
+
+
+def test_two_pipelines_on_four_workers_train_as_one_worker_and_deal_each_sample_once(tmp_path, runs):
+    run_dir = tmp_path / "ddp_pp"
+    result = run_cli(*train(run_dir, 4), timeout=400)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_run(run_dir, runs["oracle"])
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()[1:]]
+    assert {r["world_size"] for r in ledger} == {2}  # two data-parallel ranks, each a pipeline of two
+    reports = check_ledger(run_dir / "ledger.jsonl")
+    assert reports and all(r.exactly_once for r in reports)
+    done = summary(run_dir)
+    assert done["world_size"] == 4 and len(set(done["param_sha256"])) == 1
+
+
+def test_full_checkpoints_cross_layouts_and_resume_bit_for_bit_at_their_own(tmp_path, runs):
+    # The one worker's step 10 resumed as a V-shaped pipeline (first and last stage on one rank), the pipeline's
+    # step 10 resumed by one worker and by the same pipeline: all end where the one worker did, the last on the
+    # uninterrupted pipeline's very bits.
+    oracle, pipeline = runs["oracle"], runs["1f1b"]
+    into_v, into_one, into_same = tmp_path / "into_v", tmp_path / "into_one", tmp_path / "into_same"
+    middle = "step_00000010.pt"
+    results = run_clis(
+        [*train(into_v, 2, "parallel.pp_schedule='zbv_zero_bubble'", *INTERLEAVED),
+         "--resume-from", str(oracle / "checkpoints" / middle)],
+        [*train(into_one, 1, "parallel.pp=1"), "--resume-from", str(pipeline / "checkpoints" / middle)],
+        [*train(into_same, 2), "--resume-from", str(pipeline / "checkpoints" / middle)], timeout=500)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "resumed from step_00000010.pt (step 10)" in result.stderr
+    for run_dir in (into_v, into_one, into_same):
+        assert_same_run(run_dir, oracle, steps=range(11, STEPS + 1))
+    assert summary(into_same)["param_sha256"] == summary(pipeline)["param_sha256"]
+    resumed, uninterrupted = torch.load(into_same / "checkpoints" / "step_00000020.pt", weights_only=True), \
+        torch.load(pipeline / "checkpoints" / "step_00000020.pt", weights_only=True)
+    for index, entry in uninterrupted["optimizer"]["state"].items():  # AdamW's moments too
+        assert all(entry[key].equal(resumed["optimizer"]["state"][index][key]) for key in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_layout_pipeline_parallelism_cannot_run_is_one_line_before_any_worker(tmp_path):
+    result = run_cli("train", "configs/debug_lm.toml", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                     "--set", "parallel.pp=2", "--set", "model.n_layers=4")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pp = 2 with train.max_tokens = 512" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
