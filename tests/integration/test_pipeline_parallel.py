@@ -17,8 +17,9 @@ from ringtrain.data.ledger import check_ledger
 from tests.conftest import run_cli, run_clis
 
 STEPS = 20
+# 30 sequences a step: micro-batches of 8, 8, 7 and 7 (the pipeline pads the short ones to one shape).
 COMMON = ["--set", "train.precision='fp32'", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
-          "--set", "checkpoint.every_steps=10"]
+          "--set", "checkpoint.every_steps=10", "--set", "train.global_batch_size=30"]
 INTERLEAVED = ["parallel.stages_per_rank=2", "parallel.pp_microbatches=4"]
 
 
@@ -94,8 +95,9 @@ def test_every_other_schedule_trains_as_one_worker(tmp_path, runs):
 
 
 def test_two_pipelines_on_four_workers_train_as_one_worker_and_deal_each_sample_once(tmp_path, runs):
+    # 16 micro-batches of a share of 15 sequences: 15 of one sequence and one of none (padding only).
     run_dir = tmp_path / "ddp_pp"
-    result = run_cli(*train(run_dir, 4), timeout=400)
+    result = run_cli(*train(run_dir, 4, "parallel.pp_microbatches=16"), timeout=400)
     assert result.returncode == 0, result.stderr[-2000:]
     assert_same_run(run_dir, runs["oracle"])
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()[1:]]
