@@ -44,6 +44,7 @@ class Strategy(Protocol):
     gradients_replicated: bool
     reduces_every_micro_batch: bool
     forward_is_collective: bool
+    splits_model: bool
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 

@@ -28,9 +28,8 @@ of an epoch; text of another width) gets its own stages and schedule, built once
 
 Limits of this first layout (refused in one line before any worker starts, config/parallel.py): the built-in
 transformer only, no tensor parallelism or sharded data parallelism beside it, full checkpoints only, no
---heal, no token budgets or automatic micro-batch shrinking. Every rank still builds the whole model before
-keeping its stages (its other blocks' weights stay allocated, untouched; the model state counted is its
-stages').
+--heal, no token budgets or automatic micro-batch shrinking. Every rank builds the whole model, keeps its
+stages and moves the rest to the meta device (shapes without memory).
 """
 
 from __future__ import annotations
@@ -107,6 +106,7 @@ class PipelineStrategy(ReplicatedStrategy):
 
     gradients_replicated = False
     pipelined = True
+    splits_model = True
     forward_is_collective = True
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
@@ -152,8 +152,23 @@ class PipelineStrategy(ReplicatedStrategy):
             head = nn.Linear(model.d_model, model.head.out_features, bias=False, device=self.device)
             head.weight = self._clone = nn.Parameter(model.token_embedding.weight.detach().clone())
         self.modules = [TransformerStage(model, index, self.stages, head) for index in self.indices]
+        self._release_other_stages()
         self._make_tie_groups()
         return nn.ModuleList(self.modules)
+
+    def _release_other_stages(self) -> None:
+        """The whole model's parameters that no stage here holds move to the meta device: their memory goes,
+        their names and shapes stay (the full forms are named after them, FLOPs count them)."""
+        own = {id(p) for p in self._own_parameters()}
+        moved: dict[int, nn.Parameter] = {}  # by id: the tied weight stays one parameter
+        for module in self._full.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or id(param) in own:
+                    continue
+                if id(param) not in moved:
+                    moved[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                    requires_grad=param.requires_grad)
+                module._parameters[name] = moved[id(param)]
 
     def _make_tie_groups(self) -> None:
         """One group per pipeline of the ranks holding the first and last stages (every rank makes every group,
@@ -182,9 +197,6 @@ class PipelineStrategy(ReplicatedStrategy):
                     seen.add(id(param))
                     params.append(param)
         return params
-
-    def _name(self, param: nn.Parameter) -> str:
-        return self._names[id(param)]
 
     @property
     def _names(self) -> dict[int, str]:
@@ -313,11 +325,12 @@ class PipelineStrategy(ReplicatedStrategy):
         return norm
 
     def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {name: value for name, value in self.model_state_dict(model).items()
-                if name in dict(self._full.named_parameters())}
+        names = {name for name, _ in self._full.named_parameters()}  # the tied weight once, as torch names it
+        return {name: value for name, value in self.model_state_dict(model).items() if name in names}
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state on every rank: each pipeline rank's stages, gathered over the pipeline."""
+        """The whole model's state on every rank: each pipeline rank's stages, gathered over the pipeline (as
+        pickled CPU tensors: a model that fits one process's memory, as the full checkpoint does anyway)."""
         mine = {}
         for module in self.modules:
             mine.update({name: value.detach().cpu() for name, value in module.state_dict().items()})

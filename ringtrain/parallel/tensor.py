@@ -51,6 +51,7 @@ class TensorParallelStrategy(FSDPStrategy):
     gradients_replicated = False
     reduces_every_micro_batch = True
     forward_is_collective = True
+    splits_model = True
 
     def __init__(self, device: torch.device, mesh: Any):
         super().__init__(device)

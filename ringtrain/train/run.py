@@ -217,11 +217,13 @@ def _finished(trainer, plan: ResumePlan) -> dict[str, Any] | None:
 def _trained_model(trainer, parts: UserParts) -> nn.Module | None:
     """The trained module, released from the strategy: replicated strategies (and zero1/zero2, whose module
     holds every parameter) hand back the module itself; zero3 and fsdp gather the full weights (a collective,
-    every rank) into a new module from the user's factory."""
-    if trainer.config.comm.strategy in HEALABLE_STRATEGIES:
+    every rank) into a new module from the user's factory, as do the strategies that split the model (tensor
+    and pipeline parallelism)."""
+    split = trainer.parts.strategy.splits_model
+    if trainer.config.comm.strategy in HEALABLE_STRATEGIES and not split:
         trainer.leave_group()  # DDP's or the manual strategy's hooks and buckets go
         return trainer.module
-    if trainer.config.comm.strategy in ("zero1", "zero2"):
+    if trainer.config.comm.strategy in ("zero1", "zero2") and not split:
         return trainer.module
     state = trainer.parts.strategy.model_state_dict(trainer.model)
     if isinstance(parts.model, nn.Module):

@@ -78,7 +78,8 @@ def check_input_keys(module: torch.nn.Module, inputs: Any, name: str = "train_da
 
 def check_one_batch(trainer, parts: UserParts, batch_size: int) -> None:
     """One eval batch through the model (eval mode, no gradient), the loss and every metric, before step 1.
-    Every rank runs the same batch (a forward of zero3 or fsdp gathers parameters: a collective)."""
+    Every rank runs the same batch (a forward of zero3 or fsdp gathers parameters: a collective; a pipeline's
+    passes activations from stage to stage)."""
     data, name = (parts.eval_data, "eval_data") if parts.eval_data is not None else (parts.train_data, "train_data")
     items = [data[i] for i in range(min(len(data), batch_size))]
     inputs, targets = (parts.collate_fn or default_collate)(items)
@@ -88,8 +89,14 @@ def check_one_batch(trainer, parts: UserParts, batch_size: int) -> None:
     was_training = module.training
     module.eval()
     try:
+        strategy = trainer.parts.strategy
         with torch.no_grad(), trainer.precision.autocast():
-            outputs = call_model(module, to_device(inputs, device))
+            if getattr(strategy, "pipelined", False):  # through the stages; the outputs on the last one's rank
+                outputs = strategy.forward(to_device(inputs, device))
+                if outputs is None:
+                    return
+            else:
+                outputs = call_model(module, to_device(inputs, device))
             targets = targets.to(device) if isinstance(targets, torch.Tensor) else targets
             task.eval_sums(outputs, targets)  # the loss (and the built-in accuracy) on these outputs
         for metric_name, metric in trainer.parts.metrics.items():
