@@ -167,16 +167,15 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
-    """What pipeline parallelism (``parallel/pipeline.py``) runs with: the built-in transformer, its pipelines
-    replicated by plain data parallelism over dp, a fixed number of equal micro-batches, full checkpoints, no
+    """What pipeline parallelism (``parallel/pipeline.py``) runs with: the built-in transformer or a user's model
+    (an nn.Sequential, checked when it is built), its pipelines replicated by plain data parallelism over dp, a fixed number of equal micro-batches, full checkpoints, no
     heal. (The layout's own numbers, stages against layers and micro-batches, are checked by the caller.)"""
     pp, model, strategy, parallel = degrees["pp"], config.model, config.comm.strategy, config.parallel
     where = f"[parallel] pp = {pp}"
-    if model.factory is not None or model.name != "transformer":
-        name = model.factory or f"model.name = '{model.name}'"
-        raise ConfigError(f"{where}: pipeline parallelism splits the built-in transformer (model.name = "
-                          f"'transformer') into stages, not {name}; set pp = 1 (splitting other models: not built "
-                          "yet, issue 23)")
+    if model.factory is None and model.name != "transformer":
+        raise ConfigError(f"{where}: pipeline parallelism cuts the built-in transformer (model.name = 'transformer') "
+                          f"or a model of your own that is an nn.Sequential (model.factory, fit) into stages, not "
+                          f"model.name = '{model.name}'; set pp = 1")
     if strategy != "ddp":
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': the pipelines' replicas are averaged by one "
                           "all-reduce over the data-parallel ranks (as DDP does); sharding (zero, fsdp), 'manual' and "

@@ -100,6 +100,39 @@ class TransformerStage(nn.Module):
         return self.head(self.norm(x)) if self.is_last else x
 
 
+class SequentialStage(nn.Module):
+    """Stage ``index`` of ``stages`` of a user's ``nn.Sequential``: a contiguous run of its children under their
+    own names (``"0"``, ``"1"``, ...), as near-equal in count as the division allows (the first stages take one
+    more when it does not divide)."""
+
+    def __init__(self, model: nn.Sequential, index: int, stages: int):
+        super().__init__()
+        start, stop = sequential_cut(len(model), stages)[index]
+        self.index, self.is_first, self.is_last = index, index == 0, index == stages - 1
+        for name in list(model._modules)[start:stop]:
+            self.add_module(name, model._modules[name])  # the Sequential's own names: "3.weight" stays "3.weight"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self._modules.values():
+            x = layer(x)
+        return x
+
+
+def sequential_cut(children: int, stages: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each stage's children: near-equal counts, the first stages one more.
+
+        >>> sequential_cut(7, 3)
+        [(0, 3), (3, 5), (5, 7)]
+    """
+    per, extra = divmod(children, stages)
+    bounds, start = [], 0
+    for index in range(stages):
+        stop = start + per + (index < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 class PipelineStrategy(ReplicatedStrategy):
     """The model's stages over ``mesh['pp']``; gradients averaged over ``mesh['dp']`` when it has more than one
     rank (each pipeline a replica)."""
@@ -124,8 +157,10 @@ class PipelineStrategy(ReplicatedStrategy):
         self.name = "pp" if self.dp == 1 else "ddp+pp"
         self.comm_timer = CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
-        self.modules: list[TransformerStage] = []
+        self.modules: list[nn.Module] = []
         self._full: nn.Module | None = None
+        self._tied = False
+        """The built-in transformer: its output layer is its token embedding."""
         self._clone: nn.Parameter | None = None
         """The last stage's copy of the tied embedding weight, when the first stage is on another rank."""
         self._tie_group: dist.ProcessGroup | None = None
@@ -139,22 +174,40 @@ class PipelineStrategy(ReplicatedStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from ringtrain.models.transformer import TransformerLM
 
-        if not isinstance(model, TransformerLM):
-            raise ConfigError(f"[parallel] pp = {self.pp}: pipeline parallelism splits the built-in transformer "
-                              f"only, and this model is a {type(model).__name__}; set pp = 1 (splitting other "
-                              "models: not built yet, issue 23)")
+        where = f"[parallel] pp = {self.pp} x stages_per_rank = {self.stages_per_rank}"
+        if not isinstance(model, (TransformerLM, nn.Sequential)):
+            raise ConfigError(f"{where}: pipeline parallelism cuts the built-in transformer or an nn.Sequential into "
+                              f"stages, and this model is a {type(model).__name__}; build it as an nn.Sequential "
+                              "(its children are cut in order), or set pp = 1")
+        if isinstance(model, nn.Sequential) and len(model) < self.stages:
+            raise ConfigError(f"{where}: {self.stages} stages, but the nn.Sequential has {len(model)} children; "
+                              "lower pp or stages_per_rank, or split the model into more children")
         model.to(self.device)
         _broadcast_from_rank0(model)  # every rank keeps its stages of one copy
         self._full = model
-        first_here, last_here = 0 in self.indices, self.stages - 1 in self.indices
-        head = None
-        if last_here and not first_here:
-            head = nn.Linear(model.d_model, model.head.out_features, bias=False, device=self.device)
-            head.weight = self._clone = nn.Parameter(model.token_embedding.weight.detach().clone())
-        self.modules = [TransformerStage(model, index, self.stages, head) for index in self.indices]
+        self._tied = isinstance(model, TransformerLM)
+        if self._tied:
+            head = None
+            if self.stages - 1 in self.indices and 0 not in self.indices:
+                head = nn.Linear(model.d_model, model.head.out_features, bias=False, device=self.device)
+                head.weight = self._clone = nn.Parameter(model.token_embedding.weight.detach().clone())
+            self.modules = [TransformerStage(model, index, self.stages, head) for index in self.indices]
+            self._make_tie_groups()
+        else:
+            self._check_no_shared_parameters(model, where)
+            self.modules = [SequentialStage(model, index, self.stages) for index in self.indices]
         self._release_other_stages()
-        self._make_tie_groups()
         return nn.ModuleList(self.modules)
+
+    def _check_no_shared_parameters(self, model: nn.Sequential, where: str) -> None:
+        owner: dict[int, int] = {}
+        for index, (start, stop) in enumerate(sequential_cut(len(model), self.stages)):
+            for child in list(model)[start:stop]:
+                for param in child.parameters():
+                    if owner.setdefault(id(param), index) != index:
+                        raise ConfigError(f"{where}: a parameter is shared by stages {owner[id(param)]} and {index} of "
+                                          "the nn.Sequential; a pipeline keeps one copy a stage, so tie weights within a "
+                                          "stage, or set pp = 1")
 
     def _release_other_stages(self) -> None:
         """The whole model's parameters that no stage here holds move to the meta device: their memory goes,
@@ -225,6 +278,9 @@ class PipelineStrategy(ReplicatedStrategy):
         """Run the schedule's forward and backward over ``micro_batches`` (every rank of the pipeline passes
         the same ones); ``loss_fn(outputs, targets)`` is called on the last stage with each micro-batch's real
         rows. Returns the seconds this rank computed (the rest of the step it waited on its neighbours)."""
+        if not isinstance(micro_batches[0][0], torch.Tensor):
+            raise ConfigError(f"a pipeline's first stage takes one tensor, and this data's inputs are a "
+                              f"{type(micro_batches[0][0]).__name__}; make each sample's input one tensor, or set pp = 1")
         rows = max(1, max(len(targets) for _, targets in micro_batches))
         inputs = [_pad_rows(x, rows) for x, _ in micro_batches]
         key = (tuple(inputs[0].shape), inputs[0].dtype)
@@ -337,14 +393,15 @@ class PipelineStrategy(ReplicatedStrategy):
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, mine, group=self.pp_group)
         merged = {name: value for part in parts for name, value in part.items()}
-        merged["head.weight"] = merged["token_embedding.weight"]  # one weight, stored twice as torch does
+        if self._tied:
+            merged["head.weight"] = merged["token_embedding.weight"]  # one weight, stored twice as torch does
         return {name: merged[name].to(self.device) for name in self._full.state_dict()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for module in self.modules:
                 for name, tensor in module.state_dict(keep_vars=True).items():
-                    source = state["token_embedding.weight"] if name == "head.weight" else state[name]
+                    source = state["token_embedding.weight"] if self._tied and name == "head.weight" else state[name]
                     tensor.copy_(source)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -401,15 +458,41 @@ class PipelineStrategy(ReplicatedStrategy):
         x = inputs
         for stage in range(self.stages):
             holder, before = self._stage_rank(stage), self._stage_rank(stage - 1) if stage else None
-            if before is not None and before != holder:  # the activation crosses ranks (as fp32: exact)
+            if before is not None and before != holder:  # the activation crosses ranks
                 if holder == self.pp_rank:
-                    x = torch.empty(*inputs.shape, self._full.d_model, device=self.device)
-                    dist.recv(x, group_src=before, group=self.pp_group)
+                    x = _recv_tensor(before, self.pp_group, self.device)
                 elif before == self.pp_rank:
-                    dist.send(x.float().contiguous(), group_dst=holder, group=self.pp_group)
+                    _send_tensor(x, holder, self.pp_group)
             if holder == self.pp_rank:
                 x = self.modules[self.indices.index(stage)](x)
         return x if self._stage_rank(self.stages - 1) == self.pp_rank else None
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+_HEADER = 10
+"""A transfer's header: dtype code, ndim, then up to 8 sizes."""
+
+
+def _send_tensor(x: torch.Tensor, dst: int, group: Any) -> None:
+    """``x`` to pipeline rank ``dst``: its dtype and shape first, then its values (evaluation's transfers, whose
+    shapes no schedule inferred)."""
+    if x.dtype not in _DTYPES or x.dim() > _HEADER - 2:
+        raise ConfigError(f"a pipeline stage's output of dtype {x.dtype} and {x.dim()} dimensions cannot be passed on; "
+                          "return a tensor of a float, integer or bool dtype with at most 8 dimensions")
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    dist.send(header.to(x.device), group_dst=dst, group=group)
+    dist.send(x.contiguous(), group_dst=dst, group=group)
+
+
+def _recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, group_src=src, group=group)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(x, group_src=src, group=group)
+    return x
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

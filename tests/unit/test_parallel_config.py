@@ -64,7 +64,8 @@ def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
     ({"pp": 2, "tp": 2}, "fsdp", {}, 4, r"tp = 2 with pp = 2: tensor and pipeline parallelism together are not built"),
     ({"pp": 2}, "ddp", {"comm": {"strategy": "ddp", "algorithm": "shm"}}, 2, r"comm.algorithm = 'shm'"),
     ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
-     r"splits the built-in transformer \(model.name = 'transformer'\) into stages, not model.name = 'mlp'"),
+     r"cuts the built-in transformer \(model.name = 'transformer'\) or a model of your own that is an nn.Sequential "
+     r"\(model.factory, fit\) into stages, not model.name = 'mlp'"),
     ({"pp": 2}, "ddp", {"train": {"max_tokens": 512}}, 2, r"pp = 2 with train.max_tokens = 512: .* leave "
                                                           r"train.max_tokens unset"),
     ({"pp": 2}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"pp = 2 with train.auto_micro_batch"),
