@@ -168,8 +168,9 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What pipeline parallelism (``parallel/pipeline.py``) runs with: the built-in transformer or a user's model
-    (an nn.Sequential, checked when it is built), its pipelines replicated by plain data parallelism over dp, a fixed number of equal micro-batches, full checkpoints, no
-    heal. (The layout's own numbers, stages against layers and micro-batches, are checked by the caller.)"""
+    (an nn.Sequential, checked when it is built), its pipelines replicated by plain data parallelism over dp, a
+    fixed number of equal micro-batches, no heal. (The layout's own numbers, stages against layers and
+    micro-batches, are checked by the caller.)"""
     pp, model, strategy, parallel = degrees["pp"], config.model, config.comm.strategy, config.parallel
     where = f"[parallel] pp = {pp}"
     if model.factory is None and model.name != "transformer":
@@ -199,9 +200,6 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
     if config.dist.heal:
         raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 23); leave out "
                           "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
-    if config.checkpoint.sharded or config.checkpoint.async_:
-        raise ConfigError(f"{where} with sharded checkpoints: not built yet (issue 23); set checkpoint.sharded = "
-                          "false and checkpoint.async = false: the full checkpoint loads into any layout")
 
 
 def check_parallel(config: Config, world_size: int) -> dict[str, int]:

@@ -27,8 +27,8 @@ other strategy; the schedule does not scale gradients again. Each activation sha
 of an epoch; text of another width) gets its own stages and schedule, built once and kept.
 
 Limits of this first layout (refused in one line before any worker starts, config/parallel.py): the built-in
-transformer only, no tensor parallelism or sharded data parallelism beside it, full checkpoints only, no
---heal, no token budgets or automatic micro-batch shrinking. Every rank builds the whole model, keeps its
+transformer or a user's nn.Sequential, no tensor parallelism or sharded data parallelism beside it, no --heal,
+no token budgets or automatic micro-batch shrinking. Every rank builds the whole model, keeps its
 stages and moves the rest to the meta device (shapes without memory).
 """
 
@@ -439,9 +439,41 @@ class PipelineStrategy(ReplicatedStrategy):
         return {"state": local_state, "param_groups": groups}
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # Refused before any worker starts (config/parallel.py); here for a caller that did not check.
-        raise ConfigError("checkpoint.sharded with pp > 1 is not built yet; set checkpoint.sharded = false: the "
-                          "full checkpoint loads into any layout")
+        """This rank's stages' tensors for a sharded (DCP) checkpoint, named as the whole model's (torch's
+        ``get_state_dict`` over ``_view``): each pipeline rank writes its own stages, replicas' copies are written
+        once. The last stage's copy of the tied weight keeps its parameter name (``head.weight``, as the unsplit
+        model's state has it too) but its optimizer state is filed as the embedding's, the one entry an unsplit
+        model's optimizer has: the two are equal."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self._view(), optimizer)
+        if self._clone is not None:
+            _rename(optim_sd, "head.weight", "token_embedding.weight")
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              load: Callable[[dict[str, Any]], None]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self.checkpoint_state(model, optimizer)
+        load(state)
+        if self._clone is not None:
+            _rename(state["optimizer"], "token_embedding.weight", "head.weight")
+        set_state_dict(self._view(), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def _view(self) -> nn.Module:
+        """This rank's stages as one module named as the whole model (the blocks of several stages in one
+        ``blocks``)."""
+        view = nn.Module()
+        for module in self.modules:
+            for name, child in module.named_children():
+                if name == "blocks":
+                    if "blocks" not in view._modules:
+                        view.add_module("blocks", nn.ModuleDict())
+                    view.blocks.update(child)
+                else:
+                    view.add_module(name, child)
+        return view
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         params = self._own_parameters()
@@ -493,6 +525,13 @@ def _recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
     x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
     dist.recv(x, group_src=src, group=group)
     return x
+
+
+def _rename(optim_sd: dict[str, Any], old: str, new: str) -> None:
+    """An optimizer state in torch's FQN form (``get_state_dict``'s), one parameter's entry renamed."""
+    optim_sd["state"][new] = optim_sd["state"].pop(old)
+    for group in optim_sd["param_groups"]:
+        group["params"] = [new if name == old else name for name in group["params"]]
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -197,3 +197,35 @@ def test_a_model_a_pipeline_cannot_cut_is_one_line(tmp_path):
     assert ("pipeline parallelism cuts the built-in transformer or an nn.Sequential into stages, and this model is a "
             "MLP; build it as an nn.Sequential") in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_sharded_checkpoints_reshard_across_layouts_and_resume_bit_for_bit_at_their_own(tmp_path, runs):
+    # Sharded (DCP) checkpoints, saved in the background by a pipeline and by one worker: each pipeline rank writes
+    # its own stages under the whole model's names. The pipeline's step 10 resumed by one worker and by the same
+    # pipeline, the one worker's as a V: all end where the full-checkpoint oracle did, the same pipeline on the
+    # uninterrupted run's bits.
+    import shutil
+
+    sharded = ["checkpoint.sharded=true", "checkpoint.async=true"]
+    base = {"pp": tmp_path / "pp_base", "one": tmp_path / "one_base"}
+    results = run_clis(train(base["pp"], 2, *sharded), train(base["one"], 1, "parallel.pp=1", *sharded), timeout=400)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    resumes = {"into_one": ("pp", 1, ["parallel.pp=1"]), "into_same": ("pp", 2, []),
+               "into_v": ("one", 2, ["parallel.pp_schedule='zbv_zero_bubble'", *INTERLEAVED])}
+    commands = []
+    for name, (source, nproc, settings) in resumes.items():
+        shutil.copytree(base[source], tmp_path / name)
+        for later in (tmp_path / name / "checkpoints").glob("step_00000020.dcp*"):
+            shutil.rmtree(later) if later.is_dir() else later.unlink()
+        commands.append([*train(tmp_path / name, nproc, *sharded, *settings), "--resume"])
+    for result in run_clis(*commands, timeout=500):
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "resumed from step_00000010.dcp (step 10)" in result.stderr
+    for name in resumes:
+        mine = {r["step"]: r["loss"] for r in records(tmp_path / name, "train") if r["step"] > 10}
+        reference = {r["step"]: r["loss"] for r in records(runs["oracle"], "train") if r["step"] > 10}
+        assert sorted(mine) == sorted(reference)
+        assert all(mine[s] == pytest.approx(reference[s], rel=1e-5) for s in mine), name
+    assert summary(tmp_path / "into_same")["param_sha256"] == summary(base["pp"])["param_sha256"]
+    assert len(set(summary(tmp_path / "into_v")["param_sha256"])) == 1

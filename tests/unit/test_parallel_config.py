@@ -55,6 +55,7 @@ def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
     assert check_parallel(config({"dp_replicate": 2, "pp": -1}), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 1,
                                                                         "pp": 2}
     assert check_parallel(config({"pp": 2, "stages_per_rank": 2, "pp_schedule": "zbv_zero_bubble"}), 2)["pp"] == 2
+    assert check_parallel(config({"pp": 2}, checkpoint={"sharded": True, "async": True}), 2)["pp"] == 2
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
@@ -69,7 +70,6 @@ def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
     ({"pp": 2}, "ddp", {"train": {"max_tokens": 512}}, 2, r"pp = 2 with train.max_tokens = 512: .* leave "
                                                           r"train.max_tokens unset"),
     ({"pp": 2}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"pp = 2 with train.auto_micro_batch"),
-    ({"pp": 2}, "ddp", {"checkpoint": {"sharded": True}}, 2, r"pp = 2 with sharded checkpoints: not built yet"),
     ({"pp": 2}, "ddp", {"dist": {"heal": True}}, 2, r"pp = 2 with --heal: healing a split model"),
     ({"pp": 2, "stages_per_rank": 2, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 5}, "ddp", {}, 2,
      r"'interleaved_1f1b' runs micro-batches in rounds of pp \(2\), but pp_microbatches = 5; set it to a multiple"),
