@@ -177,13 +177,18 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where}: pipeline parallelism cuts the built-in transformer (model.name = 'transformer') "
                           f"or a model of your own that is an nn.Sequential (model.factory, fit) into stages, not "
                           f"model.name = '{model.name}'; set pp = 1")
-    if strategy != "ddp":
-        raise ConfigError(f"{where} with comm.strategy = '{strategy}': the pipelines' replicas are averaged by one "
-                          "all-reduce over the data-parallel ranks (as DDP does); sharding (zero, fsdp), 'manual' and "
-                          "'diloco' beside a pipeline are not built yet (issue 23); set comm.strategy = 'ddp'")
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
+                          "replicate it (its gradients averaged by one all-reduce, 'ddp') or shard its stages (FSDP2, "
+                          "'fsdp'); zero1/2/3, 'manual' and 'diloco' beside a pipeline are not built yet (issue 23); "
+                          "set comm.strategy = 'ddp' or 'fsdp'")
     if config.comm.algorithm != "torch":
         raise ConfigError(f"{where} with comm.algorithm = '{config.comm.algorithm}': the replicas' gradients are "
                           "all-reduced by the backend itself so far; set comm.algorithm = 'torch'")
+    if strategy == "fsdp" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
+        raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first "
+                          "and last stages on one rank, where they share the tied embedding, which FSDP2 cannot shard "
+                          "in two modules; use '1f1b' or 'interleaved_1f1b', or comm.strategy = 'ddp'")
     if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         microbatches = parallel.pp_microbatches or pp * parallel.stages_per_rank
         if microbatches % pp:

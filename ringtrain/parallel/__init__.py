@@ -82,11 +82,11 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
     ``mesh``: a (dp, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
     dp when dp > 1 (the config checks refused every other data-parallel strategy beside it); a (dp, pp) mesh
     (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule, its replicas
-    averaged over dp."""
+    averaged over dp (ddp) or its stages sharded over dp (fsdp)."""
     if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
         parallel = parallel or ParallelConfig()
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
-                                stages_per_rank=parallel.stages_per_rank)
+                                stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp")
     if mesh is not None:
         return TensorParallelStrategy(device, mesh)
     if config.algorithm == "shm" and device.type != "cpu":

@@ -48,7 +48,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.group.init import DistContext
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
-from ringtrain.parallel.fsdp import _broadcast_from_rank0
+from ringtrain.parallel.fsdp import _broadcast_from_rank0, _full, _local, _shard_like
 
 __all__ = ["PipelineStrategy", "TransformerStage", "stage_indices", "pipeline_mesh_context", "SCHEDULES"]
 
@@ -140,10 +140,9 @@ class PipelineStrategy(ReplicatedStrategy):
     gradients_replicated = False
     pipelined = True
     splits_model = True
-    forward_is_collective = True
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
-                 stages_per_rank: int = 1):
+                 stages_per_rank: int = 1, shard: bool = False):
         self.device = device
         self.mesh = mesh
         self.pp, self.dp = mesh["pp"].size(), mesh["dp"].size()
@@ -154,13 +153,19 @@ class PipelineStrategy(ReplicatedStrategy):
         self.stages_per_rank = stages_per_rank
         self.microbatches = microbatches or self.stages
         self.indices = stage_indices(self.pp_rank, self.pp, stages_per_rank, schedule)
-        self.name = "pp" if self.dp == 1 else "ddp+pp"
+        self.shard = shard and self.dp > 1
+        """FSDP2 over mesh['dp'] on every stage (each replica holds 1/dp of its stages' state)."""
+        self.forward_is_collective = self.shard
+        """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
+        activations, which ``forward`` arranges."""
+        self.name = "pp" if self.dp == 1 else "fsdp+pp" if self.shard else "ddp+pp"
         self.comm_timer = CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
         self.modules: list[nn.Module] = []
         self._full: nn.Module | None = None
         self._tied = False
         """The built-in transformer: its output layer is its token embedding."""
+        self._parameter_names: list[str] = []
         self._clone: nn.Parameter | None = None
         """The last stage's copy of the tied embedding weight, when the first stage is on another rank."""
         self._tie_group: dist.ProcessGroup | None = None
@@ -185,7 +190,12 @@ class PipelineStrategy(ReplicatedStrategy):
         model.to(self.device)
         _broadcast_from_rank0(model)  # every rank keeps its stages of one copy
         self._full = model
+        self._parameter_names = [name for name, _ in model.named_parameters()]  # the tied weight once
         self._tied = isinstance(model, TransformerLM)
+        if self.shard and self._tied and 0 in self.indices and self.stages - 1 in self.indices:
+            raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = '{self.schedule}': the first and "
+                              "last stages on one rank share the tied embedding, which FSDP2 cannot shard in two "
+                              "modules; use another schedule (1f1b, interleaved_1f1b), or comm.strategy = 'ddp'")
         if self._tied:
             head = None
             if self.stages - 1 in self.indices and 0 not in self.indices:
@@ -197,7 +207,24 @@ class PipelineStrategy(ReplicatedStrategy):
             self._check_no_shared_parameters(model, where)
             self.modules = [SequentialStage(model, index, self.stages) for index in self.indices]
         self._release_other_stages()
+        if self.shard:
+            self._fully_shard()
         return nn.ModuleList(self.modules)
+
+    def _fully_shard(self) -> None:
+        """FSDP2 per block, then per stage, over mesh['dp'] (the pipeline's schedule drives its gradient sync:
+        torch's stages know FSDP modules). Sharding makes new parameters: the tied copy is looked up again."""
+        from torch.distributed.fsdp import fully_shard
+
+        for module in self.modules:
+            for block in (module.blocks.values() if isinstance(module, TransformerStage) else module.children()):
+                if any(True for _ in block.parameters()):
+                    fully_shard(block, mesh=self.mesh["dp"])
+            fully_shard(module, mesh=self.mesh["dp"])
+        if self._clone is not None:
+            self._clone = next(m for m in self.modules if m.is_last).head.weight
+        elif self._tied and 0 in self.indices:  # the whole model's output layer is still its embedding
+            self._full.head.weight = self._full.token_embedding.weight
 
     def _check_no_shared_parameters(self, model: nn.Sequential, where: str) -> None:
         owner: dict[int, int] = {}
@@ -337,8 +364,8 @@ class PipelineStrategy(ReplicatedStrategy):
                 param.grad = torch.zeros_like(param)
         if self._tie_group is not None:
             tied = self._clone if self._clone is not None else self._full.token_embedding.weight
-            dist.all_reduce(tied.grad, group=self._tie_group)
-        if self.dp > 1:
+            dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
+        if self.dp > 1 and not self.shard:  # (FSDP2 reduce-scattered them in the schedule's last backward)
             grads = [p.grad for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.dp_group)
@@ -371,25 +398,26 @@ class PipelineStrategy(ReplicatedStrategy):
         counted = [p for p in params if p is not self._clone and p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for param in counted:
-            squares += param.grad.detach().double().pow(2).sum()
-        dist.all_reduce(squares, group=self.pp_group)
+            squares += _local(param.grad).detach().double().pow(2).sum()
+        # Replicas hold the same gradients (the pipeline's ranks); shards hold parts of them (every rank).
+        dist.all_reduce(squares, group=None if self.shard else self.pp_group)
         norm = squares.sqrt().float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for param in params:
             if param.grad is not None:
-                param.grad.mul_(coef.to(param.grad.dtype))
+                _local(param.grad).mul_(coef.to(param.grad.dtype))
         return norm
 
     def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        names = {name for name, _ in self._full.named_parameters()}  # the tied weight once, as torch names it
+        names = set(self._parameter_names)  # the tied weight once, as torch names it
         return {name: value for name, value in self.model_state_dict(model).items() if name in names}
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank: each pipeline rank's stages, gathered over the pipeline (as
         pickled CPU tensors: a model that fits one process's memory, as the full checkpoint does anyway)."""
         mine = {}
-        for module in self.modules:
-            mine.update({name: value.detach().cpu() for name, value in module.state_dict().items()})
+        for module in self.modules:  # (FSDP2's shards gathered over the replicas: every rank calls this)
+            mine.update({name: _full(value).detach().cpu() for name, value in module.state_dict().items()})
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, mine, group=self.pp_group)
         merged = {name: value for part in parts for name, value in part.items()}
@@ -402,7 +430,7 @@ class PipelineStrategy(ReplicatedStrategy):
             for module in self.modules:
                 for name, tensor in module.state_dict(keep_vars=True).items():
                     source = state["token_embedding.weight"] if self._tied and name == "head.weight" else state[name]
-                    tensor.copy_(source)
+                    _local(tensor).copy_(_local(_shard_like(source.to(self.device), tensor)))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """torch's form of one optimizer over the whole model: every rank's states by parameter name, gathered
@@ -410,8 +438,8 @@ class PipelineStrategy(ReplicatedStrategy):
         local = optimizer.state_dict()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         names = self._names
-        mine = {names[id(params[int(i)])]: entry for i, entry in local["state"].items()
-                if params[int(i)] is not self._clone}
+        mine = {names[id(params[int(i)])]: {key: _full(value) for key, value in entry.items()}
+                for i, entry in local["state"].items() if params[int(i)] is not self._clone}
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, _to_cpu(mine), group=self.pp_group)
         by_name = {name: entry for part in parts for name, entry in part.items()}
@@ -432,7 +460,9 @@ class PipelineStrategy(ReplicatedStrategy):
             for param in group["params"]:
                 name = "token_embedding.weight" if param is self._clone else names[id(param)]
                 if name in full:
-                    local_state[offset] = _to_device(full[name], self.device)
+                    local_state[offset] = {key: _shard_like(value.to(self.device), param)
+                                           if isinstance(value, torch.Tensor) and value.shape == param.shape else value
+                                           for key, value in full[name].items()}
                 indices.append(offset)
                 offset += 1
             groups.append({**full_group, "params": indices})
@@ -477,9 +507,9 @@ class PipelineStrategy(ReplicatedStrategy):
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         params = self._own_parameters()
-        yield from params
-        yield from (p.grad for p in params if p.grad is not None)
-        yield from optimizer_tensors(optimizer)
+        yield from (_local(p) for p in params)
+        yield from (_local(p.grad) for p in params if p.grad is not None)
+        yield from (_local(t) for t in optimizer_tensors(optimizer))
 
     # --- evaluation ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -487,7 +517,8 @@ class PipelineStrategy(ReplicatedStrategy):
         """One batch through the stages in order, without a schedule (evaluation): each stage receives its
         input from the previous one's rank and sends its output on. The logits on the rank of the last stage,
         None on the others. Every rank of the pipeline calls it with the same batch."""
-        x = inputs
+        rows = len(inputs)
+        x = inputs = _pad_rows(inputs, max(rows, 1))  # a replica with no batch left still runs the stages' gathers
         for stage in range(self.stages):
             holder, before = self._stage_rank(stage), self._stage_rank(stage - 1) if stage else None
             if before is not None and before != holder:  # the activation crosses ranks
@@ -497,7 +528,7 @@ class PipelineStrategy(ReplicatedStrategy):
                     _send_tensor(x, holder, self.pp_group)
             if holder == self.pp_rank:
                 x = self.modules[self.indices.index(stage)](x)
-        return x if self._stage_rank(self.stages - 1) == self.pp_rank else None
+        return x[:rows] if self._stage_rank(self.stages - 1) == self.pp_rank else None
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
@@ -545,14 +576,6 @@ def _to_cpu(value: Any) -> Any:
         return value.detach().cpu()
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
     return value
 
 

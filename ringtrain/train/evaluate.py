@@ -43,14 +43,15 @@ def evaluate(
     for metric in metrics.values():
         metric.reset()
     sums = torch.zeros(len(task.eval_fields), dtype=torch.float64, device=device)
+    run = forward if forward is not None else (lambda inputs: call_model(module, inputs))
     for inputs, targets in _equal_counts(loader) if collective_forward else loader:
         if len(targets) == 0:
             if collective_forward:
-                call_model(module, to_device(inputs, device))
+                run(to_device(inputs, device))
             continue
         targets = targets.to(device)
         with autocast():
-            outputs = call_model(module, to_device(inputs, device)) if forward is None else forward(to_device(inputs, device))
+            outputs = run(to_device(inputs, device))
         if outputs is None:
             continue
         sums += task.eval_sums(outputs, targets).to(device)

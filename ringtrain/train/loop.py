@@ -217,7 +217,7 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
             pipelined = getattr(strategy, "pipelined", False)  # its last stages hold the sums: add over all ranks
             metrics = evaluate(
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
-                self.parts.metrics, collective_forward=strategy.forward_is_collective and not pipelined,
+                self.parts.metrics, collective_forward=strategy.forward_is_collective,
                 group=None if pipelined else self.ctx.dp_group, forward=strategy.forward if pipelined else None,
             )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})

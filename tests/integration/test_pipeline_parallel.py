@@ -55,6 +55,13 @@ def assert_same_run(run_dir: Path, oracle: Path, steps: range = range(1, STEPS +
     print(f"{run_dir.name}: largest parameter difference from one worker {worst:.2e}")
     assert worst < 1e-5
     assert split["head.weight"].equal(split["token_embedding.weight"])  # the tied weight's two copies stayed one
+    # The optimizer state is the unsplit model's too: its parameters numbered alike, AdamW's moments close.
+    mine_opt, whole_opt = (torch.load(d / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)["optimizer"]
+                           for d in (run_dir, oracle))
+    assert [g["params"] for g in mine_opt["param_groups"]] == [g["params"] for g in whole_opt["param_groups"]]
+    assert mine_opt["state"].keys() == whole_opt["state"].keys()
+    assert all((mine_opt["state"][i]["exp_avg"] - whole_opt["state"][i]["exp_avg"]).abs().max() < 1e-6
+               for i in whole_opt["state"])
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +101,27 @@ def test_every_other_schedule_trains_as_one_worker(tmp_path, runs):
         assert_same_run(run_dir, runs["oracle"])
 
 
-def test_two_pipelines_on_four_workers_train_as_one_worker_and_deal_each_sample_once(tmp_path, runs):
-    # 16 micro-batches of a share of 15 sequences: 15 of one sequence and one of none (padding only).
-    run_dir = tmp_path / "ddp_pp"
-    result = run_cli(*train(run_dir, 4, "parallel.pp_microbatches=16"), timeout=400)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert_same_run(run_dir, runs["oracle"])
-    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()[1:]]
-    assert {r["world_size"] for r in ledger} == {2}  # two data-parallel ranks, each a pipeline of two
-    reports = check_ledger(run_dir / "ledger.jsonl")
-    assert reports and all(r.exactly_once for r in reports)
-    done = summary(run_dir)
-    assert done["world_size"] == 4 and len(set(done["param_sha256"])) == 1
+def test_two_pipelines_on_four_workers_replicated_or_sharded_train_as_one_worker_and_deal_each_sample_once(
+        tmp_path, runs):
+    # Replicas (ddp: their gradients averaged) with 16 micro-batches of a share of 15 sequences: 15 of one sequence
+    # and one of none (padding only); FSDP2 on the data-parallel dimension (each stage's state sharded over the two
+    # pipelines) with 1F1B's interleaved cousin, two stages a rank.
+    dirs = {"ddp_pp": tmp_path / "ddp_pp", "fsdp_pp": tmp_path / "fsdp_pp"}
+    results = run_clis(train(dirs["ddp_pp"], 4, "parallel.pp_microbatches=16"),
+                       train(dirs["fsdp_pp"], 4, "comm.strategy='fsdp'", "parallel.pp_schedule='interleaved_1f1b'",
+                             *INTERLEAVED), timeout=500)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    for run_dir in dirs.values():
+        assert_same_run(run_dir, runs["oracle"])
+        ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()[1:]]
+        assert {r["world_size"] for r in ledger} == {2}  # two data-parallel ranks, each a pipeline of two
+        reports = check_ledger(run_dir / "ledger.jsonl")
+        assert reports and all(r.exactly_once for r in reports)
+        done = summary(run_dir)
+        assert done["world_size"] == 4 and len(set(done["param_sha256"])) == 1
+    # FSDP2 holds half of each stage's parameters, gradients and AdamW moments on each of the two replicas.
+    assert summary(dirs["fsdp_pp"])["model_state_mb"] < 0.6 * summary(dirs["ddp_pp"])["model_state_mb"]
 
 
 def test_full_checkpoints_cross_layouts_and_resume_bit_for_bit_at_their_own(tmp_path, runs):

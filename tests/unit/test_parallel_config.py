@@ -56,12 +56,15 @@ def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
                                                                         "pp": 2}
     assert check_parallel(config({"pp": 2, "stages_per_rank": 2, "pp_schedule": "zbv_zero_bubble"}), 2)["pp"] == 2
     assert check_parallel(config({"pp": 2}, checkpoint={"sharded": True, "async": True}), 2)["pp"] == 2
+    assert check_parallel(config({"pp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
-    ({"pp": 2}, "fsdp", {}, 4, r"^\[parallel\] pp = 2 with comm.strategy = 'fsdp': the pipelines' replicas are "
-                               r"averaged by one all-reduce .* set comm.strategy = 'ddp'"),
+    ({"pp": 2}, "zero2", {}, 4, r"^\[parallel\] pp = 2 with comm.strategy = 'zero2': beside a pipeline the "
+                                r"data-parallel ranks either replicate it .* set comm.strategy = 'ddp' or 'fsdp'"),
     ({"pp": 2}, "diloco", {}, 2, r"pp = 2 with comm.strategy = 'diloco'"),
+    ({"pp": 2, "pp_schedule": "zbv_zero_bubble", "stages_per_rank": 2}, "fsdp", {}, 4,
+     r"pp = 2 with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first and last stages"),
     ({"pp": 2, "tp": 2}, "fsdp", {}, 4, r"tp = 2 with pp = 2: tensor and pipeline parallelism together are not built"),
     ({"pp": 2}, "ddp", {"comm": {"strategy": "ddp", "algorithm": "shm"}}, 2, r"comm.algorithm = 'shm'"),
     ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
