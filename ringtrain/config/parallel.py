@@ -133,7 +133,7 @@ def resolve_degrees(parallel: ParallelConfig, strategy: str, world_size: int) ->
 
 def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What tensor parallelism (``parallel/tensor.py``) runs with: the built-in transformer (the model with a
-    plan), whole heads per rank, FSDP2 on a data-parallel dimension, full checkpoints, no heal."""
+    plan), whole heads per rank, FSDP2 on a data-parallel dimension, no heal."""
     tp, model, strategy = degrees["tp"], config.model, config.comm.strategy
     where = f"[parallel] tp = {tp}"
     if model.factory is not None or model.name != "transformer":
@@ -161,9 +161,6 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     if config.dist.heal:
         raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 23); leave out "
                           "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
-    if config.checkpoint.sharded or config.checkpoint.async_:
-        raise ConfigError(f"{where} with sharded checkpoints: not built yet (issue 23); set checkpoint.sharded = "
-                          "false and checkpoint.async = false: the full checkpoint loads into any layout")
 
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -102,9 +102,29 @@ class TensorParallelStrategy(FSDPStrategy):
         return super().shard_optimizer_state(optimizer, ranked)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # Refused before any worker starts (config/parallel.py); here for a caller that did not check.
-        raise ConfigError("checkpoint.sharded with tp > 1 is not built yet (the qkv rows are in rank order); "
-                          "set checkpoint.sharded = false: the full checkpoint loads into any layout")
+        """This rank's slices for a sharded (DCP) checkpoint, in the unsplit model's order: every DTensor as it
+        is (DCP writes each shard at its offsets, replicated ones once) except the qkv layers' and their
+        optimizer moments, whose rows are in rank order here: those are gathered, put back in q | k | v order
+        and cut again evenly on the same mesh (a natural-order DTensor each rank writes one stretch of). So a
+        tp2 x dp2 checkpoint loads at dp4, pp2 or one worker, and theirs here (DCP reshards)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.unwrap(model), optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        for name, moments, value in _fused_entries(state):
+            moments[name] = _recut(value, _to_natural(_full(value), self.tp))
+        return state
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              load: Callable[[dict[str, Any]], None]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self.checkpoint_state(model, optimizer)  # natural-order qkv stretches to read into
+        load(state)
+        for name, moments, value in _fused_entries(state):
+            moments[name] = _recut(value, _to_ranks(_full(value), self.tp))
+        set_state_dict(self.unwrap(model), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
 
     def _natural(self, name: str, value: torch.Tensor) -> torch.Tensor:
         return _to_natural(value, self.tp) if name.endswith(_FUSED) and isinstance(value, torch.Tensor) else value
@@ -164,6 +184,32 @@ def parallelize_transformer(model: nn.Module, mesh: Any) -> None:
                 replicated[id(param)] = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
                                                      requires_grad=param.requires_grad)
             module._parameters[name] = replicated[id(param)]
+
+
+def _fused_entries(state: dict[str, Any]):
+    """(key, the dict holding it, value) for every qkv tensor of a ``get_state_dict`` pair: the model's
+    parameters and each of their optimizer entries' tensors (AdamW's moments; ``step`` is a scalar)."""
+    model_sd, optim_sd = state["model"], state["optimizer"]
+    # get_state_dict's optimizer entries are the optimizer's own dicts: the fused ones are copied before their
+    # moments are swapped for natural-order ones (else the swap would reach the optimizer's next step).
+    optim_sd["state"] = {name: dict(entry) if name.endswith(_FUSED) else entry
+                         for name, entry in optim_sd["state"].items()}
+    found = [(name, model_sd, value) for name, value in model_sd.items() if name.endswith(_FUSED)]
+    for name, entry in optim_sd["state"].items():
+        if name.endswith(_FUSED):
+            found += [(key, entry, value) for key, value in entry.items()
+                      if isinstance(value, torch.Tensor) and value.dim() > 0]
+    return found
+
+
+def _recut(like: Any, full: torch.Tensor) -> Any:
+    """``full`` laid out as the DTensor ``like`` is (same mesh and placements, each rank cutting its own piece,
+    no communication), or ``full`` itself where ``like`` is a plain tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.detach(), like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _to_ranks(full: torch.Tensor, tp: int) -> torch.Tensor:

@@ -59,6 +59,12 @@ def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
     assert check_parallel(config({"pp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
 
 
+def test_tensor_parallelism_takes_sharded_checkpoints():
+    sharded = {"sharded": True, "async": True}
+    assert check_parallel(config({"tp": 2}, "fsdp", checkpoint=sharded), 4) == {"dp_replicate": 1, "dp_shard": 2,
+                                                                                 "tp": 2, "pp": 1}
+
+
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
     ({"pp": 2}, "zero2", {}, 4, r"^\[parallel\] pp = 2 with comm.strategy = 'zero2': beside a pipeline the "
                                 r"data-parallel ranks either replicate it .* set comm.strategy = 'ddp' or 'fsdp'"),
@@ -95,7 +101,6 @@ def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
     ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
     ({"tp": 2}, "fsdp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
      r"a plan for the built-in transformer \(model.name = 'transformer'\) only, not for model.name = 'mlp'"),
-    ({"tp": 2}, "fsdp", {"checkpoint": {"sharded": True}}, 2, r"tp = 2 with sharded checkpoints: not built yet"),
     ({"tp": -1}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"tp = 2 with train.auto_micro_batch"),
 ])
 def test_what_tensor_parallelism_cannot_run_with_is_one_line(parallel, strategy, sections, world_size, words):
