@@ -63,6 +63,7 @@ def fit(
     lr_scheduler: Callable[[Any], Any] | None = None,
     run_dir: str | Path | None = None,
     resume: bool | str | Path = False,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> FitResult:
     """Train ``model`` on ``train_data`` with every ringtrain guarantee; return the run's summary with the
     trained model (``FitResult``: the summary dict, and ``.model``), on every rank.
@@ -91,6 +92,11 @@ def fit(
     - ``resume``: ``True`` continues the run directory's newest valid checkpoint (``--resume``), a checkpoint
       path starts this run from it (``--resume-from``); the variable ``RINGTRAIN_RESUME`` (``resume`` or
       ``from:PATH``) asks the same. A run that finished already is left as it is: its summary is returned.
+    - ``tp_plan``: with ``{"parallel": {"tp": N}}``, how the model splits over N ranks: module paths (``*`` for
+      any one name) to ``"colwise"`` (an ``nn.Linear`` split by output features), ``"rowwise"`` (by input
+      features, its output all-reduced) or a torch ``ParallelStyle``, as ``parallelize_module`` takes them.
+      Default: the model's own plan (ringtrain's transformer; a Hugging Face model whose config declares
+      ``base_model_tp_plan``, such as Llama).
 
     A bad input (config, part, checkpoint) ends the process with one line, ``ringtrain: error: ...``, and
     exit code 2 (``SystemExit``), as ``ringtrain train`` does; an exception of the user's own code ends it
@@ -112,7 +118,7 @@ def fit(
                               "training as a job of its own, or drop --heal")
         resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction, run_dir, call)
         parts = UserParts.checked(model, train_data, eval_data, loss, loss_reduction, count_items, metrics,
-                                  optimizer, collate_fn, lr_scheduler)
+                                  optimizer, collate_fn, lr_scheduler, tp_plan)
         if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
             return FitResult(run_joined_training(resolved, env, user=parts))
         validate_for_world_size(resolved, env.world_size)

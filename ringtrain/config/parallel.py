@@ -132,16 +132,16 @@ def resolve_degrees(parallel: ParallelConfig, strategy: str, world_size: int) ->
 
 
 def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
-    """What tensor parallelism (``parallel/tensor.py``) runs with: the built-in transformer (the model with a
-    plan), whole heads per rank, FSDP2 on a data-parallel dimension, no heal."""
+    """What tensor parallelism (``parallel/tensor.py``) runs with: the built-in transformer (whole heads per
+    rank) or a model of your own (its plan checked when it is built), FSDP2 on a data-parallel dimension, no
+    heal."""
     tp, model, strategy = degrees["tp"], config.model, config.comm.strategy
     where = f"[parallel] tp = {tp}"
-    if model.factory is not None or model.name != "transformer":
-        name = model.factory or f"model.name = '{model.name}'"
-        raise ConfigError(f"{where}: tensor parallelism has a plan for the built-in transformer (model.name = "
-                          f"'transformer') only, not for {name}; set tp = 1 (plans for other models: not built yet, "
-                          "issue 23)")
-    if model.n_heads % tp:
+    if model.factory is None and model.name != "transformer":
+        raise ConfigError(f"{where}: tensor parallelism splits the built-in transformer (model.name = 'transformer') "
+                          f"or a model of your own with a plan (model.factory, fit(tp_plan=...), or a Hugging Face "
+                          f"model that declares one), not model.name = '{model.name}'; set tp = 1")
+    if model.factory is None and model.n_heads % tp:
         raise ConfigError(f"{where} does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
     if degrees["dp_replicate"] > 1:

@@ -14,7 +14,7 @@ pp`` (``pipeline.py``: torch's pipeline schedules over the built-in transformer'
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -76,11 +76,13 @@ class Strategy(Protocol):
 
 
 def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None,
-                   heal: bool = False, mesh=None, parallel: ParallelConfig | None = None) -> Strategy:
+                   heal: bool = False, mesh=None, parallel: ParallelConfig | None = None,
+                   tp_plan: Mapping[str, Any] | None = None) -> Strategy:
     """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None).
     ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so).
     ``mesh``: a (dp, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
-    dp when dp > 1 (the config checks refused every other data-parallel strategy beside it); a (dp, pp) mesh
+    dp when dp > 1 (the config checks refused every other data-parallel strategy beside it), split by
+    ``tp_plan`` (None: the model's own plan); a (dp, pp) mesh
     (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule, its replicas
     averaged over dp (ddp) or its stages sharded over dp (fsdp)."""
     if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
@@ -88,7 +90,7 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
                                 stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp")
     if mesh is not None:
-        return TensorParallelStrategy(device, mesh)
+        return TensorParallelStrategy(device, mesh, plan=tp_plan)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -39,7 +39,8 @@ from ringtrain.group.init import DistContext
 from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
 from ringtrain.parallel.units import block_units
 
-__all__ = ["TensorParallelStrategy", "parallelize_transformer", "mesh_context"]
+__all__ = ["TensorParallelStrategy", "apply_plan", "huggingface_plan", "mesh_context", "parallelize_transformer",
+           "user_plan"]
 
 _FUSED = ("attn.qkv.weight", "attn.qkv.bias")
 """Parameters whose rows are q | k | v (put in rank order at wrap, back in every full form)."""
@@ -53,35 +54,61 @@ class TensorParallelStrategy(FSDPStrategy):
     forward_is_collective = True
     splits_model = True
 
-    def __init__(self, device: torch.device, mesh: Any):
+    def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None):
         super().__init__(device)
         self.mesh = mesh
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp"].size()
         self.name = "tp" if self.dp == 1 else "fsdp+tp"
+        self.plan = plan
+        """A user's plan (``fit(tp_plan=...)``): module paths (``*`` for any one name) to "colwise", "rowwise" or
+        a torch ParallelStyle. None: the model's own (the built-in transformer's, or a Hugging Face model's)."""
+        self._suffixes: tuple[str, ...] = ()
+        """Names of the parameters whose rows are in rank order (the built-in transformer's qkv layers)."""
         self._fused: set[int] = set()
-        """ids of the parameters whose rows are in rank order (the qkv layers)."""
+        """ids of those parameters."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from ringtrain.models.transformer import TransformerLM
 
-        if not isinstance(model, TransformerLM):
-            raise ConfigError(f"[parallel] tp = {self.tp}: tensor parallelism has a plan for the built-in "
-                              f"transformer only, and this model is a {type(model).__name__}; set tp = 1 "
-                              "(plans for other models: not built yet, issue 23)")
+        builtin = self.plan is None and isinstance(model, TransformerLM)
+        plan = None if builtin else user_plan(self.plan) if self.plan is not None else huggingface_plan(model, self.tp)
+        if plan is None and not builtin:
+            raise ConfigError(f"[parallel] tp = {self.tp}: {type(model).__name__} has no tensor-parallel plan (plans "
+                              "are built in for ringtrain's transformer and Hugging Face models that declare one, "
+                              "such as Llama); pass fit(..., tp_plan={'layers.*.attn.q': 'colwise', ...}), or set "
+                              "tp = 1")
         # Quiet: DTensor warns on every clip that a 2-D norm takes two all-reduces (it does; they are small).
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         model.to(self.device)
         _broadcast_from_rank0(model)  # each rank cuts its slice from one copy
-        parallelize_transformer(model, self.mesh["tp"])
+        if builtin:
+            parallelize_transformer(model, self.mesh["tp"])
+            self._suffixes = _FUSED
+        else:
+            apply_plan(model, plan, self.mesh["tp"])
         if self.dp > 1:
             from torch.distributed.fsdp import fully_shard
 
             for block in block_units(model):
                 fully_shard(block, mesh=self.mesh["dp"])
             fully_shard(model, mesh=self.mesh["dp"])
-        self._fused = {id(p) for name, p in model.named_parameters() if name.endswith(_FUSED)}
+        self._fused = {id(p) for name, p in model.named_parameters() if self._is_fused(name)}
         return model
+
+    def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """torch's clip over the whole model's gradients, which may mix DTensors (split layers, on the tp or the
+        2-D mesh) and plain tensors (the layers a plan leaves whole, the same on every tp rank): the norm is
+        taken per mesh (DTensor reduces its shards) and the parts added."""
+        groups: dict[Any, list[nn.Parameter]] = {}
+        for param in self.unwrap(model).parameters():
+            if param.grad is not None:
+                groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+        norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups.values()]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
 
     # --- the full form: the unsplit model's (qkv rows back in q | k | v order) -----------------------------
     def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -111,7 +138,7 @@ class TensorParallelStrategy(FSDPStrategy):
 
         model_sd, optim_sd = get_state_dict(self.unwrap(model), optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        for name, moments, value in _fused_entries(state):
+        for name, moments, value in _fused_entries(state, self._is_fused):
             moments[name] = _recut(value, _to_natural(_full(value), self.tp))
         return state
 
@@ -121,16 +148,19 @@ class TensorParallelStrategy(FSDPStrategy):
 
         state = self.checkpoint_state(model, optimizer)  # natural-order qkv stretches to read into
         load(state)
-        for name, moments, value in _fused_entries(state):
+        for name, moments, value in _fused_entries(state, self._is_fused):
             moments[name] = _recut(value, _to_ranks(_full(value), self.tp))
         set_state_dict(self.unwrap(model), optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
 
+    def _is_fused(self, name: str) -> bool:
+        return bool(self._suffixes) and name.endswith(self._suffixes)
+
     def _natural(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        return _to_natural(value, self.tp) if name.endswith(_FUSED) and isinstance(value, torch.Tensor) else value
+        return _to_natural(value, self.tp) if self._is_fused(name) and isinstance(value, torch.Tensor) else value
 
     def _ranked(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        return _to_ranks(value, self.tp) if name.endswith(_FUSED) and isinstance(value, torch.Tensor) else value
+        return _to_ranks(value, self.tp) if self._is_fused(name) and isinstance(value, torch.Tensor) else value
 
     def _map_state(self, optimizer: torch.optim.Optimizer, state: dict, move) -> dict:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -186,17 +216,85 @@ def parallelize_transformer(model: nn.Module, mesh: Any) -> None:
             module._parameters[name] = replicated[id(param)]
 
 
-def _fused_entries(state: dict[str, Any]):
+STYLES = ("colwise", "rowwise")
+"""A plan's words: "colwise" splits an nn.Linear by output features (its output stays split: the next layer in
+the plan takes it whole-row), "rowwise" by input features, its output all-reduced (whole on every rank)."""
+
+
+def user_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """A user's plan checked: module paths to one of ``STYLES`` or a torch ``ParallelStyle``."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if not isinstance(plan, Mapping) or not plan:
+        raise ConfigError(f"tp_plan must be a dict of module paths to 'colwise', 'rowwise' or a torch ParallelStyle, "
+                          f"e.g. {{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}}; got {plan!r}")
+    for path, style in plan.items():
+        if not isinstance(path, str) or not (style in STYLES or isinstance(style, ParallelStyle)):
+            raise ConfigError(f"tp_plan[{path!r}] = {style!r}: each entry maps a module path to 'colwise', 'rowwise' "
+                              "or a torch.distributed.tensor.parallel ParallelStyle")
+    return dict(plan)
+
+
+def huggingface_plan(model: nn.Module, tp: int) -> dict[str, str] | None:
+    """The plan a Hugging Face model's config declares for its base model (``base_model_tp_plan``: Llama,
+    Mistral, Qwen2 and their kin), its paths made the whole model's; None when it declares none. Its heads
+    (and key-value heads) must divide by ``tp``; the output layer stays whole (no loss_parallel)."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        return None
+    name = type(model).__name__
+    other = sorted({style for style in plan.values() if style not in STYLES})
+    if other:
+        raise ConfigError(f"[parallel] tp = {tp}: {name}'s tensor-parallel plan uses {', '.join(other)}, which "
+                          "ringtrain does not apply yet (it applies 'colwise' and 'rowwise'); pass your own "
+                          "fit(..., tp_plan=...), or set tp = 1")
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if heads is not None and heads % tp:
+            raise ConfigError(f"[parallel] tp = {tp} does not divide {name}'s {field} ({heads}): each rank computes "
+                              f"whole heads; set tp to a divisor of {heads}")
+    base = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and getattr(model, base, None) is not None else ""
+    return {prefix + path: style for path, style in plan.items()}
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, Any], mesh: Any) -> None:
+    """``plan`` on ``model`` over the 1-D ``mesh`` (torch's ``parallelize_module``), each path checked first: it
+    names at least one module, and each it names is an ``nn.Linear`` (or the plan gave a ParallelStyle)."""
+    import fnmatch
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    names = dict(model.named_modules())
+    styles = {}
+    for path, style in plan.items():
+        # torch's wildcard: '*' stands for one name (no dots).
+        matched = [n for n in names if fnmatch.fnmatchcase(n, path) and n.count(".") == path.count(".")]
+        if not matched:
+            raise ConfigError(f"tp_plan: {path!r} names no module of {type(model).__name__} (its modules are named like "
+                              f"{', '.join(list(names)[1:4])}, ...); fix the path ('*' stands for one name)")
+        if isinstance(style, str):
+            wrong = [n for n in matched if not isinstance(names[n], nn.Linear)]
+            if wrong:
+                raise ConfigError(f"tp_plan: {path!r} -> '{style}' needs nn.Linear layers, but {wrong[0]} is a "
+                                  f"{type(names[wrong[0]]).__name__}; give that entry a torch ParallelStyle that "
+                                  "handles it, or leave the layer whole")
+            style = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+        styles[path] = style
+    parallelize_module(model, mesh, styles)
+
+
+def _fused_entries(state: dict[str, Any], is_fused: Callable[[str], bool]):
     """(key, the dict holding it, value) for every qkv tensor of a ``get_state_dict`` pair: the model's
     parameters and each of their optimizer entries' tensors (AdamW's moments; ``step`` is a scalar)."""
     model_sd, optim_sd = state["model"], state["optimizer"]
     # get_state_dict's optimizer entries are the optimizer's own dicts: the fused ones are copied before their
     # moments are swapped for natural-order ones (else the swap would reach the optimizer's next step).
-    optim_sd["state"] = {name: dict(entry) if name.endswith(_FUSED) else entry
-                         for name, entry in optim_sd["state"].items()}
-    found = [(name, model_sd, value) for name, value in model_sd.items() if name.endswith(_FUSED)]
+    optim_sd["state"] = {name: dict(entry) if is_fused(name) else entry for name, entry in optim_sd["state"].items()}
+    found = [(name, model_sd, value) for name, value in model_sd.items() if is_fused(name)]
     for name, entry in optim_sd["state"].items():
-        if name.endswith(_FUSED):
+        if is_fused(name):
             found += [(key, entry, value) for key, value in entry.items()
                       if isinstance(value, torch.Tensor) and value.dim() > 0]
     return found

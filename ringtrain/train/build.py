@@ -62,7 +62,7 @@ def build_trainer(
     elif degrees["pp"] > 1:
         ctx, mesh = pipeline_mesh_context(ctx, degrees["pp"])
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh,
-                              parallel=config.parallel)
+                              parallel=config.parallel, tp_plan=parts.tp_plan)
     if not joining:
         faults.point("train.wrap")
     wrapped = model if joining else strategy.wrap(model)

@@ -235,11 +235,12 @@ class StepGuard:
 
 
 def _grads_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return True
-    # One fused norm over all gradients: non-finite if any element is.
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:  # by mesh: a tensor-parallel model mixes DTensors and plain tensors
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    # One fused norm over each group's gradients: non-finite if any element is.
+    return all(bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))) for grads in groups.values())
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -47,6 +47,8 @@ class UserParts:
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     split: DatasetSplit | None = None
     """A built-in workload's data, with its facts (classes, input shape, the corpus's statistics)."""
+    tp_plan: dict[str, Any] | None = None
+    """How the model splits over tensor-parallel ranks (``fit(tp_plan=...)``); None: the model's own."""
 
     @classmethod
     def builtin(cls, config: Config) -> UserParts:
@@ -62,7 +64,8 @@ class UserParts:
 
     @classmethod
     def checked(cls, model, train_data, eval_data=None, loss="cross_entropy", loss_reduction="mean",
-                count_items=None, metrics=None, optimizer=None, collate_fn=None, lr_scheduler=None) -> UserParts:
+                count_items=None, metrics=None, optimizer=None, collate_fn=None, lr_scheduler=None,
+                tp_plan=None) -> UserParts:
         """Check each part; raise ConfigError naming the first that does not fit."""
         if not isinstance(model, nn.Module) and not callable(model):
             raise ConfigError(f"model must be an nn.Module or a zero-argument callable returning one, not "
@@ -85,7 +88,11 @@ class UserParts:
         if taken:
             raise ConfigError(f"metrics[{sorted(taken)[0]!r}] would replace ringtrain's own evaluation result of that "
                               "name; give the metric another name")
-        return cls(model, train_data, eval_data, task, metrics, optimizer, collate_fn, lr_scheduler)
+        if tp_plan is not None:
+            from ringtrain.parallel.tensor import user_plan
+
+            tp_plan = user_plan(tp_plan)
+        return cls(model, train_data, eval_data, task, metrics, optimizer, collate_fn, lr_scheduler, tp_plan=tp_plan)
 
     @classmethod
     def from_config(cls, config: Config) -> UserParts:

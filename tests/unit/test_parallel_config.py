@@ -100,7 +100,7 @@ def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
     ({"tp": -1}, "diloco", {}, 2, r"tp = 2 with comm.strategy = 'diloco'"),
     ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
     ({"tp": 2}, "fsdp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
-     r"a plan for the built-in transformer \(model.name = 'transformer'\) only, not for model.name = 'mlp'"),
+     r"tensor parallelism splits the built-in transformer \(model.name = 'transformer'\) or a model of your own with a plan.*not model.name = 'mlp'"),
     ({"tp": -1}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"tp = 2 with train.auto_micro_batch"),
 ])
 def test_what_tensor_parallelism_cannot_run_with_is_one_line(parallel, strategy, sections, world_size, words):

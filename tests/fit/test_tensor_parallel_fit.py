@@ -1,0 +1,79 @@
+"""Tensor parallelism for models of a user's own, through fit() under `ringtrain run` (tests/fit/tp_code.py): a
+Hugging Face Llama built from a config, split by the plan its config declares, and a user's model split by the
+plan passed to fit(tp_plan=...), under FSDP2 x TP on four workers. Each trains as one worker does on the same
+batches: the loss at every step within rtol 1e-5, the closing evaluation alike, the parameters after the run
+within 1e-5, with the gradient clipped (the norm spans the split layers' DTensors and the whole layers' plain
+tensors). A model with no plan, and a plan path that names no module, are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_clis
+
+STEPS = 6
+SCRIPT = "tests/fit/tp_code.py"
+CONFIG = {"train": {"precision": "fp32", "max_steps": STEPS, "global_batch_size": 16, "local_batch_size": 8,
+                    "lr": 0.01, "grad_clip_norm": 0.5},
+          "monitor": {"log_every_steps": 1}, "checkpoint": {"every_steps": STEPS}}
+
+
+def fit_run(run_dir: Path, case: str, nproc: int, **sections) -> list[str]:
+    config = {**CONFIG, **sections}
+    return ["run", SCRIPT, "--nproc", str(nproc), "--run-dir", str(run_dir), "--", "--case", case,
+            "--config", json.dumps(config)]
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("type") == kind]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_same_run(run_dir: Path, oracle: Path) -> None:
+    mine = {r["step"]: r["loss"] for r in records(run_dir, "train")}
+    reference = {r["step"]: r["loss"] for r in records(oracle, "train")}
+    assert sorted(mine) == list(range(1, STEPS + 1))
+    for step in mine:
+        assert mine[step] == pytest.approx(reference[step], rel=1e-5), f"{run_dir.name} step {step}"
+    evaluated, expected = records(run_dir, "eval")[-1], records(oracle, "eval")[-1]
+    assert evaluated["count"] == expected["count"] and evaluated["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    split, whole = (torch.load(d / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)["model"]
+                    for d in (run_dir, oracle))
+    assert split.keys() == whole.keys()
+    worst = max((split[k] - whole[k]).abs().max().item() for k in whole)
+    print(f"{run_dir.name}: largest parameter difference from one worker {worst:.2e}")
+    assert worst < 1e-5
+    assert len(set(summary(run_dir)["param_sha256"])) == 1  # every rank gathers the same full model
+
+
+def test_a_huggingface_llama_and_a_users_plan_train_as_one_worker(tmp_path):
+    runs = {"llama_one": ("llama", 1, {}), "llama_tp2": ("llama", 2, {"parallel": {"tp": 2}}),
+            "mixer_one": ("mixer", 1, {}),
+            "mixer_fsdp_tp2": ("mixer", 4, {"parallel": {"tp": 2}, "comm": {"strategy": "fsdp"}})}
+    results = run_clis(*(fit_run(tmp_path / name, case, nproc, **sections)
+                         for name, (case, nproc, sections) in runs.items()), timeout=500)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_run(tmp_path / "llama_tp2", tmp_path / "llama_one")
+    assert_same_run(tmp_path / "mixer_fsdp_tp2", tmp_path / "mixer_one")
+    # The split layers' weights are halved on each rank (Llama: attention and MLP; the embeddings stay whole).
+    assert summary(tmp_path / "llama_tp2")["model_state_mb"] < 0.8 * summary(tmp_path / "llama_one")["model_state_mb"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("gpt2", "[parallel] tp = 2: GPT2LMHeadModel has no tensor-parallel plan"),
+    ("typo", "tp_plan: 'blocks.*.upp' names no module of Mixer"),
+])
+def test_a_model_without_a_plan_or_a_plan_that_names_nothing_is_one_line(tmp_path, case, words):
+    [result] = run_clis(fit_run(tmp_path / "run", case, 2, parallel={"tp": 2}), timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: error:")]
+    assert errors and all(words in line for line in errors), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
