@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -67,6 +68,12 @@ class TensorParallelStrategy(FSDPStrategy):
         """Names of the parameters whose rows are in rank order (the built-in transformer's qkv layers)."""
         self._fused: set[int] = set()
         """ids of those parameters."""
+        self._waits = CollectiveWaits()
+
+    def collective_wait_s(self) -> float:
+        """Seconds this rank waited for the split layers' collectives (DTensor's all-reduces in forward and
+        backward) since the last call: the step's ``tp_comm`` phase."""
+        return self._waits.take()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from ringtrain.models.transformer import TransformerLM
@@ -94,6 +101,7 @@ class TensorParallelStrategy(FSDPStrategy):
                 fully_shard(block, mesh=self.mesh["dp"])
             fully_shard(model, mesh=self.mesh["dp"])
         self._fused = {id(p) for name, p in model.named_parameters() if self._is_fused(name)}
+        self._waits.install()
         return model
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
@@ -216,7 +224,41 @@ def parallelize_transformer(model: nn.Module, mesh: Any) -> None:
             module._parameters[name] = replicated[id(param)]
 
 
-STYLES = ("colwise", "rowwise")
+class CollectiveWaits:
+    """Time spent waiting for torch's functional collectives, which DTensor issues asynchronously and waits
+    for at the first use of their result (``_functional_collectives.wait_tensor``, wrapped once per process):
+    on Gloo the all-reduce runs on the backend's thread meanwhile, so the wait is its exposed part."""
+
+    _total = 0.0
+    _installed = False
+
+    def __init__(self) -> None:
+        self._taken = CollectiveWaits._total
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import torch.distributed._functional_collectives as funcol
+
+        wait = funcol.wait_tensor
+
+        def timed_wait(tensor: torch.Tensor) -> torch.Tensor:
+            start = time.perf_counter()
+            try:
+                return wait(tensor)
+            finally:
+                cls._total += time.perf_counter() - start
+
+        funcol.wait_tensor = timed_wait
+        cls._installed = True
+
+    def take(self) -> float:
+        """Seconds waited since the last take (or since this timer was made)."""
+        total = CollectiveWaits._total
+        waited, self._taken = total - self._taken, total
+        return waited
+
 """A plan's words: "colwise" splits an nn.Linear by output features (its output stays split: the next layer in
 the plan takes it whole-row), "rowwise" by input features, its output all-reduced (whole on every rank)."""
 

@@ -83,8 +83,13 @@ class GradientStep:
             return self._pipeline(self._plan(batch, window))
         if not self.batcher.recoverable:
             plan = self._plan(batch, window)
+            waits = getattr(self.strategy, "collective_wait_s", None)
+            if waits is not None:
+                waits()  # what came before this step's passes (evaluation, the last step's clip) is not its
             with self.clock.phase("forward_backward"):
                 loss_sum = self._accumulate(plan, self.model, step, before_sync)
+            if waits is not None:  # tensor parallelism: the split layers' all-reduces inside the passes
+                self.clock.move("forward_backward", "tp_comm", waits())
             self._book_exposed_communication()
             return loss_sum, plan.global_items
         buffers = BufferSnapshot(self.module)

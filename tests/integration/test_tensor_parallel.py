@@ -78,6 +78,11 @@ def test_tp2_trains_as_one_worker_step_for_step_with_half_the_block_weights_each
     assert summaries["tp_ac"]["activation_checkpointing"]["blocks"] == 2
     # Each rank holds half of every block's matrices (and the whole embeddings and norms).
     assert summaries["tp"]["model_state_mb"] < 0.75 * whole["model_state_mb"]
+    # The step breakdown books the split layers' all-reduces as their own phase, taken out of forward+backward.
+    trained = [json.loads(line) for line in (runs["tp"] / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in trained if r.get("type") == "train"]
+    assert all(0 < r["time/tp_comm_s"] < r["step_time_s"] for r in trained)
+    assert all("time/tp_comm_s" not in r for r in map(json.loads, (oracle / "metrics.jsonl").read_text().splitlines()))
     # Both ranks read the same samples: the ledger has one share a step, every sample once.
     ledger = [json.loads(line) for line in (runs["tp"] / "ledger.jsonl").read_text().splitlines()[1:]]
     assert {r["world_size"] for r in ledger} == {1} and len(ledger) == STEPS
