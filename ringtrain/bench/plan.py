@@ -368,7 +368,7 @@ def table_markdown(rows: list[dict], defaults: dict = TABLE_DEFAULTS) -> str:
 def add_plan_parser(commands) -> None:
     plan = commands.add_parser(
         "plan", help="cost model: calibrate links, validate against benchmarks, extrapolate to 1,024 workers",
-        description="An alpha-beta cost model of data-parallel training (ringtrain/bench/plan.py).")
+        description="An alpha-beta cost model of data-parallel training (ringtrain/bench/plan.py) and of model-parallel layouts (plan_layouts.py).")
     actions = plan.add_subparsers(dest="action", required=True, metavar="ACTION")
     cal = actions.add_parser("calibrate", help="measure alpha and beta of Gloo and shm here (about a minute)")
     cal.add_argument("--nproc", type=int, default=2)
@@ -413,6 +413,9 @@ def add_plan_parser(commands) -> None:
     diloco.add_argument("--delay", default="0", help="delay values, comma-separated")
     diloco.add_argument("--dtype", default="fp32", help="fp32, bf16, int8, int4, comma-separated")
     diloco.set_defaults(handler=_diloco)
+    from ringtrain.bench.plan_layouts import add_layouts_parsers
+
+    add_layouts_parsers(actions)
 
 
 def _count(text: str) -> float:

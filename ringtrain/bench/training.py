@@ -170,13 +170,17 @@ def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: P
     run_dir = _fresh_run_dir(out_dir, case)
     args = ["train", config, "--nproc", str(case.world_size), "--run-dir", str(run_dir)]
     strategy, layout = case.strategy, ["parallel.tp=1", "parallel.pp=1"]
+    algorithm = case.algorithm
     if strategy in LAYOUTS:  # model parallel: the same samples for a tp group or pipeline, no micro-batch shrinking
         strategy, dimension, degree = LAYOUTS[strategy][0], LAYOUTS[strategy][1], split_degree(case)
         batch = next(int(s.partition("=")[2]) for s in settings if s.startswith("train.global_batch_size="))
         layout = [f"parallel.tp={degree if dimension == 'tp' else 1}", f"parallel.pp={degree if dimension == 'pp' else 1}",
                   "train.auto_micro_batch=false", f"train.global_batch_size={batch // degree}"]
+        if dimension == "tp" and degree > 1 and algorithm != "torch":  # 'tp:shm': the tensor-parallel all-reduces
+            layout.append(f"parallel.tp_algorithm={algorithm}")
+            algorithm = "torch"
     for setting in [*settings, f"comm.strategy={strategy}", *layout] + (
-        [f"comm.algorithm={case.algorithm}"] if case.algorithm != "torch" else []
+        [f"comm.algorithm={algorithm}"] if algorithm != "torch" else []
     ):
         args += ["--set", setting]
     _run([sys.executable, "-m", "ringtrain", *args], case, run_dir)

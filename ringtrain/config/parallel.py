@@ -52,6 +52,11 @@ class ParallelConfig(Section):
     """Tensor-parallel degree (-1: the rest): the built-in transformer's attention and MLP split over tp ranks,
     under FSDP2 on the other ranks (comm.strategy = 'fsdp')."""
 
+    tp_algorithm: Literal["torch", "shm"] = "torch"
+    """How the tensor-parallel ranks all-reduce the split layers' activations and gradients: 'torch' (the
+    backend's own, Gloo on CPU) or 'shm' (ringtrain's shared-memory all-reduce, a torch.distributed backend of
+    its own on the tp dimension: CPU workers; a ring between hosts)."""
+
     pp: int = 1
     """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest): the built-in
     transformer's blocks in pp x stages_per_rank stages, its pipelines replicated over the other ranks
@@ -222,6 +227,9 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
             raise ConfigError(f"[parallel] model.n_layers ({layers}) does not divide into pp ({pp}) x "
                               f"stages_per_rank ({parallel.stages_per_rank}) = {stages} stages; set n_layers to a "
                               f"multiple of {stages}, or change pp or stages_per_rank")
+    if tp == 1 and parallel.tp_algorithm != "torch":
+        raise ConfigError(f"[parallel] tp_algorithm = '{parallel.tp_algorithm}' with tp = 1: there are no "
+                          "tensor-parallel all-reduces to run; set tp to 2 or more, or leave tp_algorithm unset")
     if tp > 1 and pp > 1:
         raise ConfigError(f"[parallel] tp = {tp} with pp = {pp}: tensor and pipeline parallelism together are not "
                           "built yet (issue 23); set one of them to 1")

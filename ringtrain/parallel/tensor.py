@@ -69,11 +69,22 @@ class TensorParallelStrategy(FSDPStrategy):
         self._fused: set[int] = set()
         """ids of those parameters."""
         self._waits = CollectiveWaits()
+        self._shm_group = mesh["tp"].get_group()
+        self._shm_taken = getattr(self._shm_group, "shm_s", 0.0)
 
     def collective_wait_s(self) -> float:
-        """Seconds this rank waited for the split layers' collectives (DTensor's all-reduces in forward and
-        backward) since the last call: the step's ``tp_comm`` phase."""
-        return self._waits.take()
+        """Seconds this rank spent on the split layers' collectives (DTensor's all-reduces in forward and
+        backward) since the last call: the waits for asynchronous ones (Gloo's), and the time inside
+        synchronous ones (``parallel.tp_algorithm = 'shm'``). The step's ``tp_comm`` phase."""
+        shm_s = getattr(self._shm_group, "shm_s", 0.0)
+        inside, self._shm_taken = shm_s - self._shm_taken, shm_s
+        return self._waits.take() + inside
+
+    def figures(self) -> dict[str, Any]:
+        """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
+        ringtrain's shared memory so far (records and the summary)."""
+        calls = getattr(self._shm_group, "shm_calls", None)
+        return {} if calls is None else {"tp_shm_all_reduces": calls}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from ringtrain.models.transformer import TransformerLM
@@ -363,12 +374,22 @@ def _to_natural(ranked: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 
-def mesh_context(ctx: DistContext, tp: int) -> tuple[DistContext, Any]:
+def mesh_context(ctx: DistContext, tp: int, algorithm: str = "torch") -> tuple[DistContext, Any]:
     """The 2-D mesh (dp = world / tp, tp) over the whole group, and ``ctx`` with this rank's data-parallel
     coordinates: its index along ``dp`` (the samples it reads, the same for its tensor-parallel peers), the
-    ``dp`` size, and its ``dp`` group (the ranks whose data sums and ids are gathered). Every rank calls it."""
+    ``dp`` size, and its ``dp`` group (the ranks whose data sums and ids are gathered). ``algorithm = 'shm'``:
+    the ``tp`` dimension's groups are ringtrain's shared-memory backend (``comm/c10d_backend.py``), so DTensor's
+    all-reduces run there. Every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    override = None
+    if algorithm == "shm":
+        if ctx.device.type != "cpu":
+            raise ConfigError(f"[parallel] tp_algorithm = 'shm' needs CPU workers, but this worker trains on "
+                              f"{ctx.device}; set tp_algorithm = 'torch'")
+        from ringtrain.comm.c10d_backend import BACKEND
+
+        override = {"tp": BACKEND}
     dp = ctx.world_size // tp
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"), backend_override=override)
     return dataclasses.replace(ctx, dp=(mesh.get_local_rank("dp"), dp), dp_group=mesh.get_group("dp")), mesh

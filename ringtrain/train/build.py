@@ -58,7 +58,7 @@ def build_trainer(
     degrees = resolve_degrees(config.parallel, config.comm.strategy, ctx.world_size)
     # The model split over tp (or pp) ranks: they read the same samples (ctx's data-parallel coordinates).
     if degrees["tp"] > 1:
-        ctx, mesh = mesh_context(ctx, degrees["tp"])
+        ctx, mesh = mesh_context(ctx, degrees["tp"], config.parallel.tp_algorithm)
     elif degrees["pp"] > 1:
         ctx, mesh = pipeline_mesh_context(ctx, degrees["pp"])
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh,

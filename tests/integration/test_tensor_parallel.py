@@ -63,12 +63,19 @@ def oracle(tmp_path_factory) -> Path:
 
 
 def test_tp2_trains_as_one_worker_step_for_step_with_half_the_block_weights_each(tmp_path, oracle):
-    runs = {"tp": tmp_path / "tp", "tp_ac": tmp_path / "tp_ac"}
+    runs = {"tp": tmp_path / "tp", "tp_ac": tmp_path / "tp_ac", "tp_shm": tmp_path / "tp_shm"}
     results = run_clis(train(runs["tp"], 2, "parallel.tp=-1"),
-                       train(runs["tp_ac"], 2, "parallel.tp=-1", "train.activation_checkpointing='full'"))
+                       train(runs["tp_ac"], 2, "parallel.tp=-1", "train.activation_checkpointing='full'"),
+                       train(runs["tp_shm"], 2, "parallel.tp=-1", "parallel.tp_algorithm='shm'"))
     for result in results:
         assert result.returncode == 0, result.stderr[-2000:]
     assert_same_run(runs["tp"], oracle)
+    # The split layers' all-reduces on ringtrain's shared memory (a torch.distributed backend of its own): the
+    # same run; 2 blocks x (2 forward + 2 backward) a micro-batch went there, the rest (gathers) to Gloo.
+    assert_same_run(runs["tp_shm"], oracle)
+    shm_summary = json.loads((runs["tp_shm"] / "summary.json").read_text())
+    assert shm_summary["tp_shm_all_reduces"] >= STEPS * 2 * 4
+    assert "tp_shm_all_reduces" not in json.loads((runs["tp"] / "summary.json").read_text())
     summaries = {name: json.loads((run / "summary.json").read_text()) for name, run in runs.items()}
     whole = json.loads((oracle / "summary.json").read_text())
     digests = summaries["tp"]["param_sha256"]

@@ -59,6 +59,12 @@ def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
     assert check_parallel(config({"pp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
 
 
+def test_tp_algorithm_without_tensor_parallelism_is_one_line():
+    assert check_parallel(config({"tp": 2, "tp_algorithm": "shm"}, "fsdp"), 4)["tp"] == 2
+    with pytest.raises(ConfigError, match=r"^\[parallel\] tp_algorithm = 'shm' with tp = 1: there are no"):
+        check_parallel(config({"tp_algorithm": "shm"}), 2)
+
+
 def test_tensor_parallelism_takes_sharded_checkpoints():
     sharded = {"sharded": True, "async": True}
     assert check_parallel(config({"tp": 2}, "fsdp", checkpoint=sharded), 4) == {"dp_replicate": 1, "dp_shard": 2,

@@ -1,0 +1,373 @@
+"""``ringtrain plan layouts``: which split of a transformer over a cluster fits and trains fastest.
+
+Given the model's shape and a cluster (workers, workers per host, memory and achieved FLOP/s per worker, the
+links inside and between hosts), every layout ``dp x tp x pp`` (tp inside a host, dividing the heads; pp
+dividing the layers) with each data-parallel strategy (ddp, zero1, zero2, fsdp) and activation checkpointing
+off or full, as far as ringtrain composes them (``runs_in_ringtrain``), is given a memory per worker and a step
+time; those that fit are listed fastest first, and the first is recommended.
+
+Memory per worker (bytes), the fullest rank (a pipeline's first stage, which also holds the embeddings):
+
+- model state: the parameters it holds, ``(L / pp) x 12 h^2 / tp`` of blocks plus the embeddings (whole:
+  ringtrain splits neither them nor the output layer), at 16 bytes each under ddp (fp32 weight and gradient,
+  AdamW's two moments), ``8 + 8 / dp`` under zero1, ``4 + 12 / dp`` under zero2, ``16 / dp`` under fsdp;
+- activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", per
+  layer and 2-byte activations): ``s b h (10 + 24 / t + 5 a s / (h t))`` for a micro-batch of b sequences of s
+  tokens (t = tp, a heads), scaled by the activation bytes / 2; with full checkpointing only each layer's input,
+  ``2 s b h``, plus one layer's whole set while it is recomputed. A step holds L layers' worth of one micro-batch
+  at most: accumulation frees each micro-batch's, and 1F1B's first stage holds pp micro-batches of L / pp
+  layers. Plus the logits and their softmax on the last stage, ``2 x 4 b s V``.
+
+Step time: compute ``tokens x (6 P + 12 L h s) / (tp pp) / FLOP/s`` (a third more under full checkpointing:
+the forward again; under tp a stated share ``tp_unsplit`` of it is not divided by tp); tensor parallelism's 4 all-reduces per layer and micro-batch (6 with checkpointing) of
+``b s h`` activations over tp ranks, not overlapped; the pipeline's bubble, ``(pp - 1) / m`` of a rank's compute
+for m micro-batches, and its activation sends (one forward, one backward per micro-batch); the data-parallel
+gradient sync of the worker's parameters as ``plan.predict_step`` has it (buckets overlapping the backward over
+the data-parallel ranks, hierarchical across hosts; fsdp moves 1.5x the bytes: parameters gathered twice,
+gradients reduce-scattered). Not modelled: sequence parallelism, overlap of tensor-parallel communication,
+stragglers, the optimizer step.
+
+    ringtrain plan layouts --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 50304 --global-batch 512 \\
+        --workers 64 --per-host 8 --memory-gb 80 --tflops 300
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ringtrain.bench.plan import Link, Topology, Workload, PlanError, predict_step, ring_time
+
+__all__ = ["ModelShape", "Cluster", "Layout", "DATA_STRATEGIES", "enumerate_layouts", "layout_memory",
+           "layout_step", "plan_layouts", "runs_in_ringtrain", "validate_layouts"]
+
+DATA_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+STATE_BYTES = 16.0
+"""fp32 weight, fp32 gradient, AdamW's two fp32 moments, per parameter (ringtrain keeps fp32 weights under
+bf16 autocast)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+    @property
+    def block_params(self) -> float:
+        return 12.0 * self.hidden ** 2  # qkv 3h^2, proj h^2, MLP 8h^2 (4h wide)
+
+    @property
+    def embed_params(self) -> float:
+        return float(self.vocab * self.hidden + self.seq * self.hidden)  # tied output layer, learned positions
+
+    @property
+    def params(self) -> float:
+        return self.layers * self.block_params + self.embed_params
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training (forward and backward) FLOPs per token: 6 per parameter plus the attention scores."""
+        return 6.0 * self.params + 12.0 * self.layers * self.hidden * self.seq
+
+
+@dataclass(frozen=True)
+class Cluster:
+    workers: int
+    per_host: int
+    memory_gb: float
+    tflops: float
+    """FLOP/s one worker achieves on the model's work, in TFLOP/s (not its peak)."""
+    intra: Link
+    inter: Link
+    tp_unsplit: float = 0.0
+    """The share of a worker's compute that tensor parallelism leaves whole on every rank of a tp group (norms,
+    residual adds, embeddings, the output layer and the loss, framework overhead): small on GPUs at large
+    hidden sizes, a quarter of the step on this CPU (measured; see ``validate_layouts``)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    data: str = "ddp"
+    ac: str = "none"
+    microbatches: int = 1
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.data} x{self.dp}" if self.dp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
+                 f"pp{self.pp}" if self.pp > 1 else ""]
+        return " + ".join(p for p in parts if p) or "one worker"
+
+
+def _micro_batch(global_batch: int, layout: Layout) -> float:
+    return global_batch / layout.dp / layout.microbatches
+
+
+def layout_memory(shape: ModelShape, layout: Layout, global_batch: int, act_bytes: float = 2.0) -> dict[str, float]:
+    """Bytes per worker (the fullest rank): model state and activations."""
+    params = shape.layers / layout.pp * shape.block_params / layout.tp + shape.embed_params
+    per_param = {"ddp": STATE_BYTES, "zero1": 8.0 + 8.0 / layout.dp, "zero2": 4.0 + 12.0 / layout.dp,
+                 "fsdp": STATE_BYTES / layout.dp}[layout.data]
+    s, b, h, a, t = shape.seq, _micro_batch(global_batch, layout), shape.hidden, shape.heads, layout.tp
+    whole_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * act_bytes / 2
+    per_layer = 2 * s * b * h * act_bytes / 2 if layout.ac == "full" else whole_layer
+    activations = shape.layers * per_layer + (whole_layer if layout.ac == "full" else 0.0)
+    logits = 2 * 4.0 * b * s * shape.vocab
+    return {"params": params, "state_bytes": params * per_param, "activation_bytes": activations + logits,
+            "total_bytes": params * per_param + activations + logits}
+
+
+def _link(ranks_per_host_needed: int, cluster: Cluster) -> Link:
+    return cluster.intra if ranks_per_host_needed <= cluster.per_host else cluster.inter
+
+
+def layout_step(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int, act_bytes: float = 2.0,
+                bucket_mb: float = 25.0) -> dict[str, float]:
+    """Seconds per step and its parts (see the module's docstring)."""
+    tokens = global_batch / layout.dp * shape.seq  # each data-parallel rank's share
+    recompute = 4 / 3 if layout.ac == "full" else 1.0
+    whole = tokens * shape.flops_per_token / layout.pp / (cluster.tflops * 1e12) * recompute
+    compute = whole * ((1 - cluster.tp_unsplit) / layout.tp + cluster.tp_unsplit) if layout.tp > 1 else whole
+    m, b = layout.microbatches, _micro_batch(global_batch, layout)
+    activation = b * shape.seq * shape.hidden * act_bytes
+    layers = shape.layers / layout.pp
+    tp_calls = layers * m * (6 if layout.ac == "full" else 4)
+    tp_s = tp_calls * ring_time(activation, layout.tp, _link(layout.tp, cluster))
+    bubble = compute * (layout.pp - 1) / m
+    p2p_link = _link(layout.tp * layout.pp, cluster)
+    p2p = 2 * m * (p2p_link.alpha_s + activation / p2p_link.beta_Bps) if layout.pp > 1 else 0.0
+    # The data-parallel ranks of one (tp, pp) coordinate: spread over the hosts, several on one host when
+    # tp x pp leaves room.
+    group = layout.tp * layout.pp
+    if group <= cluster.per_host:
+        hosts = max(1, cluster.workers // cluster.per_host)
+        topo = Topology(hosts, max(1, min(layout.dp, cluster.per_host // group)))
+    else:
+        topo = Topology(layout.dp, 1)
+    params = layers * shape.block_params / layout.tp + shape.embed_params
+    volume = 1.5 if layout.data == "fsdp" else 1.0
+    work = Workload(params * 4.0 * volume, compute / 3, compute * 2 / 3)
+    dp = predict_step(work, topo, cluster.intra, cluster.inter, "hierarchical", bucket_mb * 1e6) if layout.dp > 1 else None
+    dp_exposed = dp.exposed_s if dp else 0.0
+    step = compute + tp_s + bubble + p2p + dp_exposed
+    return {"compute_s": compute, "tp_comm_s": tp_s, "bubble_s": bubble, "p2p_s": p2p, "dp_exposed_s": dp_exposed,
+            "step_s": step, "tokens_per_s_per_worker": tokens * layout.dp / step / cluster.workers}
+
+
+def enumerate_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, microbatches: int = 8,
+                      strategies: tuple[str, ...] = DATA_STRATEGIES, ac: tuple[str, ...] = ("none", "full")) -> list[Layout]:
+    """Every layout of ``cluster.workers``: tp dividing the heads and fitting in a host, pp dividing the
+    layers, dp dividing the global batch. Each data-parallel rank's share is cut into ``microbatches`` (at least
+    pp; with pp = 1 the accumulation's, the largest count up to it that divides the share)."""
+    found = []
+    for tp in _divisors(cluster.workers):
+        if shape.heads % tp or tp > cluster.per_host:
+            continue
+        for pp in _divisors(cluster.workers // tp):
+            dp = cluster.workers // (tp * pp)
+            if shape.layers % pp or global_batch % dp:
+                continue
+            share = global_batch // dp
+            if pp > 1:
+                m = max(microbatches, pp)
+                if share % m:
+                    continue
+            else:
+                m = max(d for d in _divisors(share) if d <= microbatches)
+            for data in strategies if dp > 1 else ("ddp",):
+                if runs_in_ringtrain(tp, pp, dp, data):
+                    found.extend(Layout(dp, tp, pp, data, checkpointing, m) for checkpointing in ac)
+    return found
+
+
+def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str) -> bool:
+    """The compositions ringtrain builds (config/parallel.py): tp beside FSDP2 only, pp beside ddp or FSDP2,
+    not tp and pp together."""
+    if tp > 1 and pp > 1:
+        return False
+    if tp > 1 and dp > 1:
+        return data == "fsdp"
+    if pp > 1 and dp > 1:
+        return data in ("ddp", "fsdp")
+    return True
+
+
+def plan_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, act_bytes: float = 2.0,
+                 microbatches: int = 8) -> list[dict]:
+    """Every layout with its memory and step time, those that fit first (fastest first), then the rest."""
+    if global_batch < 1:
+        raise PlanError(f"--global-batch {global_batch}: a step needs at least one sequence")
+    rows = []
+    for layout in enumerate_layouts(shape, cluster, global_batch, microbatches):
+        memory = layout_memory(shape, layout, global_batch, act_bytes)
+        step = layout_step(shape, cluster, layout, global_batch, act_bytes)
+        rows.append({"layout": layout.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "data": layout.data,
+                     "ac": layout.ac, "microbatches": layout.microbatches,
+                     "memory_gb": memory["total_bytes"] / 1e9, "state_gb": memory["state_bytes"] / 1e9,
+                     "activations_gb": memory["activation_bytes"] / 1e9,
+                     "fits": memory["total_bytes"] <= cluster.memory_gb * 1e9, **step})
+    rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["memory_gb"]))
+    if not rows:
+        raise PlanError(f"no layout of {cluster.workers} workers divides this model (heads {shape.heads}, layers "
+                        f"{shape.layers}) and a global batch of {global_batch}; change the workers or the batch")
+    return rows
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts_markdown(rows: list[dict], limit: int = 12) -> str:
+    lines = ["| layout | AC | micro-batches | memory GB (state + activations) | step ms | compute | tp comm | bubble "
+             "| p2p | dp exposed | fits |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for i, r in enumerate(rows[:limit]):
+        mark = " **(recommended)**" if i == 0 and r["fits"] else ""
+        lines.append(f"| {r['layout']}{mark} | {r['ac']} | {r['microbatches']} | {r['memory_gb']:.1f} "
+                     f"({r['state_gb']:.1f} + {r['activations_gb']:.1f}) | {r['step_s'] * 1e3:,.1f} "
+                     f"| {r['compute_s'] * 1e3:,.1f} | {r['tp_comm_s'] * 1e3:,.1f} | {r['bubble_s'] * 1e3:,.1f} "
+                     f"| {r['p2p_s'] * 1e3:,.1f} | {r['dp_exposed_s'] * 1e3:,.1f} | {'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def check_shape(shape: ModelShape) -> None:
+    for name in ("layers", "hidden", "heads", "seq", "vocab"):
+        if getattr(shape, name) < 1:
+            raise PlanError(f"--{name} {getattr(shape, name)}: must be 1 or more")
+    if shape.hidden % shape.heads:
+        raise PlanError(f"--hidden {shape.hidden} does not divide into --heads {shape.heads}")
+    if math.isnan(shape.params):
+        raise PlanError("the model's shape gives no parameter count")
+
+
+# --- validation: predict what `ringtrain bench train` measured for tp and pp --------------------------------
+def validate_layouts(rows: list[dict], runs_dir: str, links: dict[str, Link], tp_unsplit: float = 0.0) -> list[dict]:
+    """For each tensor- or pipeline-parallel case of a ``bench train`` result at 2+ workers (``--strategies
+    tp,tp:shm,pp``): its step time predicted from the same case's one-worker step (which sets the FLOP/s) and
+    this machine's calibrated links (Gloo's for ``torch``, shm's for ``tp:shm``), against the measured median.
+    The model's shape and batch come from each run's ``config.toml`` under ``runs_dir``."""
+    import tomllib
+    from pathlib import Path
+
+    by_name = {row["name"]: row for row in rows if row.get("runner") == "ringtrain"}
+    cases = []
+    for name, row in sorted(by_name.items()):
+        if row["world_size"] < 2 or row["strategy"] not in ("tp", "pp"):
+            continue
+        single = by_name.get(name.replace(f"-n{row['world_size']}-", "-n1-"))
+        if single is None:
+            continue
+        config = tomllib.loads((Path(runs_dir) / name / "config.toml").read_text())
+        model, train, parallel = config["model"], config["train"], config.get("parallel", {})
+        shape = ModelShape(model["n_layers"], model["d_model"], model["n_heads"], config["data"]["seq_len"], 256)
+        act_bytes = 4.0 if train.get("precision") == "fp32" else 2.0
+        batch = train["global_batch_size"]
+        tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
+        m = parallel.get("pp_microbatches") or pp if pp > 1 else max(1, batch // train["local_batch_size"])
+        # The one worker's step is all compute: the FLOP/s it achieved.
+        tflops = batch * shape.seq * shape.flops_per_token / single["median_step_s"] / 1e12
+        link = links["shm"] if row["algorithm"] == "shm" else links["torch"]
+        cluster = Cluster(row["world_size"], row["world_size"], 1e9, tflops, link, link, tp_unsplit)
+        layout = Layout(row["world_size"] // (tp * pp), tp, pp, "ddp", "none", m)
+        predicted = layout_step(shape, cluster, layout, batch, act_bytes)
+        measured = row["median_step_s"]
+        cases.append({"case": name, "precision": train.get("precision", "bf16"), "one_worker_ms": single["median_step_s"] * 1e3,
+                      "measured_ms": measured * 1e3, "predicted_ms": predicted["step_s"] * 1e3,
+                      "error": predicted["step_s"] / measured - 1,
+                      "parts_ms": {k: v * 1e3 for k, v in predicted.items() if k.endswith("_s") and k != "step_s"}})
+    return cases
+
+
+# --- the commands ----------------------------------------------------------------------------------------
+def add_layouts_parsers(actions) -> None:
+    lay = actions.add_parser("layouts", help="feasible dp x tp x pp layouts of a transformer, memory and step time; "
+                                             "recommends one")
+    lay.add_argument("--layers", type=int, required=True)
+    lay.add_argument("--hidden", type=int, required=True)
+    lay.add_argument("--heads", type=int, required=True)
+    lay.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    lay.add_argument("--vocab", type=int, default=50304)
+    lay.add_argument("--global-batch", type=int, required=True, help="sequences per step, over all workers")
+    lay.add_argument("--workers", default="64", help="worker counts, comma-separated (e.g. 8,64,1024)")
+    lay.add_argument("--per-host", type=int, default=8)
+    lay.add_argument("--memory-gb", type=float, default=80.0, help="memory per worker")
+    lay.add_argument("--tflops", type=float, default=300.0, help="TFLOP/s one worker achieves (not its peak)")
+    lay.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="activations' and messages' dtype")
+    lay.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (at least pp)")
+    lay.add_argument("--intra-gbps", type=float, default=200.0, help="inside a host, GB/s of bus bandwidth")
+    lay.add_argument("--intra-alpha-us", type=float, default=5.0)
+    lay.add_argument("--inter-gbit", type=float, default=400.0, help="between hosts, Gbit/s per host")
+    lay.add_argument("--inter-alpha-us", type=float, default=10.0)
+    lay.add_argument("--tp-unsplit", type=float, default=0.0,
+                     help="share of the compute tensor parallelism leaves whole on each rank (0 to 1; default 0)")
+    lay.add_argument("--top", type=int, default=8, help="rows shown per worker count")
+    lay.add_argument("--out", help="folder for plan_layouts.md / .json")
+    lay.set_defaults(handler=_layouts)
+    val = actions.add_parser("validate-layouts", help="predict a `bench train` result's tp and pp step times")
+    val.add_argument("bench_json", help="train_bench.json from `ringtrain bench train --strategies tp,tp:shm,pp`")
+    val.add_argument("--links", default="bench-out/plan/links.json")
+    val.add_argument("--tp-unsplit", type=float, default=0.0,
+                     help="share of the compute tensor parallelism leaves whole (fit it on one run, check the others)")
+    val.set_defaults(handler=_validate_layouts)
+
+
+def _layouts(args) -> int:
+    import json
+    from pathlib import Path
+
+    from ringtrain.bench.plan import _ints
+
+    shape = ModelShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    check_shape(shape)
+    if not 0.0 <= args.tp_unsplit <= 1.0:
+        raise PlanError(f"--tp-unsplit {args.tp_unsplit}: a share of the compute, between 0 and 1")
+    intra = Link(args.intra_alpha_us * 1e-6, args.intra_gbps * 1e9, f"{args.intra_gbps:g} GB/s")
+    inter = Link(args.inter_alpha_us * 1e-6, args.inter_gbit * 1e9 / 8, f"{args.inter_gbit:g} Gbit/s")
+    act_bytes = 2.0 if args.precision == "bf16" else 4.0
+    sections, table = [], {}
+    for workers in _ints(args.workers, "--workers"):
+        cluster = Cluster(workers, min(args.per_host, workers), args.memory_gb, args.tflops, intra, inter,
+                          args.tp_unsplit)
+        rows = plan_layouts(shape, cluster, args.global_batch, act_bytes, args.microbatches)
+        fits = [r for r in rows if r["fits"]]
+        head = (f"{workers:,} workers ({args.per_host} per host): {len(fits)} of {len(rows)} layouts fit in "
+                f"{args.memory_gb:g} GB" + (f"; recommended: {fits[0]['layout']}, AC {fits[0]['ac']}" if fits else
+                                            "; none fits: more workers, a smaller batch or checkpointing"))
+        sections.append(f"{head}\n\n{layouts_markdown(rows, args.top)}")
+        table[workers] = rows
+    text = (f"Model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, {shape.seq} tokens, vocab "
+            f"{shape.vocab} ({shape.params / 1e6:,.0f}M parameters); {args.global_batch} sequences a step; "
+            f"{args.tflops:g} TFLOP/s a worker; {intra.name} inside a host, {inter.name} between\n\n" + "\n".join(sections))
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan_layouts.md").write_text(text)
+        (out / "plan_layouts.json").write_text(json.dumps({str(k): v for k, v in table.items()}, indent=1) + "\n")
+        print(f"written: {out / 'plan_layouts.md'}")
+    return 0
+
+
+def _validate_layouts(args) -> int:
+    from pathlib import Path
+
+    from ringtrain.bench.plan import _read_rows, read_links
+
+    rows = _read_rows(args.bench_json, "ringtrain bench train")
+    if not 0.0 <= args.tp_unsplit <= 1.0:
+        raise PlanError(f"--tp-unsplit {args.tp_unsplit}: a share of the compute, between 0 and 1")
+    cases = validate_layouts(rows, str(Path(args.bench_json).parent / "runs"), read_links(args.links), args.tp_unsplit)
+    if not cases:
+        raise PlanError(f"{args.bench_json}: no tp or pp case at 2+ workers beside its one-worker run "
+                        "(ringtrain bench train --nproc 1,2 --strategies tp,pp)")
+    print("| case | precision | one worker | measured | predicted | error | predicted parts (ms) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for c in cases:
+        parts = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in c["parts_ms"].items() if v)
+        print(f"| {c['case']} | {c['precision']} | {c['one_worker_ms']:.1f} ms | {c['measured_ms']:.1f} ms "
+              f"| {c['predicted_ms']:.1f} ms | {c['error']:+.1%} | {parts} |")
+    return 0

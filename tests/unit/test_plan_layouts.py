@@ -1,0 +1,91 @@
+"""`ringtrain plan layouts` (ringtrain/bench/plan_layouts.py): memory and step time per layout, computed by hand
+here for small shapes, the layouts enumerated as ringtrain composes them, and the command's one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.bench.plan import Link, ring_time
+from ringtrain.bench.plan_layouts import (Cluster, Layout, ModelShape, enumerate_layouts, layout_memory, layout_step,
+                                          plan_layouts)
+from tests.conftest import run_main
+
+SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=100)
+FAST = Link(1e-6, 1e10, "fast")
+SLOW = Link(1e-4, 1e8, "slow")
+
+
+def test_the_shape_counts_parameters_and_flops_as_stated():
+    assert SHAPE.block_params == 12 * 64 ** 2
+    assert SHAPE.embed_params == 100 * 64 + 32 * 64
+    assert SHAPE.params == 4 * 12 * 64 ** 2 + 100 * 64 + 32 * 64
+    assert SHAPE.flops_per_token == 6 * SHAPE.params + 12 * 4 * 64 * 32
+
+
+def test_memory_of_a_tp2_layout_by_hand():
+    layout = Layout(dp=1, tp=2, pp=1, microbatches=2)  # 8 sequences -> micro-batches of 4
+    got = layout_memory(SHAPE, layout, global_batch=8, act_bytes=2.0)
+    params = 4 * 12 * 64 ** 2 / 2 + (100 * 64 + 32 * 64)
+    assert got["params"] == params and got["state_bytes"] == 16 * params
+    s, b, h, a, t = 32, 4, 64, 4, 2
+    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert got["activation_bytes"] == pytest.approx(4 * per_layer + 2 * 4 * b * s * 100)
+
+
+def test_checkpointing_keeps_layer_inputs_and_sharding_divides_the_state():
+    plain = layout_memory(SHAPE, Layout(dp=4, tp=1, pp=1, data="ddp", microbatches=1), global_batch=8)
+    full = layout_memory(SHAPE, Layout(dp=4, tp=1, pp=1, data="ddp", ac="full", microbatches=1), global_batch=8)
+    s, b, h, a = 32, 2, 64, 4
+    whole = s * b * h * (10 + 24 + 5 * a * s / h)
+    assert full["activation_bytes"] == pytest.approx(4 * 2 * s * b * h + whole + 2 * 4 * b * s * 100)
+    assert plain["activation_bytes"] == pytest.approx(4 * whole + 2 * 4 * b * s * 100)
+    fsdp = layout_memory(SHAPE, Layout(dp=4, tp=1, pp=1, data="fsdp", microbatches=1), global_batch=8)
+    zero1 = layout_memory(SHAPE, Layout(dp=4, tp=1, pp=1, data="zero1", microbatches=1), global_batch=8)
+    assert fsdp["state_bytes"] == SHAPE.params * 16 / 4 and zero1["state_bytes"] == SHAPE.params * (8 + 8 / 4)
+
+
+def test_step_time_of_tp_and_pp_layouts_by_hand():
+    cluster = Cluster(workers=2, per_host=2, memory_gb=1.0, tflops=1.0, intra=FAST, inter=SLOW)
+    tokens = 8 * 32
+    compute_whole = tokens * SHAPE.flops_per_token / 1e12
+    tp = layout_step(SHAPE, cluster, Layout(dp=1, tp=2, pp=1, microbatches=2), global_batch=8, act_bytes=4.0)
+    assert tp["compute_s"] == pytest.approx(compute_whole / 2)
+    # 4 layers x 2 micro-batches x 4 all-reduces of 4 x 32 x 64 fp32 values over 2 ranks, inside the host.
+    assert tp["tp_comm_s"] == pytest.approx(4 * 2 * 4 * ring_time(4 * 32 * 64 * 4.0, 2, FAST))
+    assert tp["step_s"] == pytest.approx(tp["compute_s"] + tp["tp_comm_s"])
+    # A quarter of the compute left whole on each tp rank: 1/4 + 3/4 / 2 of the one worker's.
+    unsplit = Cluster(workers=2, per_host=2, memory_gb=1.0, tflops=1.0, intra=FAST, inter=SLOW, tp_unsplit=0.25)
+    part = layout_step(SHAPE, unsplit, Layout(dp=1, tp=2, pp=1, microbatches=2), global_batch=8, act_bytes=4.0)
+    assert part["compute_s"] == pytest.approx(compute_whole * (0.25 + 0.75 / 2))
+    pp = layout_step(SHAPE, cluster, Layout(dp=1, tp=1, pp=2, microbatches=4), global_batch=8, act_bytes=4.0)
+    assert pp["bubble_s"] == pytest.approx(compute_whole / 2 * 1 / 4)  # (pp - 1) / m of a rank's compute
+    assert pp["p2p_s"] == pytest.approx(2 * 4 * (FAST.alpha_s + 2 * 32 * 64 * 4.0 / FAST.beta_Bps))
+    assert pp["step_s"] == pytest.approx(compute_whole / 2 + pp["bubble_s"] + pp["p2p_s"])
+
+
+def test_layouts_are_those_ringtrain_composes_and_a_tight_memory_rules_some_out():
+    cluster = Cluster(workers=8, per_host=4, memory_gb=1.0, tflops=1.0, intra=FAST, inter=SLOW)
+    found = enumerate_layouts(SHAPE, cluster, global_batch=16, microbatches=4)
+    shapes = {(l.dp, l.tp, l.pp, l.data) for l in found}
+    assert (8, 1, 1, "zero2") in shapes and (2, 4, 1, "fsdp") in shapes and (4, 1, 2, "ddp") in shapes
+    assert not any(l.tp > 1 and l.pp > 1 for l in found)  # not built: refused by the config checks
+    assert not any(l.tp > 1 and l.dp > 1 and l.data != "fsdp" for l in found)
+    assert not any(l.tp > 4 for l in found)  # a tp group stays inside a host
+    assert all(16 // l.dp % l.microbatches == 0 for l in found)
+    rows = plan_layouts(SHAPE, cluster, global_batch=16)
+    assert rows[0]["fits"] and rows[0]["step_s"] == min(r["step_s"] for r in rows if r["fits"])
+    small = plan_layouts(SHAPE, Cluster(8, 4, 0.0006, 1.0, FAST, SLOW), global_batch=16)
+    assert any(r["fits"] for r in small) and not all(r["fits"] for r in small)
+    assert all(r["memory_gb"] <= 0.0006 for r in small if r["fits"])
+    assert small[0]["ac"] == "full"  # only checkpointed layouts fit in 600 KB
+
+
+def test_the_command_prints_a_recommendation_and_refuses_a_bad_shape_in_one_line(tmp_path):
+    result = run_main("plan", "layouts", "--layers", "24", "--hidden", "2048", "--heads", "16", "--seq", "2048",
+                      "--global-batch", "512", "--workers", "64,1024", "--out", str(tmp_path))
+    assert result.returncode == 0 and "recommended:" in result.stdout and "1,024 workers" in result.stdout
+    assert (tmp_path / "plan_layouts.md").exists() and (tmp_path / "plan_layouts.json").exists()
+    result = run_main("plan", "layouts", "--layers", "24", "--hidden", "2050", "--heads", "16", "--seq", "2048",
+                      "--global-batch", "512")
+    assert result.returncode == 2 and "--hidden 2050 does not divide into --heads 16" in result.stderr
+    assert "Traceback" not in result.stderr
