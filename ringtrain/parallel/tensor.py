@@ -270,6 +270,8 @@ class CollectiveWaits:
         waited, self._taken = total - self._taken, total
         return waited
 
+
+STYLES = ("colwise", "rowwise")
 """A plan's words: "colwise" splits an nn.Linear by output features (its output stays split: the next layer in
 the plan takes it whole-row), "rowwise" by input features, its output all-reduced (whole on every rank)."""
 
