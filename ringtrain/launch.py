@@ -217,6 +217,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
     os.environ.update(dict(program.env))
     if program.cwd:
         os.chdir(program.cwd)  # the agent starts its workers where it runs
+    _pick_worker_store_ports_outside_the_ephemeral_range()
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -315,6 +316,41 @@ def parse_rdzv_conf(text: str) -> dict[str, int]:
             "(they may beat only every other interval); use 3 or more"
         )
     return conf
+
+
+def _pick_worker_store_ports_outside_the_ephemeral_range() -> None:
+    """The agent on node 0 picks the port of the worker group's store (rank 0 listens on it), and the worker binds
+    it seconds later, once it has imported torch. torch picks it by binding port 0 and closing the socket
+    (``get_free_port``: "not reserved and may be taken by another process"), so from the kernel's ephemeral range,
+    where every outgoing connection on the machine also gets its local port: under load one did, between the pick
+    and the bind ("cannot listen on 127.0.0.1:41365 (Address already in use)", a full test run beside other
+    jobs). Picked here below that range, where only listeners bind, and checked free."""
+    import torch.distributed.elastic.rendezvous.api as rendezvous_api
+
+    rendezvous_api.get_free_port = _listener_port
+
+
+def _listener_port() -> int:
+    """A port free now, below the ephemeral range (``ip_local_port_range``); torch's choice where there is no
+    room below it."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral_low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = max(1024, ephemeral_low - 12288)
+    for port in random.sample(range(low, ephemeral_low), min(64, max(0, ephemeral_low - low))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    return get_free_port()
 
 
 def _export_worker_env(bind_addr: str | None, job_store: str) -> None:

@@ -23,7 +23,9 @@ ARGS = ["configs/debug_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--max-res
 
 def test_a_shrink_resumes_from_a_background_sharded_checkpoint_exactly_once(tmp_path):
     run_dir = tmp_path / "run"
-    with Job("train", *ARGS, "--run-dir", str(run_dir)) as job:
+    # 45 steps (not 23): under load the first background save committed only as the job reached its last step,
+    # and the kill then found a job that was finishing (a full run beside other jobs).
+    with Job("train", *ARGS, "--set", "train.global_batch_size=32", "--run-dir", str(run_dir)) as job:
         # A background save commits later than its step: wait for one (under load step 8 may come first).
         job.wait_for(lambda: last_step(run_dir) >= 8 and committed(run_dir / "checkpoints"),
                      what="step 8 and a committed checkpoint")

@@ -28,6 +28,7 @@ def plain_ddp(tmp_path_factory):
     return final_model(run_dir)
 
 
+@pytest.mark.exclusive  # it checks that /dev/shm holds nothing new: a test beside it may hold a workspace then
 @pytest.mark.parametrize(
     "overrides",
     [["comm.algorithm=shm"], ["comm.strategy=manual", "comm.algorithm=shm", "comm.bucket_mb=0.01"]],
