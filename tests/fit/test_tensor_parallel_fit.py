@@ -3,7 +3,8 @@ Hugging Face Llama built from a config, split by the plan its config declares, a
 plan passed to fit(tp_plan=...), under FSDP2 x TP on four workers. Each trains as one worker does on the same
 batches: the loss at every step within rtol 1e-5, the closing evaluation alike, the parameters after the run
 within 1e-5, with the gradient clipped (the norm spans the split layers' DTensors and the whole layers' plain
-tensors). A model with no plan, and a plan path that names no module, are one line and exit 2."""
+tensors). A model with no plan, a plan path that names no module, and a plan without tensor parallelism are one
+line and exit 2."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def assert_same_run(run_dir: Path, oracle: Path) -> None:
 
 def test_a_huggingface_llama_and_a_users_plan_train_as_one_worker(tmp_path):
     runs = {"llama_one": ("llama", 1, {}), "llama_tp2": ("llama", 2, {"parallel": {"tp": 2}}),
-            "mixer_one": ("mixer", 1, {}),
+            "mixer_one": ("mixer_whole", 1, {}),
             "mixer_fsdp_tp2": ("mixer", 4, {"parallel": {"tp": 2}, "comm": {"strategy": "fsdp"}})}
     results = run_clis(*(fit_run(tmp_path / name, case, nproc, **sections)
                          for name, (case, nproc, sections) in runs.items()), timeout=500)
@@ -77,3 +78,10 @@ def test_a_model_without_a_plan_or_a_plan_that_names_nothing_is_one_line(tmp_pat
     errors = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: error:")]
     assert errors and all(words in line for line in errors), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_plan_without_tensor_parallelism_is_one_line(tmp_path):
+    [result] = run_clis(fit_run(tmp_path / "run", "mixer", 1), timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "fit(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run" / "checkpoints").exists()

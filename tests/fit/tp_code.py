@@ -77,6 +77,7 @@ def token_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
 CASES = {  # case: (model, tp_plan)
     "llama": (llama, None),
     "mixer": (Mixer, MIXER_PLAN),
+    "mixer_whole": (Mixer, None),  # the oracle: one worker, no plan
     "gpt2": (gpt2, None),
     "typo": (Mixer, {"blocks.*.upp": "colwise", "blocks.*.down": "rowwise"}),
 }
