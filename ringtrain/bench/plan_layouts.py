@@ -11,13 +11,20 @@ Memory per worker (bytes), the fullest rank (a pipeline's first stage, which als
 - model state: the parameters it holds, ``(L / pp) x 12 h^2 / tp`` of blocks plus the embeddings (whole:
   ringtrain splits neither them nor the output layer), at 16 bytes each under ddp (fp32 weight and gradient,
   AdamW's two moments), ``8 + 8 / dp`` under zero1, ``4 + 12 / dp`` under zero2, ``16 / dp`` under fsdp;
-- activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", per
-  layer and 2-byte activations): ``s b h (10 + 24 / t + 5 a s / (h t))`` for a micro-batch of b sequences of s
-  tokens (t = tp, a heads), scaled by the activation bytes / 2; with full checkpointing only each layer's input,
-  ``2 s b h``, plus one layer's whole set while it is recomputed. A step holds L layers' worth of one micro-batch
-  at most: accumulation frees each micro-batch's, and 1F1B's first stage holds pp micro-batches of L / pp
-  layers. Plus the logits and their softmax on the last stage, ``2 x 4 b s V``.
-
+- activations, the peak of what forward and backward create and hold at once on the fullest stage, counted
+  tensor by tensor for a pre-norm GPT block with fused attention (SDPA) and no dropout, for a micro-batch of b
+  sequences of s tokens at e bytes a value (t = tp): per layer ``s b h e (4 + 13 / t)``: the two norms',
+  the qkv layer's and the MLP's inputs are whole on every tp rank, q, k, v, the attention output, the output
+  projection's input and the MLP's 4h-wide GELU and down-projection inputs are split. SDPA keeps each row's
+  log-sum-exp, not the s x s scores: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models") count ``5 a s / h`` more per layer for those and the dropout masks of an unfused model.
+  1F1B's stage i holds ``min(m, pp - i)`` micro-batches of its L / pp layers (accumulation frees each
+  micro-batch's before the next); the last stage adds the final norm's input and output, ``2 s b h e``, and
+  the fp32 logits with their log-softmax, ``2 x 4 b s V``; backward adds the residual stream's and the MLP's
+  gradients, ``s b h e (1 + 4 / t)``. Full checkpointing keeps each layer's input, ``s b h e``, and while
+  backward recomputes one layer, that layer's whole set beside it. Measured against this in fp32 on one
+  worker, tp 2, pp 2 and full checkpointing: within 10% (tests/integration/test_activation_memory.py); in
+  bf16, whose norms autocast keeps in fp32, not measured.
 Step time: compute ``tokens x (6 P + 12 L h s) / (tp pp) / FLOP/s`` (a third more under full checkpointing:
 the forward again; under tp a stated share ``tp_unsplit`` of it is not divided by tp); tensor parallelism's 4 all-reduces per layer and micro-batch (6 with checkpointing) of
 ``b s h`` activations over tp ranks, not overlapped; the pipeline's bubble, ``(pp - 1) / m`` of a rank's compute
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 
 from ringtrain.bench.plan import Link, Topology, Workload, PlanError, predict_step, ring_time
 
-__all__ = ["ModelShape", "Cluster", "Layout", "DATA_STRATEGIES", "enumerate_layouts", "layout_memory",
+__all__ = ["ModelShape", "Cluster", "Layout", "DATA_STRATEGIES", "activation_bytes", "enumerate_layouts", "layout_memory",
            "layout_step", "plan_layouts", "runs_in_ringtrain", "validate_layouts"]
 
 DATA_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
@@ -113,13 +120,29 @@ def layout_memory(shape: ModelShape, layout: Layout, global_batch: int, act_byte
     params = shape.layers / layout.pp * shape.block_params / layout.tp + shape.embed_params
     per_param = {"ddp": STATE_BYTES, "zero1": 8.0 + 8.0 / layout.dp, "zero2": 4.0 + 12.0 / layout.dp,
                  "fsdp": STATE_BYTES / layout.dp}[layout.data]
-    s, b, h, a, t = shape.seq, _micro_batch(global_batch, layout), shape.hidden, shape.heads, layout.tp
-    whole_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * act_bytes / 2
-    per_layer = 2 * s * b * h * act_bytes / 2 if layout.ac == "full" else whole_layer
-    activations = shape.layers * per_layer + (whole_layer if layout.ac == "full" else 0.0)
-    logits = 2 * 4.0 * b * s * shape.vocab
-    return {"params": params, "state_bytes": params * per_param, "activation_bytes": activations + logits,
-            "total_bytes": params * per_param + activations + logits}
+    activations = activation_bytes(shape, layout, global_batch, act_bytes)
+    return {"params": params, "state_bytes": params * per_param, "activation_bytes": activations,
+            "total_bytes": params * per_param + activations}
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, global_batch: int, act_bytes: float = 2.0) -> float:
+    """Peak activation bytes of the fullest pipeline stage (see the module's docstring)."""
+    s, b, h, t = shape.seq, _micro_batch(global_batch, layout), shape.hidden, layout.tp
+    sbh = s * b * h * act_bytes
+    layer = sbh * (4 + 13 / t)
+    kept = sbh if layout.ac == "full" else layer
+    gradients = sbh * (1 + 4 / t)
+    head = 2 * sbh + 2 * 4.0 * b * s * shape.vocab  # the final norm's input and output, the logits and their log-softmax
+    fullest = 0.0
+    for stage in range(layout.pp):
+        held = min(layout.microbatches, layout.pp - stage) * shape.layers / layout.pp * kept
+        last = stage == layout.pp - 1
+        if layout.ac == "full":
+            transient = max(layer + gradients, head if last else 0.0)
+        else:
+            transient = max(head, 2 * sbh + gradients) if last else gradients
+        fullest = max(fullest, held + transient)
+    return fullest
 
 
 def _link(ranks_per_host_needed: int, cluster: Cluster) -> Link:
