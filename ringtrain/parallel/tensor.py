@@ -28,6 +28,7 @@ dimension FSDP2 averages, as the loss is scaled for (``GradientStep``: the data-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable, Mapping
@@ -40,11 +41,14 @@ from ringtrain.group.init import DistContext
 from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
 from ringtrain.parallel.units import block_units
 
-__all__ = ["TensorParallelStrategy", "apply_plan", "huggingface_plan", "mesh_context", "parallelize_transformer",
-           "user_plan"]
+__all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "apply_plan", "gpt2_plan", "huggingface_plan",
+           "mesh_context", "parallelize_transformer", "user_plan"]
 
-_FUSED = ("attn.qkv.weight", "attn.qkv.bias")
-"""Parameters whose rows are q | k | v (put in rank order at wrap, back in every full form)."""
+_FUSED = {"attn.qkv.weight": 0, "attn.qkv.bias": 0}
+"""Parameters (by name suffix) whose rows are q | k | v, and the dimension that is: put in rank order at wrap,
+back in every full form."""
+_GPT2_FUSED = {"attn.c_attn.weight": 1, "attn.c_attn.bias": 0}
+"""Hugging Face GPT-2's fused c_attn, a ``Conv1D``: its weight is (in, out), so q | k | v are columns."""
 
 
 class TensorParallelStrategy(FSDPStrategy):
@@ -64,10 +68,10 @@ class TensorParallelStrategy(FSDPStrategy):
         self.plan = plan
         """A user's plan (``fit(tp_plan=...)``): module paths (``*`` for any one name) to "colwise", "rowwise" or
         a torch ParallelStyle. None: the model's own (the built-in transformer's, or a Hugging Face model's)."""
-        self._suffixes: tuple[str, ...] = ()
-        """Names of the parameters whose rows are in rank order (the built-in transformer's qkv layers)."""
-        self._fused: set[int] = set()
-        """ids of those parameters."""
+        self._fused_dims: dict[str, int] = {}
+        """Name suffixes of the parameters kept in rank order (fused q | k | v layers), and along which dimension."""
+        self._fused: dict[int, int] = {}
+        """ids of those parameters, and the dimension."""
         self._waits = CollectiveWaits()
         self._shm_group = mesh["tp"].get_group()
         self._shm_taken = getattr(self._shm_group, "shm_s", 0.0)
@@ -102,8 +106,11 @@ class TensorParallelStrategy(FSDPStrategy):
         _broadcast_from_rank0(model)  # each rank cuts its slice from one copy
         if builtin:
             parallelize_transformer(model, self.mesh["tp"])
-            self._suffixes = _FUSED
+            self._fused_dims = _FUSED
         else:
+            if self.plan is None and _is_gpt2(model):
+                self._fused_dims = _GPT2_FUSED
+                _gpt2_heads_to_ranks(model, self.tp)
             apply_plan(model, plan, self.mesh["tp"])
         if self.dp > 1:
             from torch.distributed.fsdp import fully_shard
@@ -111,7 +118,8 @@ class TensorParallelStrategy(FSDPStrategy):
             for block in block_units(model):
                 fully_shard(block, mesh=self.mesh["dp"])
             fully_shard(model, mesh=self.mesh["dp"])
-        self._fused = {id(p) for name, p in model.named_parameters() if self._is_fused(name)}
+        self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
+                       if self._fused_dim(name) is not None}
         self._waits.install()
         return model
 
@@ -157,8 +165,8 @@ class TensorParallelStrategy(FSDPStrategy):
 
         model_sd, optim_sd = get_state_dict(self.unwrap(model), optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        for name, moments, value in _fused_entries(state, self._is_fused):
-            moments[name] = _recut(value, _to_natural(_full(value), self.tp))
+        for name, moments, value, dim in _fused_entries(state, self._fused_dim):
+            moments[name] = _recut(value, _to_natural(_full(value), self.tp, dim))
         return state
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -167,19 +175,21 @@ class TensorParallelStrategy(FSDPStrategy):
 
         state = self.checkpoint_state(model, optimizer)  # natural-order qkv stretches to read into
         load(state)
-        for name, moments, value in _fused_entries(state, self._is_fused):
-            moments[name] = _recut(value, _to_ranks(_full(value), self.tp))
+        for name, moments, value, dim in _fused_entries(state, self._fused_dim):
+            moments[name] = _recut(value, _to_ranks(_full(value), self.tp, dim))
         set_state_dict(self.unwrap(model), optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
 
-    def _is_fused(self, name: str) -> bool:
-        return bool(self._suffixes) and name.endswith(self._suffixes)
+    def _fused_dim(self, name: str) -> int | None:
+        return next((dim for suffix, dim in self._fused_dims.items() if name.endswith(suffix)), None)
 
     def _natural(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        return _to_natural(value, self.tp) if self._is_fused(name) and isinstance(value, torch.Tensor) else value
+        dim = self._fused_dim(name)
+        return _to_natural(value, self.tp, dim) if dim is not None and isinstance(value, torch.Tensor) else value
 
     def _ranked(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        return _to_ranks(value, self.tp) if self._is_fused(name) and isinstance(value, torch.Tensor) else value
+        dim = self._fused_dim(name)
+        return _to_ranks(value, self.tp, dim) if dim is not None and isinstance(value, torch.Tensor) else value
 
     def _map_state(self, optimizer: torch.optim.Optimizer, state: dict, move) -> dict:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -189,7 +199,7 @@ class TensorParallelStrategy(FSDPStrategy):
             if id(param) not in self._fused:
                 mapped[index] = entry
                 continue
-            mapped[index] = {key: move(value, self.tp) if isinstance(value, torch.Tensor)
+            mapped[index] = {key: move(value, self.tp, self._fused[id(param)]) if isinstance(value, torch.Tensor)
                              and tuple(value.shape) == tuple(param.shape) else value for key, value in entry.items()}
         return mapped
 
@@ -290,14 +300,17 @@ def user_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
     return dict(plan)
 
 
-def huggingface_plan(model: nn.Module, tp: int) -> dict[str, str] | None:
+def huggingface_plan(model: nn.Module, tp: int) -> dict[str, Any] | None:
     """The plan a Hugging Face model's config declares for its base model (``base_model_tp_plan``: Llama,
-    Mistral, Qwen2 and their kin), its paths made the whole model's; None when it declares none. Its heads
-    (and key-value heads) must divide by ``tp``; the output layer stays whole (no loss_parallel)."""
+    Mistral, Qwen2 and their kin), its paths made the whole model's; for GPT-2, which declares none, ringtrain's
+    (``gpt2_plan``); None for any other. Its heads (and key-value heads) must divide by ``tp``; the output layer
+    stays whole (no loss_parallel)."""
     config = getattr(model, "config", None)
     plan = getattr(config, "base_model_tp_plan", None)
+    base = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and getattr(model, base, None) is not None else ""
     if not plan:
-        return None
+        return gpt2_plan(model, tp, prefix) if _is_gpt2(model) else None
     name = type(model).__name__
     other = sorted({style for style in plan.values() if style not in STYLES})
     if other:
@@ -309,9 +322,83 @@ def huggingface_plan(model: nn.Module, tp: int) -> dict[str, str] | None:
         if heads is not None and heads % tp:
             raise ConfigError(f"[parallel] tp = {tp} does not divide {name}'s {field} ({heads}): each rank computes "
                               f"whole heads; set tp to a divisor of {heads}")
-    base = getattr(model, "base_model_prefix", "")
-    prefix = f"{base}." if base and getattr(model, base, None) is not None else ""
     return {prefix + path: style for path, style in plan.items()}
+
+
+def _is_gpt2(model: nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) == "gpt2"
+
+
+def gpt2_plan(model: nn.Module, tp: int, prefix: str = "") -> dict[str, Any]:
+    """Megatron's split of Hugging Face GPT-2 (``GPT2Model``, ``GPT2LMHeadModel``): per block the fused
+    ``attn.c_attn`` (q | k | v) and ``mlp.c_fc`` by output features, ``attn.c_proj`` and ``mlp.c_proj`` by input
+    features. Its layers are ``Conv1D``s (a Linear with the weight stored (in, out)), which torch's styles do not
+    take: ``Conv1DColwise`` / ``Conv1DRowwise`` shard the other weight dimension. The strategy puts c_attn's
+    columns in rank order first (``_gpt2_heads_to_ranks``), as it does the built-in transformer's qkv rows."""
+    config = model.config
+    if config.n_head % tp:
+        raise ConfigError(f"[parallel] tp = {tp} does not divide {type(model).__name__}'s n_head ({config.n_head}): "
+                          f"each rank computes whole heads; set tp to a divisor of {config.n_head}")
+    if getattr(config, "add_cross_attention", False):
+        raise ConfigError(f"[parallel] tp = {tp}: {type(model).__name__} has cross-attention (add_cross_attention), "
+                          "which ringtrain's GPT-2 plan does not split; pass your own fit(..., tp_plan=...), or set tp = 1")
+    colwise, rowwise = _conv1d_styles()
+    return {f"{prefix}h.*.attn.c_attn": colwise(), f"{prefix}h.*.attn.c_proj": rowwise(),
+            f"{prefix}h.*.mlp.c_fc": colwise(), f"{prefix}h.*.mlp.c_proj": rowwise()}
+
+
+def _gpt2_heads_to_ranks(model: nn.Module, tp: int) -> None:
+    """Each GPT-2 attention's c_attn columns in rank order (rank r's are q_r | k_r | v_r, its heads), and its
+    ``split_size`` (the width of q, k and v it splits c_attn's output into) made this rank's."""
+    for module in model.modules():
+        if hasattr(module, "c_attn") and hasattr(module, "split_size"):
+            with torch.no_grad():
+                module.c_attn.weight.copy_(_to_ranks(module.c_attn.weight, tp, 1))
+                module.c_attn.bias.copy_(_to_ranks(module.c_attn.bias, tp, 0))
+            module.split_size //= tp
+
+
+@functools.cache
+def _conv1d_styles():
+    """``Conv1DColwise`` and ``Conv1DRowwise``, made on first use (torch's tensor-parallel styles are imported
+    only by a run that splits a model)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def apply(style, module: nn.Module, mesh: Any, weight: Any, bias: Any) -> nn.Module:
+        if type(module).__name__ != "Conv1D":
+            raise ConfigError(f"{type(style).__name__} splits Hugging Face Conv1D layers, not a {type(module).__name__}")
+
+        def partition(name: str, mod: nn.Module, mesh: Any) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                placement = weight if key == "weight" else bias
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [placement],
+                                                                           src_data_rank=style.src_data_rank)))
+
+        return distribute_module(module, mesh, partition,
+                                 functools.partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+                                 functools.partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+
+    class Conv1DColwise(ColwiseParallel):
+        """torch's ColwiseParallel for a ``Conv1D``: its weight (in, out) sharded by columns, its bias too."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return apply(self, module, device_mesh, Shard(1), Shard(0))
+
+    class Conv1DRowwise(RowwiseParallel):
+        """torch's RowwiseParallel for a ``Conv1D``: its weight (in, out) sharded by rows, its bias whole."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            self.desired_input_layouts = (Shard(-1),)
+            return apply(self, module, device_mesh, Shard(0), Replicate())
+
+    return Conv1DColwise, Conv1DRowwise
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Conv1DColwise", "Conv1DRowwise"):
+        return _conv1d_styles()[name == "Conv1DRowwise"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def apply_plan(model: nn.Module, plan: Mapping[str, Any], mesh: Any) -> None:
@@ -340,17 +427,19 @@ def apply_plan(model: nn.Module, plan: Mapping[str, Any], mesh: Any) -> None:
     parallelize_module(model, mesh, styles)
 
 
-def _fused_entries(state: dict[str, Any], is_fused: Callable[[str], bool]):
-    """(key, the dict holding it, value) for every qkv tensor of a ``get_state_dict`` pair: the model's
-    parameters and each of their optimizer entries' tensors (AdamW's moments; ``step`` is a scalar)."""
+def _fused_entries(state: dict[str, Any], fused_dim: Callable[[str], int | None]):
+    """(key, the dict holding it, value, the fused dimension) for every qkv tensor of a ``get_state_dict`` pair:
+    the model's parameters and each of their optimizer entries' tensors (AdamW's moments; ``step`` is a
+    scalar)."""
     model_sd, optim_sd = state["model"], state["optimizer"]
     # get_state_dict's optimizer entries are the optimizer's own dicts: the fused ones are copied before their
     # moments are swapped for natural-order ones (else the swap would reach the optimizer's next step).
-    optim_sd["state"] = {name: dict(entry) if is_fused(name) else entry for name, entry in optim_sd["state"].items()}
-    found = [(name, model_sd, value) for name, value in model_sd.items() if is_fused(name)]
+    optim_sd["state"] = {name: dict(entry) if fused_dim(name) is not None else entry
+                         for name, entry in optim_sd["state"].items()}
+    found = [(name, model_sd, value, fused_dim(name)) for name, value in model_sd.items() if fused_dim(name) is not None]
     for name, entry in optim_sd["state"].items():
-        if is_fused(name):
-            found += [(key, entry, value) for key, value in entry.items()
+        if fused_dim(name) is not None:
+            found += [(key, entry, value, fused_dim(name)) for key, value in entry.items()
                       if isinstance(value, torch.Tensor) and value.dim() > 0]
     return found
 
@@ -365,14 +454,16 @@ def _recut(like: Any, full: torch.Tensor) -> Any:
     return distribute_tensor(full.detach(), like.device_mesh, like.placements, src_data_rank=None)
 
 
-def _to_ranks(full: torch.Tensor, tp: int) -> torch.Tensor:
-    """q | k | v rows (each cut in ``tp`` pieces) -> rank order: q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ..."""
-    return full.reshape(3, tp, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+def _to_ranks(full: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
+    """q | k | v along ``dim`` (each cut in ``tp`` pieces) -> rank order: q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ..."""
+    rows = full.movedim(dim, 0)
+    return rows.reshape(3, tp, -1, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape).movedim(0, dim).contiguous()
 
 
-def _to_natural(ranked: torch.Tensor, tp: int) -> torch.Tensor:
+def _to_natural(ranked: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
     """The inverse of ``_to_ranks``."""
-    return ranked.reshape(tp, 3, -1, *ranked.shape[1:]).transpose(0, 1).reshape(ranked.shape)
+    rows = ranked.movedim(dim, 0)
+    return rows.reshape(tp, 3, -1, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape).movedim(0, dim).contiguous()
 
 
 

@@ -1,5 +1,6 @@
 """Tensor parallelism for models of a user's own, through fit() under `ringtrain run` (tests/fit/tp_code.py): a
-Hugging Face Llama built from a config, split by the plan its config declares, and a user's model split by the
+Hugging Face Llama built from a config, split by the plan its config declares, Hugging Face GPT-2 split by
+ringtrain's plan for it, and a user's model split by the
 plan passed to fit(tp_plan=...), under FSDP2 x TP on four workers. Each trains as one worker does on the same
 batches: the loss at every step within rtol 1e-5, the closing evaluation alike, the parameters after the run
 within 1e-5, with the gradient clipped (the norm spans the split layers' DTensors and the whole layers' plain
@@ -68,8 +69,20 @@ def test_a_huggingface_llama_and_a_users_plan_train_as_one_worker(tmp_path):
     assert summary(tmp_path / "llama_tp2")["model_state_mb"] < 0.8 * summary(tmp_path / "llama_one")["model_state_mb"]
 
 
+def test_huggingface_gpt2_splits_its_conv1d_layers_and_trains_as_one_worker(tmp_path):
+    """GPT-2's layers are Conv1Ds (weights stored (in, out)) and its c_attn fuses q | k | v by columns: ringtrain's
+    plan splits them; the checkpoint holds the unsplit model, columns in their own order."""
+    runs = {"gpt2_one": ("gpt2", 1, {}), "gpt2_tp2": ("gpt2", 2, {"parallel": {"tp": 2}})}
+    results = run_clis(*(fit_run(tmp_path / name, case, nproc, **sections)
+                         for name, (case, nproc, sections) in runs.items()), timeout=400)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_run(tmp_path / "gpt2_tp2", tmp_path / "gpt2_one")
+    assert summary(tmp_path / "gpt2_tp2")["model_state_mb"] < 0.8 * summary(tmp_path / "gpt2_one")["model_state_mb"]
+
+
 @pytest.mark.parametrize("case, words", [
-    ("gpt2", "[parallel] tp = 2: GPT2LMHeadModel has no tensor-parallel plan"),
+    ("mixer_whole", "[parallel] tp = 2: Mixer has no tensor-parallel plan"),
     ("typo", "tp_plan: 'blocks.*.upp' names no module of Mixer"),
 ])
 def test_a_model_without_a_plan_or_a_plan_that_names_nothing_is_one_line(tmp_path, case, words):

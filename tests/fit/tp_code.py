@@ -1,5 +1,5 @@
 """Tensor parallelism through fit(), as a user's script: a Hugging Face Llama built from a config (its own
-plan), a model of the user's own with the plan passed to fit(tp_plan=...), and the mistakes (a model with no
+plan), Hugging Face GPT-2 (ringtrain's plan for its Conv1D layers), a model of the user's own with the plan passed to fit(tp_plan=...), and the mistakes (a model with no
 plan, a plan path that names nothing). Run as ``ringtrain run tests/fit/tp_code.py -- --case CASE --config
 JSON`` (tests/fit/test_tensor_parallel_fit.py)."""
 
@@ -46,7 +46,9 @@ def llama() -> nn.Module:
 def gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    # No dropout: a split run is compared with one worker's, step by step.
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 class Mixer(nn.Module):

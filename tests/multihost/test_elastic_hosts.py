@@ -46,15 +46,18 @@ def test_cut_host_is_left_behind_then_rejoins_with_ringtrain_join(make_hosts, tm
         assert f"host {hosts.addr(1)} (rank 1) is unreachable" in line, line
         first.wait_for(lambda: _sizes(run_dir)[-1:] == [1], timeout=60, what="a step with host 0 alone")
         alone_s = time.monotonic() - cut_at
+        # The lone worker is paused until its agent asks it to stop for the newcomer: alone it trains the rest
+        # of the job in seconds, and it once did so while host 1's processes were being stopped (a full run: the
+        # job had ended before the join, so no room could be made). Paused here, at most a step or two on.
+        lone = first.worker(0)
+        lone.suspend()
+        assert last_step(run_dir) < 40, f"host 0 trained alone to step {last_step(run_dir)} before it was paused"
         # Host 1 has lost the job: its launcher is stopped (it cannot reach the rendezvous to say so).
         for proc in reversed(second.tree()):
             proc.kill()
         second.finish(timeout=30)
         hosts.restore(1)
-        # Host 1 comes back through job.json while host 0 trains: the lone worker is paused until its agent
-        # asks it to stop for the newcomer (on 2 cores the job could otherwise end before the join lands).
-        lone = first.worker(0)
-        lone.suspend()
+        # Host 1 comes back through job.json while host 0's worker is paused.
         joiner = stack.enter_context(Job("join", str(run_dir), "--local-addr", hosts.addr(1),
                                          prefix=hosts.exec_prefix(1)))
         # The joiner is a fresh Python process importing torch and joining the rendezvous: 60 s ran out once in a
