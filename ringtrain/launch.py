@@ -363,6 +363,9 @@ def _export_worker_env(bind_addr: str | None, job_store: str) -> None:
     # Workers host their own loopback-bound store (group/init.py) instead of sharing the agent's,
     # which torch would open on every interface.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # A worker that dies of a signal (SIGSEGV, SIGABRT: a native library's crash) prints every thread's Python
+    # stack first, so the crash names where it happened; a user's own setting is kept.
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def _heal_in_place(min_workers: int, max_workers: int) -> None:
