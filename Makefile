@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# shm's native all-reduce (C++, ~30 s with g++): built now so no job waits; without a compiler, one warning line.
 	$(BIN)/python -m ringtrain.comm.shm_native || true
+	# DeepSpeed's CPU shm op, which `bench collectives` measures beside ringtrain's (~25 s with g++, cached in
+	# ~/.cache/torch_extensions): built now rather than while the tests run; without it, one note.
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from ringtrain.bench import deepspeed_shm; deepspeed_shm.build()" >/dev/null 2>&1 || \
+		echo "note: DeepSpeed's shm op did not build (bench collectives --algorithms deepspeed will say why)"
 	# Open MPI, measured beside ringtrain by `ringtrain bench collectives --algorithms ...,openmpi` (optional):
 	# Debian's packages where this runs as root with apt, then mpi4py built against them; else one note.
 	command -v mpicc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
