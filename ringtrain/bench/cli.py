@@ -61,8 +61,8 @@ def _add_train(benchmarks) -> None:
                        help="override a config field (repeatable)")
     train.add_argument("--nproc", default="1,2", help="worker counts, comma separated (default 1,2)")
     train.add_argument("--strategies", default="ddp", help="STRATEGY[:ALGORITHM],... e.g. ddp,ddp:shm,manual; the "
-                       "layouts tp (all workers one tensor-parallel group) and fsdp+tp (tp pairs, FSDP2 across them) "
-                       "split the built-in transformer")
+                       "layouts tp (all workers one tensor-parallel group), tp+sp (the same with sequence parallelism), "
+                       "fsdp+tp (tp pairs, FSDP2 across them), pp and ddp+pp split the built-in transformer")
     train.add_argument("--accum", default="1", help="gradient accumulation steps, comma separated (default 1)")
     train.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     train.add_argument("--interval", type=int, default=5, help="steps per timing interval (default 5)")

@@ -22,17 +22,21 @@ Memory per worker (bytes), the fullest rank (a pipeline's first stage, which als
   micro-batch's before the next); the last stage adds the final norm's input and output, ``2 s b h e``, and
   the fp32 logits with their log-softmax, ``2 x 4 b s V``; backward adds the residual stream's and the MLP's
   gradients, ``s b h e (1 + 4 / t)``. Full checkpointing keeps each layer's input, ``s b h e``, and while
-  backward recomputes one layer, that layer's whole set beside it. Measured against this in fp32 on one
-  worker, tp 2, pp 2 and full checkpointing: within 10% (tests/integration/test_activation_memory.py); in
-  bf16, whose norms autocast keeps in fp32, not measured.
+  backward recomputes one layer, that layer's whole set beside it. Sequence parallelism divides the norms'
+  inputs, the final norm's and each checkpointed layer's input by t (``s b h e (2 / t + 2 + 13 / t)`` a layer);
+  the gathered inputs of the split layers, backward's gradients and a recomputed layer stay whole. Measured
+  against this in fp32 on one worker, tp 2 (with and without sequence parallelism), pp 2, each with and without
+  full checkpointing: within 10% (tests/integration/test_activation_memory.py); in bf16, whose norms autocast
+  keeps in fp32, not measured.
 Step time: compute ``tokens x (6 P + 12 L h s) / (tp pp) / FLOP/s`` (a third more under full checkpointing:
 the forward again; under tp a stated share ``tp_unsplit`` of it is not divided by tp); tensor parallelism's 4 all-reduces per layer and micro-batch (6 with checkpointing) of
-``b s h`` activations over tp ranks, not overlapped; the pipeline's bubble, ``(pp - 1) / m`` of a rank's compute
+``b s h`` activations over tp ranks, not overlapped (tp layouts are listed with sequence parallelism, whose
+all-gathers and reduce-scatters move the same bytes as those all-reduces); the pipeline's bubble, ``(pp - 1) / m`` of a rank's compute
 for m micro-batches, and its activation sends (one forward, one backward per micro-batch); the data-parallel
 gradient sync of the worker's parameters as ``plan.predict_step`` has it (buckets overlapping the backward over
 the data-parallel ranks, hierarchical across hosts; fsdp moves 1.5x the bytes: parameters gathered twice,
-gradients reduce-scattered). Not modelled: sequence parallelism, overlap of tensor-parallel communication,
-stragglers, the optimizer step.
+gradients reduce-scattered). Not modelled: sequence parallelism's effect on the share ``tp_unsplit`` (the
+norms it splits), overlap of tensor-parallel communication, stragglers, the optimizer step.
 
     ringtrain plan layouts --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 50304 --global-batch 512 \\
         --workers 64 --per-host 8 --memory-gb 80 --tflops 300
@@ -103,10 +107,13 @@ class Layout:
     data: str = "ddp"
     ac: str = "none"
     microbatches: int = 1
+    sp: bool = False
+    """Sequence parallelism on the tp ranks (the norms and residual stream split by sequence)."""
 
     @property
     def name(self) -> str:
-        parts = [f"{self.data} x{self.dp}" if self.dp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
+        parts = [f"{self.data} x{self.dp}" if self.dp > 1 else "",
+                 (f"tp{self.tp}" + (" (sp)" if self.sp else "")) if self.tp > 1 else "",
                  f"pp{self.pp}" if self.pp > 1 else ""]
         return " + ".join(p for p in parts if p) or "one worker"
 
@@ -129,18 +136,21 @@ def activation_bytes(shape: ModelShape, layout: Layout, global_batch: int, act_b
     """Peak activation bytes of the fullest pipeline stage (see the module's docstring)."""
     s, b, h, t = shape.seq, _micro_batch(global_batch, layout), shape.hidden, layout.tp
     sbh = s * b * h * act_bytes
-    layer = sbh * (4 + 13 / t)
-    kept = sbh if layout.ac == "full" else layer
-    gradients = sbh * (1 + 4 / t)
-    head = 2 * sbh + 2 * 4.0 * b * s * shape.vocab  # the final norm's input and output, the logits and their log-softmax
+    shard = 1 / t if layout.sp else 1.0  # the residual stream's share on each rank
+    whole = sbh * (4 + 13 / t)
+    layer = sbh * (2 * shard + 2 + 13 / t)  # sequence parallel: the norms' inputs split, the gathered ones whole
+    kept = sbh * shard if layout.ac == "full" else layer
+    gradients = sbh * (1 + 4 / t)  # backward's gathered gradients are whole even under sequence parallelism
+    edge = sbh * (shard + 1)  # the final norm's input and the output layer's (gathered) input
+    head = edge + 2 * 4.0 * b * s * shape.vocab  # and the logits with their log-softmax, fp32
     fullest = 0.0
     for stage in range(layout.pp):
         held = min(layout.microbatches, layout.pp - stage) * shape.layers / layout.pp * kept
         last = stage == layout.pp - 1
         if layout.ac == "full":
-            transient = max(layer + gradients, head if last else 0.0)
+            transient = max(whole + gradients, head if last else 0.0)  # one layer recomputed, as without sp
         else:
-            transient = max(head, 2 * sbh + gradients) if last else gradients
+            transient = max(head, edge + gradients) if last else gradients
         fullest = max(fullest, held + transient)
     return fullest
 
@@ -204,7 +214,8 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, mi
                 m = max(d for d in _divisors(share) if d <= microbatches)
             for data in strategies if dp > 1 else ("ddp",):
                 if runs_in_ringtrain(tp, pp, dp, data):
-                    found.extend(Layout(dp, tp, pp, data, checkpointing, m) for checkpointing in ac)
+                    # Under tp, sequence parallelism: the same bytes moved, less memory held.
+                    found.extend(Layout(dp, tp, pp, data, checkpointing, m, sp=tp > 1) for checkpointing in ac)
     return found
 
 

@@ -81,9 +81,11 @@ class TrainResult:
         return row
 
 
-LAYOUTS = {"tp": ("ddp", "tp", -1), "fsdp+tp": ("fsdp", "tp", 2), "pp": ("ddp", "pp", -1), "ddp+pp": ("ddp", "pp", 2)}
+LAYOUTS = {"tp": ("ddp", "tp", -1), "tp+sp": ("ddp", "tp", -1), "fsdp+tp": ("fsdp", "tp", 2), "pp": ("ddp", "pp", -1),
+           "ddp+pp": ("ddp", "pp", 2)}
 """Model-parallel cases by name: (comm.strategy, the split dimension, its degree; -1: every worker of the run).
-'tp': one tensor-parallel group; 'fsdp+tp': tensor-parallel pairs, FSDP2 across them; 'pp': one pipeline;
+'tp': one tensor-parallel group ('tp+sp': with sequence parallelism); 'fsdp+tp': tensor-parallel pairs, FSDP2
+across them; 'pp': one pipeline;
 'ddp+pp': two-stage pipelines, their gradients averaged. The ranks of one tp group or pipeline read the same
 samples, so a step's batch is local x accumulation x the data-parallel ranks (the workers / the degree). Every
 other case runs unsplit (tp = pp = 1, whatever the config says)."""
@@ -176,6 +178,8 @@ def _run_ringtrain(config: str, case: TrainCase, settings: list[str], out_dir: P
         batch = next(int(s.partition("=")[2]) for s in settings if s.startswith("train.global_batch_size="))
         layout = [f"parallel.tp={degree if dimension == 'tp' else 1}", f"parallel.pp={degree if dimension == 'pp' else 1}",
                   "train.auto_micro_batch=false", f"train.global_batch_size={batch // degree}"]
+        if case.strategy == "tp+sp" and degree > 1:
+            layout.append("parallel.sequence_parallel=true")
         if dimension == "tp" and degree > 1 and algorithm != "torch":  # 'tp:shm': the tensor-parallel all-reduces
             layout.append(f"parallel.tp_algorithm={algorithm}")
             algorithm = "torch"

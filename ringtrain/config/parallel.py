@@ -57,6 +57,12 @@ class ParallelConfig(Section):
     backend's own, Gloo on CPU) or 'shm' (ringtrain's shared-memory all-reduce, a torch.distributed backend of
     its own on the tp dimension: CPU workers; a ring between hosts)."""
 
+    sequence_parallel: bool = False
+    """With tp > 1, the built-in transformer's norms, dropouts and residual stream run on each tp rank's share of
+    the sequence (torch's SequenceParallel, Megatron's sequence parallelism): each split layer's all-reduce
+    becomes an all-gather before it and a reduce-scatter after it (the same bytes), and the activations outside
+    attention and the MLP are divided by tp."""
+
     pp: int = 1
     """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest): the built-in
     transformer's blocks in pp x stages_per_rank stages, its pipelines replicated over the other ranks
@@ -230,6 +236,13 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
     if tp == 1 and parallel.tp_algorithm != "torch":
         raise ConfigError(f"[parallel] tp_algorithm = '{parallel.tp_algorithm}' with tp = 1: there are no "
                           "tensor-parallel all-reduces to run; set tp to 2 or more, or leave tp_algorithm unset")
+    if tp == 1 and parallel.sequence_parallel:
+        raise ConfigError("[parallel] sequence_parallel = true with tp = 1: the sequence is split over the "
+                          "tensor-parallel ranks; set tp to 2 or more, or leave sequence_parallel unset")
+    if tp > 1 and parallel.sequence_parallel and (config.model.factory is not None or config.model.name != "transformer"):
+        raise ConfigError("[parallel] sequence_parallel = true: sequence parallelism is built for the built-in "
+                          "transformer (model.name = 'transformer'); a model of your own trains with tp and its plan, "
+                          "without it: leave sequence_parallel unset")
     if tp > 1 and pp > 1:
         raise ConfigError(f"[parallel] tp = {tp} with pp = {pp}: tensor and pipeline parallelism together are not "
                           "built yet (issue 23); set one of them to 1")

@@ -90,7 +90,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
                                 stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp")
     if mesh is not None:
-        return TensorParallelStrategy(device, mesh, plan=tp_plan)
+        return TensorParallelStrategy(device, mesh, plan=tp_plan,
+                                      sequence_parallel=bool(parallel and parallel.sequence_parallel))
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

@@ -59,8 +59,11 @@ class TensorParallelStrategy(FSDPStrategy):
     forward_is_collective = True
     splits_model = True
 
-    def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None):
+    def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None,
+                 sequence_parallel: bool = False):
         super().__init__(device)
+        self.sequence_parallel = sequence_parallel
+        """The built-in transformer's norms and residual stream split by sequence over tp (``parallelize_transformer``)."""
         self.mesh = mesh
         self.tp = mesh["tp"].size()
         self.dp = mesh["dp"].size()
@@ -95,6 +98,10 @@ class TensorParallelStrategy(FSDPStrategy):
 
         builtin = self.plan is None and isinstance(model, TransformerLM)
         plan = None if builtin else user_plan(self.plan) if self.plan is not None else huggingface_plan(model, self.tp)
+        if self.sequence_parallel and not builtin:
+            raise ConfigError(f"[parallel] sequence_parallel = true: sequence parallelism is built for the built-in "
+                              f"transformer, not a {type(model).__name__} (its plan splits it without); leave "
+                              "sequence_parallel unset")
         if plan is None and not builtin:
             raise ConfigError(f"[parallel] tp = {self.tp}: {type(model).__name__} has no tensor-parallel plan (plans "
                               "are built in for ringtrain's transformer and Hugging Face models that declare one, "
@@ -105,7 +112,7 @@ class TensorParallelStrategy(FSDPStrategy):
         model.to(self.device)
         _broadcast_from_rank0(model)  # each rank cuts its slice from one copy
         if builtin:
-            parallelize_transformer(model, self.mesh["tp"])
+            parallelize_transformer(model, self.mesh["tp"], self.sequence_parallel)
             self._fused_dims = _FUSED
         else:
             if self.plan is None and _is_gpt2(model):
@@ -204,12 +211,17 @@ class TensorParallelStrategy(FSDPStrategy):
         return mapped
 
 
-def parallelize_transformer(model: nn.Module, mesh: Any) -> None:
+def parallelize_transformer(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> None:
     """The tensor-parallel plan of ``models.transformer.TransformerLM`` on the 1-D ``mesh`` (see the module's
-    docstring); every parameter becomes a DTensor (the split ones sharded, the rest replicated)."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, parallelize_module)
+    docstring); every parameter becomes a DTensor (the split ones sharded, the rest replicated).
+    ``sequence_parallel``: the residual stream between the split layers is sharded by sequence (``Shard(1)``):
+    the norms run on each rank's share of the tokens (torch's ``SequenceParallel``), the column splits gather
+    the sequence first and the row splits reduce-scatter into it, in place of one all-reduce; the embeddings'
+    sum is cut (no communication) before the first block and gathered again for the output layer."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
 
     tp = mesh.size()
     if model.n_heads % tp:
@@ -219,21 +231,32 @@ def parallelize_transformer(model: nn.Module, mesh: Any) -> None:
         for block in model.blocks:
             for param in block.attn.qkv.parameters():
                 param.copy_(_to_ranks(param, tp))
+    stream = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks:
         # The column splits hand on local tensors (whole heads, whole hidden units); the row splits' outputs are
-        # replicated DTensors, so the residual stream stays one.
-        parallelize_module(block, mesh, {
-            "attn.qkv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(use_local_output=False),
-            "ff.up": ColwiseParallel(),
-            "ff.down": RowwiseParallel(use_local_output=False),
-        })
+        # DTensors (replicated, or sequence-sharded), so the residual stream stays one.
+        plan = {
+            "attn.qkv": ColwiseParallel(input_layouts=stream),
+            "attn.proj": RowwiseParallel(output_layouts=stream, use_local_output=False),
+            "ff.up": ColwiseParallel(input_layouts=stream),
+            "ff.down": RowwiseParallel(output_layouts=stream, use_local_output=False),
+        }
+        if sequence_parallel:
+            plan.update({"norm_attn": SequenceParallel(use_local_output=False),
+                         "norm_ff": SequenceParallel(use_local_output=False)})
+        parallelize_module(block, mesh, plan)
     whole = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
-    parallelize_module(model, mesh, {
-        "token_embedding": whole,
-        "position_embedding": whole,
-        "head": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True),
-    })
+    head = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)
+    outer = {"token_embedding": whole, "position_embedding": whole, "head": head}
+    if sequence_parallel and len(model.blocks):
+        outer.update({
+            "blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+            "norm": SequenceParallel(use_local_output=False),
+            "head": PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                             output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                             use_local_output=True),
+        })
+    parallelize_module(model, mesh, outer)
     replicated: dict[int, nn.Parameter] = {}  # by the plain parameter's id: the tied head keeps its embedding
     for module in model.modules():
         for name, param in list(module._parameters.items()):

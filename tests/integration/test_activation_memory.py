@@ -19,7 +19,7 @@ SHAPE = ModelShape(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ, vocab=VOC
 MICROBATCHES = 4
 
 
-def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str) -> int:
+def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str, sp: bool = False) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ringtrain.models.transformer import TransformerLM
@@ -44,7 +44,8 @@ def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str
                                                                                  reduction="sum"))
     else:
         if tp > 1:
-            model = TensorParallelStrategy(cpu, init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))).wrap(model)
+            mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
+            model = TensorParallelStrategy(cpu, mesh, sequence_parallel=sp).wrap(model)
         parameters = model.parameters()
 
         def step():
@@ -60,12 +61,13 @@ def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str
     return tracked.peak
 
 
-@pytest.mark.parametrize("tp,pp,ac", [(1, 1, "none"), (1, 1, "full"), (2, 1, "none"), (1, 2, "none"),
-                                      (2, 1, "full"), (1, 2, "full")])
-def test_peak_activation_memory_is_within_10_percent_of_the_planners(tp, pp, ac):
-    measured = max(run_distributed(_peak_activation_bytes, tp * pp, tp, pp, ac))
-    layout = Layout(dp=1, tp=tp, pp=pp, ac=ac, microbatches=MICROBATCHES if pp > 1 else 1)
+@pytest.mark.parametrize("tp,pp,ac,sp", [(1, 1, "none", False), (1, 1, "full", False), (2, 1, "none", False),
+                                         (1, 2, "none", False), (2, 1, "full", False), (1, 2, "full", False),
+                                         (2, 1, "none", True), (2, 1, "full", True)])
+def test_peak_activation_memory_is_within_10_percent_of_the_planners(tp, pp, ac, sp):
+    measured = max(run_distributed(_peak_activation_bytes, tp * pp, tp, pp, ac, sp))
+    layout = Layout(dp=1, tp=tp, pp=pp, ac=ac, microbatches=MICROBATCHES if pp > 1 else 1, sp=sp)
     planned = activation_bytes(SHAPE, layout, BATCH, act_bytes=4.0)
-    print(f"tp {tp} pp {pp} ac {ac}: measured {measured / 2**20:.3f} MB, planned {planned / 2**20:.3f} MB "
+    print(f"tp {tp} pp {pp} ac {ac} sp {sp}: measured {measured / 2**20:.3f} MB, planned {planned / 2**20:.3f} MB "
           f"({planned / measured - 1:+.1%})")
     assert planned == pytest.approx(measured, rel=0.10)

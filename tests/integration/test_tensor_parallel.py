@@ -1,5 +1,6 @@
 """Tensor parallelism through `ringtrain train` (``[parallel] tp``, ringtrain/parallel/tensor.py) on real workers
-against one worker training the unsplit model on the same batches (the oracle): tp = 2 alone, and a 2-D mesh of
+against one worker training the unsplit model on the same batches (the oracle): tp = 2 alone (with its
+all-reduces on Gloo or shm, with activation checkpointing, with sequence parallelism), and a 2-D mesh of
 FSDP2 (dp_shard = 2) x tp = 2 on four workers. The loss at every step and the parameters after the run agree
 within fp32 rounding (the split matmuls add in another order), each sample is dealt once per data-parallel
 rank (the ranks of one tensor-parallel group share theirs), and full checkpoints cross layouts both ways."""
@@ -63,10 +64,12 @@ def oracle(tmp_path_factory) -> Path:
 
 
 def test_tp2_trains_as_one_worker_step_for_step_with_half_the_block_weights_each(tmp_path, oracle):
-    runs = {"tp": tmp_path / "tp", "tp_ac": tmp_path / "tp_ac", "tp_shm": tmp_path / "tp_shm"}
+    runs = {"tp": tmp_path / "tp", "tp_ac": tmp_path / "tp_ac", "tp_shm": tmp_path / "tp_shm", "tp_sp": tmp_path / "tp_sp"}
     results = run_clis(train(runs["tp"], 2, "parallel.tp=-1"),
                        train(runs["tp_ac"], 2, "parallel.tp=-1", "train.activation_checkpointing='full'"),
-                       train(runs["tp_shm"], 2, "parallel.tp=-1", "parallel.tp_algorithm='shm'"))
+                       train(runs["tp_shm"], 2, "parallel.tp=-1", "parallel.tp_algorithm='shm'"),
+                       train(runs["tp_sp"], 2, "parallel.tp=-1", "parallel.tp_algorithm='shm'",
+                             "parallel.sequence_parallel=true"))
     for result in results:
         assert result.returncode == 0, result.stderr[-2000:]
     assert_same_run(runs["tp"], oracle)
@@ -75,6 +78,12 @@ def test_tp2_trains_as_one_worker_step_for_step_with_half_the_block_weights_each
     assert_same_run(runs["tp_shm"], oracle)
     shm_summary = json.loads((runs["tp_shm"] / "summary.json").read_text())
     assert shm_summary["tp_shm_all_reduces"] >= STEPS * 2 * 4
+    # Sequence parallel: the same run; each split layer's all-reduce became an all-gather or a reduce-scatter (on
+    # Gloo): 2 blocks x 4 a step fewer on shm (what is left there: the clip's norms, the norm layers' gradients).
+    assert_same_run(runs["tp_sp"], oracle)
+    sp_reduces = json.loads((runs["tp_sp"] / "summary.json").read_text())["tp_shm_all_reduces"]
+    print(f"all-reduces on shm: {shm_summary['tp_shm_all_reduces']} (tp), {sp_reduces} (tp + sequence parallel)")
+    assert shm_summary["tp_shm_all_reduces"] - sp_reduces >= STEPS * 2 * 4
     assert "tp_shm_all_reduces" not in json.loads((runs["tp"] / "summary.json").read_text())
     summaries = {name: json.loads((run / "summary.json").read_text()) for name, run in runs.items()}
     whole = json.loads((oracle / "summary.json").read_text())

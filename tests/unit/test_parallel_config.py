@@ -65,6 +65,16 @@ def test_tp_algorithm_without_tensor_parallelism_is_one_line():
         check_parallel(config({"tp_algorithm": "shm"}), 2)
 
 
+def test_sequence_parallel_needs_tensor_parallelism_and_the_built_in_transformer():
+    assert check_parallel(config({"tp": 2, "sequence_parallel": True}, "fsdp"), 4)["tp"] == 2
+    with pytest.raises(ConfigError, match=r"^\[parallel\] sequence_parallel = true with tp = 1: the sequence is split"):
+        check_parallel(config({"sequence_parallel": True}), 2)
+    own = load_config_dict({"model": {"factory": "tests.fit.tp_code:Mixer"}, "data": {"dataset": "text"},
+                            "comm": {"strategy": "fsdp"}, "parallel": {"tp": 2, "sequence_parallel": True}})
+    with pytest.raises(ConfigError, match=r"sequence parallelism is built for the built-in transformer"):
+        check_parallel(own, 2)
+
+
 def test_tensor_parallelism_takes_sharded_checkpoints():
     sharded = {"sharded": True, "async": True}
     assert check_parallel(config({"tp": 2}, "fsdp", checkpoint=sharded), 4) == {"dp_replicate": 1, "dp_shard": 2,
