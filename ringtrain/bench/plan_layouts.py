@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from ringtrain.bench.plan import Link, Topology, Workload, PlanError, predict_step, ring_time
 
 __all__ = ["ModelShape", "Cluster", "Layout", "DATA_STRATEGIES", "activation_bytes", "enumerate_layouts", "layout_memory",
-           "layout_step", "plan_layouts", "runs_in_ringtrain", "validate_layouts"]
+           "layout_step", "parse_tp_unsplit", "plan_layouts", "runs_in_ringtrain", "validate_layouts"]
 
 DATA_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 STATE_BYTES = 16.0
@@ -279,11 +279,32 @@ def check_shape(shape: ModelShape) -> None:
 
 
 # --- validation: predict what `ringtrain bench train` measured for tp and pp --------------------------------
-def validate_layouts(rows: list[dict], runs_dir: str, links: dict[str, Link], tp_unsplit: float = 0.0) -> list[dict]:
+def parse_tp_unsplit(text: str) -> dict[str, float]:
+    """``--tp-unsplit``: '0.25' (the same share in every precision) or 'fp32=0.237,bf16=0.595' (per precision:
+    the share left whole grows when the matrix multiplies get faster)."""
+    shares: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        precision, _, value = item.rpartition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if precision not in ("", "fp32", "bf16") or not 0.0 <= share <= 1.0:
+            raise PlanError(f"--tp-unsplit {text}: a share of the compute between 0 and 1, for every precision "
+                            "(0.25) or per precision (fp32=0.237,bf16=0.595)")
+        for name in (precision,) if precision else ("fp32", "bf16"):
+            shares[name] = share
+    return {"fp32": 0.0, "bf16": 0.0, **shares}
+
+
+def validate_layouts(rows: list[dict], runs_dir: str, links: dict[str, Link],
+                     tp_unsplit: float | dict[str, float] = 0.0) -> list[dict]:
     """For each tensor- or pipeline-parallel case of a ``bench train`` result at 2+ workers (``--strategies
     tp,tp:shm,pp``): its step time predicted from the same case's one-worker step (which sets the FLOP/s) and
     this machine's calibrated links (Gloo's for ``torch``, shm's for ``tp:shm``), against the measured median.
-    The model's shape and batch come from each run's ``config.toml`` under ``runs_dir``."""
+    The model's shape and batch come from each run's ``config.toml`` under ``runs_dir``; ``tp_unsplit`` one
+    share, or one per precision."""
+    shares = tp_unsplit if isinstance(tp_unsplit, dict) else {"fp32": tp_unsplit, "bf16": tp_unsplit}
     import tomllib
     from pathlib import Path
 
@@ -305,11 +326,12 @@ def validate_layouts(rows: list[dict], runs_dir: str, links: dict[str, Link], tp
         # The one worker's step is all compute: the FLOP/s it achieved.
         tflops = batch * shape.seq * shape.flops_per_token / single["median_step_s"] / 1e12
         link = links["shm"] if row["algorithm"] == "shm" else links["torch"]
-        cluster = Cluster(row["world_size"], row["world_size"], 1e9, tflops, link, link, tp_unsplit)
+        precision = train.get("precision", "bf16")
+        cluster = Cluster(row["world_size"], row["world_size"], 1e9, tflops, link, link, shares[precision])
         layout = Layout(row["world_size"] // (tp * pp), tp, pp, "ddp", "none", m)
         predicted = layout_step(shape, cluster, layout, batch, act_bytes)
         measured = row["median_step_s"]
-        cases.append({"case": name, "precision": train.get("precision", "bf16"), "one_worker_ms": single["median_step_s"] * 1e3,
+        cases.append({"case": name, "precision": precision, "one_worker_ms": single["median_step_s"] * 1e3,
                       "measured_ms": measured * 1e3, "predicted_ms": predicted["step_s"] * 1e3,
                       "error": predicted["step_s"] / measured - 1,
                       "parts_ms": {k: v * 1e3 for k, v in predicted.items() if k.endswith("_s") and k != "step_s"}})
@@ -336,16 +358,18 @@ def add_layouts_parsers(actions) -> None:
     lay.add_argument("--intra-alpha-us", type=float, default=5.0)
     lay.add_argument("--inter-gbit", type=float, default=400.0, help="between hosts, Gbit/s per host")
     lay.add_argument("--inter-alpha-us", type=float, default=10.0)
-    lay.add_argument("--tp-unsplit", type=float, default=0.0,
-                     help="share of the compute tensor parallelism leaves whole on each rank (0 to 1; default 0)")
+    lay.add_argument("--tp-unsplit", default="0",
+                     help="share of the compute tensor parallelism leaves whole on each rank (0 to 1; default 0), "
+                          "or one per precision: fp32=0.237,bf16=0.595")
     lay.add_argument("--top", type=int, default=8, help="rows shown per worker count")
     lay.add_argument("--out", help="folder for plan_layouts.md / .json")
     lay.set_defaults(handler=_layouts)
     val = actions.add_parser("validate-layouts", help="predict a `bench train` result's tp and pp step times")
     val.add_argument("bench_json", help="train_bench.json from `ringtrain bench train --strategies tp,tp:shm,pp`")
     val.add_argument("--links", default="bench-out/plan/links.json")
-    val.add_argument("--tp-unsplit", type=float, default=0.0,
-                     help="share of the compute tensor parallelism leaves whole (fit it on one run, check the others)")
+    val.add_argument("--tp-unsplit", default="0",
+                     help="share of the compute tensor parallelism leaves whole (fit it on one run, check the "
+                          "others): one value, or one per precision: fp32=0.237,bf16=0.595")
     val.set_defaults(handler=_validate_layouts)
 
 
@@ -357,15 +381,14 @@ def _layouts(args) -> int:
 
     shape = ModelShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
     check_shape(shape)
-    if not 0.0 <= args.tp_unsplit <= 1.0:
-        raise PlanError(f"--tp-unsplit {args.tp_unsplit}: a share of the compute, between 0 and 1")
+    act_bytes = 2.0 if args.precision == "bf16" else 4.0
+    tp_unsplit = parse_tp_unsplit(args.tp_unsplit)[args.precision]
     intra = Link(args.intra_alpha_us * 1e-6, args.intra_gbps * 1e9, f"{args.intra_gbps:g} GB/s")
     inter = Link(args.inter_alpha_us * 1e-6, args.inter_gbit * 1e9 / 8, f"{args.inter_gbit:g} Gbit/s")
-    act_bytes = 2.0 if args.precision == "bf16" else 4.0
     sections, table = [], {}
     for workers in _ints(args.workers, "--workers"):
         cluster = Cluster(workers, min(args.per_host, workers), args.memory_gb, args.tflops, intra, inter,
-                          args.tp_unsplit)
+                          tp_unsplit)
         rows = plan_layouts(shape, cluster, args.global_batch, act_bytes, args.microbatches)
         fits = [r for r in rows if r["fits"]]
         head = (f"{workers:,} workers ({args.per_host} per host): {len(fits)} of {len(rows)} layouts fit in "
@@ -392,9 +415,8 @@ def _validate_layouts(args) -> int:
     from ringtrain.bench.plan import _read_rows, read_links
 
     rows = _read_rows(args.bench_json, "ringtrain bench train")
-    if not 0.0 <= args.tp_unsplit <= 1.0:
-        raise PlanError(f"--tp-unsplit {args.tp_unsplit}: a share of the compute, between 0 and 1")
-    cases = validate_layouts(rows, str(Path(args.bench_json).parent / "runs"), read_links(args.links), args.tp_unsplit)
+    cases = validate_layouts(rows, str(Path(args.bench_json).parent / "runs"), read_links(args.links),
+                             parse_tp_unsplit(args.tp_unsplit))
     if not cases:
         raise PlanError(f"{args.bench_json}: no tp or pp case at 2+ workers beside its one-worker run "
                         "(ringtrain bench train --nproc 1,2 --strategies tp,pp)")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ringtrain.bench.plan import Link, ring_time
+from ringtrain.bench.plan import PlanError
 from ringtrain.bench.plan_layouts import (Cluster, Layout, ModelShape, enumerate_layouts, layout_memory, layout_step,
-                                          plan_layouts)
+                                          parse_tp_unsplit, plan_layouts)
 from tests.conftest import run_main
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=100)
@@ -93,3 +94,15 @@ def test_the_command_prints_a_recommendation_and_refuses_a_bad_shape_in_one_line
                       "--global-batch", "512")
     assert result.returncode == 2 and "--hidden 2050 does not divide into --heads 16" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_unsplit_share_is_one_value_or_one_per_precision():
+    assert parse_tp_unsplit("0.25") == {"fp32": 0.25, "bf16": 0.25}
+    assert parse_tp_unsplit("fp32=0.237,bf16=0.595") == {"fp32": 0.237, "bf16": 0.595}
+    assert parse_tp_unsplit("bf16=0.5") == {"fp32": 0.0, "bf16": 0.5}
+    for bad in ("1.5", "fp16=0.2", "bf16=half"):
+        with pytest.raises(PlanError, match=r"--tp-unsplit .*: a share of the compute between 0 and 1"):
+            parse_tp_unsplit(bad)
+    result = run_main("plan", "layouts", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32",
+                      "--global-batch", "8", "--workers", "2", "--tp-unsplit", "fp32=2")
+    assert result.returncode == 2 and "--tp-unsplit fp32=2: a share of the compute" in result.stderr
