@@ -7,6 +7,8 @@ fullest rank's peak is what the planner predicts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,7 +59,12 @@ def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str
         p.grad.zero_()
     with new_tensor_peak() as tracked:
         step()
-    assert tracked.bytes == 0, "the step left tensors it created alive"
+    # Everything the step created is freed: a collective's buffer by its Gloo thread, which may drop the last
+    # reference a moment after the step returns (under sequence parallelism, on a loaded machine, 2 runs of 8).
+    deadline = time.monotonic() + 10
+    while tracked.bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tracked.bytes == 0, f"the step left {tracked.bytes} bytes it created alive (peak {tracked.peak})"
     return tracked.peak
 
 
