@@ -20,13 +20,14 @@ Memory per worker (bytes), the fullest rank (a pipeline's first stage, which als
   Transformer Models") count ``5 a s / h`` more per layer for those and the dropout masks of an unfused model.
   1F1B's stage i holds ``min(m, pp - i)`` micro-batches of its L / pp layers (accumulation frees each
   micro-batch's before the next); the last stage adds the final norm's input and output, ``2 s b h e``, and
-  the fp32 logits with their log-softmax, ``2 x 4 b s V``; backward adds the residual stream's and the MLP's
+  the fp32 logits with their log-softmax, ``2 x 4 b s V`` (``4 x 4 b s V`` in a pipeline, whose last stage
+  keeps its output, the logits, until the loss's backward has made their two gradients); backward adds the residual stream's and the MLP's
   gradients, ``s b h e (1 + 4 / t)``. Full checkpointing keeps each layer's input, ``s b h e``, and while
   backward recomputes one layer, that layer's whole set beside it. Sequence parallelism divides the norms'
   inputs, the final norm's and each checkpointed layer's input by t (``s b h e (2 / t + 2 + 13 / t)`` a layer);
   the gathered inputs of the split layers, backward's gradients and a recomputed layer stay whole. Measured
-  against this in fp32 on one worker, tp 2 (with and without sequence parallelism), pp 2, each with and without
-  full checkpointing: within 10% (tests/integration/test_activation_memory.py); in bf16, whose norms autocast
+  against this in fp32 on one worker, tp 2 (with and without sequence parallelism), pp 2, tp 2 x pp 2, each with
+  and without full checkpointing: within 10% (tests/integration/test_activation_memory.py); in bf16, whose norms autocast
   keeps in fp32, not measured.
 Step time: compute ``tokens x (6 P + 12 L h s) / (tp pp) / FLOP/s`` (a third more under full checkpointing:
 the forward again; under tp a stated share ``tp_unsplit`` of it is not divided by tp); tensor parallelism's 4 all-reduces per layer and micro-batch (6 with checkpointing) of
@@ -142,7 +143,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, global_batch: int, act_b
     kept = sbh * shard if layout.ac == "full" else layer
     gradients = sbh * (1 + 4 / t)  # backward's gathered gradients are whole even under sequence parallelism
     edge = sbh * (shard + 1)  # the final norm's input and the output layer's (gathered) input
-    head = edge + 2 * 4.0 * b * s * shape.vocab  # and the logits with their log-softmax, fp32
+    # and the fp32 logits with their log-softmax; a pipeline's last stage also keeps its output, the logits, until
+    # the loss's backward, which makes their two gradients beside them (measured: tp 2 x pp 2 under full AC).
+    head = edge + (4 if layout.pp > 1 else 2) * 4.0 * b * s * shape.vocab
     fullest = 0.0
     for stage in range(layout.pp):
         held = min(layout.microbatches, layout.pp - stage) * shape.layers / layout.pp * kept
@@ -214,20 +217,20 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, mi
                 m = max(d for d in _divisors(share) if d <= microbatches)
             for data in strategies if dp > 1 else ("ddp",):
                 if runs_in_ringtrain(tp, pp, dp, data):
-                    # Under tp, sequence parallelism: the same bytes moved, less memory held.
-                    found.extend(Layout(dp, tp, pp, data, checkpointing, m, sp=tp > 1) for checkpointing in ac)
+                    # Under tp alone, sequence parallelism: the same bytes moved, less memory held (inside
+                    # pipeline stages it is not built).
+                    found.extend(Layout(dp, tp, pp, data, checkpointing, m, sp=tp > 1 and pp == 1)
+                                 for checkpointing in ac)
     return found
 
 
 def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str) -> bool:
-    """The compositions ringtrain builds (config/parallel.py): tp beside FSDP2 only, pp beside ddp or FSDP2,
-    not tp and pp together."""
-    if tp > 1 and pp > 1:
-        return False
+    """The compositions ringtrain builds (config/parallel.py): pp (with or without tp inside its stages) beside
+    ddp or FSDP2, tp alone beside FSDP2 only."""
+    if pp > 1:
+        return dp == 1 or data in ("ddp", "fsdp")
     if tp > 1 and dp > 1:
         return data == "fsdp"
-    if pp > 1 and dp > 1:
-        return data in ("ddp", "fsdp")
     return True
 
 

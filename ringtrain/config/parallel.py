@@ -8,7 +8,9 @@ schedule, with the checks that need no worker. The existing strategies are this 
 ``comm.strategy`` chooses how the data-parallel dimension runs; an unset ``dp_replicate`` / ``dp_shard`` is
 what the strategy implies (its own dimension -1, the rest; the other 1). A degree that disagrees with the
 strategy is refused in one line. tp > 1 (``check_tensor_parallel``) and pp > 1 (``check_pipeline_parallel``) each
-run with the layouts they are built for, and refuse the rest (issue 23) in one line naming the numbers; the
+run with the layouts they are built for, together too (``check_tensor_parallel_stages``: tensor parallelism
+inside the pipeline's stages, with the pipeline's data-parallel replicas or FSDP2 beside them), and refuse the
+rest (issue 23) in one line naming the numbers; the
 checks of the layout's own numbers run first, so a config that will not fit is told why before "not yet".
 
     >>> resolve_degrees(ParallelConfig(), "fsdp", world_size=4)
@@ -174,6 +176,23 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
                           "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
 
 
+def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> None:
+    """Tensor parallelism inside pipeline stages (the 2-D tp x pp and 3-D dp x tp x pp meshes): the built-in
+    transformer, whole heads per rank, no sequence parallelism; the pipeline's own checks follow."""
+    tp, pp, model = degrees["tp"], degrees["pp"], config.model
+    where = f"[parallel] tp = {tp} with pp = {pp}"
+    if model.factory is not None or model.name != "transformer":
+        raise ConfigError(f"{where}: tensor parallelism inside pipeline stages is built for the built-in transformer "
+                          f"(model.name = 'transformer'), not {'a model of your own' if model.factory else repr(model.name)}; "
+                          "set tp = 1 or pp = 1")
+    if model.n_heads % tp:
+        raise ConfigError(f"{where}: tp does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
+                          f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
+    if config.parallel.sequence_parallel:
+        raise ConfigError(f"{where} and sequence_parallel = true: sequence parallelism inside pipeline stages is not "
+                          "built yet (issue 23); leave sequence_parallel unset")
+
+
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What pipeline parallelism (``parallel/pipeline.py``) runs with: the built-in transformer or a user's model
     (an nn.Sequential, checked when it is built), its pipelines replicated by plain data parallelism over dp, a
@@ -244,9 +263,8 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
                           "transformer (model.name = 'transformer'); a model of your own trains with tp and its plan, "
                           "without it: leave sequence_parallel unset")
     if tp > 1 and pp > 1:
-        raise ConfigError(f"[parallel] tp = {tp} with pp = {pp}: tensor and pipeline parallelism together are not "
-                          "built yet (issue 23); set one of them to 1")
-    if tp > 1:
+        check_tensor_parallel_stages(config, degrees)
+    elif tp > 1:
         check_tensor_parallel(config, degrees)
     if pp > 1:
         check_pipeline_parallel(config, degrees)

@@ -82,9 +82,9 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
     ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so).
     ``mesh``: a (dp, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
     dp when dp > 1 (the config checks refused every other data-parallel strategy beside it), split by
-    ``tp_plan`` (None: the model's own plan); a (dp, pp) mesh
-    (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule, its replicas
-    averaged over dp (ddp) or its stages sharded over dp (fsdp)."""
+    ``tp_plan`` (None: the model's own plan); a (dp, pp) or (dp, pp, tp) mesh
+    (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule (its stages split
+    over tp when the mesh has it), its replicas averaged over dp (ddp) or its stages sharded over dp (fsdp)."""
     if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
         parallel = parallel or ParallelConfig()
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,

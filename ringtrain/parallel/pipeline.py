@@ -26,15 +26,21 @@ data-parallel size over the step's items), so the accumulated gradient is the fu
 other strategy; the schedule does not scale gradients again. Each activation shape (the last, smaller window
 of an epoch; text of another width) gets its own stages and schedule, built once and kept.
 
-Limits of this first layout (refused in one line before any worker starts, config/parallel.py): the built-in
-transformer or a user's nn.Sequential, no tensor parallelism or sharded data parallelism beside it, no --heal,
-no token budgets or automatic micro-batch shrinking. Every rank builds the whole model, keeps its
-stages and moves the rest to the meta device (shapes without memory).
+With ``tp`` > 1 the mesh is 3-D, ``(dp, pp, tp)`` with tp innermost, and each of the built-in transformer's
+stages is split over ``mesh['tp']`` (``tensor.parallelize_stage``) before FSDP2, if any, shards it over dp:
+
+    mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+
+Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
+user's nn.Sequential (tp inside stages: the built-in transformer only, without sequence parallelism), ddp or
+FSDP2 beside it, no --heal, no token budgets or automatic micro-batch shrinking. Every rank builds the whole
+model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -49,6 +55,7 @@ from ringtrain.group.init import DistContext
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.fsdp import _broadcast_from_rank0, _full, _local, _shard_like
+from ringtrain.parallel.tensor import _FUSED, CollectiveWaits, _fused_entries, _recut, _to_natural, _to_ranks
 
 __all__ = ["PipelineStrategy", "TransformerStage", "stage_indices", "pipeline_mesh_context", "SCHEDULES"]
 
@@ -146,6 +153,8 @@ class PipelineStrategy(ReplicatedStrategy):
         self.device = device
         self.mesh = mesh
         self.pp, self.dp = mesh["pp"].size(), mesh["dp"].size()
+        self.tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+        """Tensor parallelism inside every stage (the built-in transformer), over mesh['tp']."""
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.pp_rank = mesh.get_local_rank("pp")
         self.schedule = schedule
@@ -158,8 +167,9 @@ class PipelineStrategy(ReplicatedStrategy):
         self.forward_is_collective = self.shard
         """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
         activations, which ``forward`` arranges."""
-        self.name = "pp" if self.dp == 1 else "fsdp+pp" if self.shard else "ddp+pp"
+        self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else "ddp+pp") + ("+tp" if self.tp > 1 else "")
         self.comm_timer = CommTimer()
+        self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
         self.modules: list[nn.Module] = []
         self._full: nn.Module | None = None
@@ -207,9 +217,38 @@ class PipelineStrategy(ReplicatedStrategy):
             self._check_no_shared_parameters(model, where)
             self.modules = [SequentialStage(model, index, self.stages) for index in self.indices]
         self._release_other_stages()
+        if self.tp > 1:
+            self._split_stages(where)
         if self.shard:
             self._fully_shard()
+        if self.tp > 1:
+            self._waits.install()
         return nn.ModuleList(self.modules)
+
+    def _split_stages(self, where: str) -> None:
+        """Tensor parallelism inside each of this rank's stages over mesh['tp'] (``tensor.parallelize_stage``):
+        every parameter becomes a DTensor, so the tied copies are looked up again."""
+        from ringtrain.models.transformer import TransformerLM
+        from ringtrain.parallel.tensor import parallelize_stage
+
+        if not isinstance(self._full, TransformerLM):
+            raise ConfigError(f"{where} with tp = {self.tp}: tensor parallelism inside pipeline stages is built for the "
+                              "built-in transformer, not a user's nn.Sequential; set tp = 1 or pp = 1")
+        if self._full.n_heads % self.tp:
+            raise ConfigError(f"[parallel] tp = {self.tp} does not divide model.n_heads ({self._full.n_heads}): each "
+                              f"rank computes whole heads; set n_heads to a multiple of {self.tp}")
+        replicated: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            parallelize_stage(module, self.mesh["tp"], replicated)
+        self._relink_tied()
+
+    def _relink_tied(self) -> None:
+        """After the stages' parameters were replaced (DTensors): the last stage's copy of the tied weight found
+        again, or the whole model's output layer pointed at its embedding again."""
+        if self._clone is not None:
+            self._clone = next(m for m in self.modules if m.is_last).head.weight
+        elif self._tied and 0 in self.indices:
+            self._full.head.weight = self._full.token_embedding.weight
 
     def _fully_shard(self) -> None:
         """FSDP2 per block, then per stage, over mesh['dp'] (the pipeline's schedule drives its gradient sync:
@@ -221,10 +260,7 @@ class PipelineStrategy(ReplicatedStrategy):
                 if any(True for _ in block.parameters()):
                     fully_shard(block, mesh=self.mesh["dp"])
             fully_shard(module, mesh=self.mesh["dp"])
-        if self._clone is not None:
-            self._clone = next(m for m in self.modules if m.is_last).head.weight
-        elif self._tied and 0 in self.indices:  # the whole model's output layer is still its embedding
-            self._full.head.weight = self._full.token_embedding.weight
+        self._relink_tied()
 
     def _check_no_shared_parameters(self, model: nn.Sequential, where: str) -> None:
         owner: dict[int, int] = {}
@@ -251,15 +287,16 @@ class PipelineStrategy(ReplicatedStrategy):
                 module._parameters[name] = moved[id(param)]
 
     def _make_tie_groups(self) -> None:
-        """One group per pipeline of the ranks holding the first and last stages (every rank makes every group,
-        in the same order, as ``new_group`` asks); none when one rank holds both."""
+        """One group per pipeline (per data-parallel and tensor-parallel coordinate) of the ranks holding the first
+        and last stages (every rank makes every group, in the same order, as ``new_group`` asks); none when one
+        rank holds both."""
         first = self._stage_rank(0)
         last = self._stage_rank(self.stages - 1)
         if first == last:
             return
-        world = dist.get_world_size()
-        for start in range(0, world, self.pp):  # pipelines are consecutive ranks (pp innermost)
-            ranks = [start + first, start + last]
+        pipelines = self.mesh.mesh.movedim(self.mesh.mesh_dim_names.index("pp"), -1).reshape(-1, self.pp)
+        for pipeline in pipelines.tolist():  # each pipeline's ranks, by pipeline rank
+            ranks = [pipeline[first], pipeline[last]]
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 self._tie_group, self._tie_src = group, ranks[0]
@@ -297,6 +334,16 @@ class PipelineStrategy(ReplicatedStrategy):
                 kept.append(self._clone)
             group["params"] = kept
         return optimizer
+
+    def collective_wait_s(self) -> float:
+        """Seconds this rank spent in the split layers' collectives since the last call (tp > 1; 0 without):
+        the step's ``tp_comm`` phase, taken out of the stages' compute."""
+        return self._waits.take() if self._waits is not None else 0.0
+
+    def figures(self) -> dict[str, Any]:
+        """With ``parallel.tp_algorithm = 'shm'``: the split layers' all-reduces this rank ran on shared memory."""
+        calls = getattr(self.mesh["tp"].get_group(), "shm_calls", None) if self.tp > 1 else None
+        return {} if calls is None else {"tp_shm_all_reduces": calls}
 
     # --- a step --------------------------------------------------------------------------------------------
     def pipeline_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -366,7 +413,7 @@ class PipelineStrategy(ReplicatedStrategy):
             tied = self._clone if self._clone is not None else self._full.token_embedding.weight
             dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
         if self.dp > 1 and not self.shard:  # (FSDP2 reduce-scattered them in the schedule's last backward)
-            grads = [p.grad for p in params]
+            grads = [_local(p.grad) for p in params]  # (with tp: each rank its slice, like its replicas')
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.dp_group)
             flat /= self.dp
@@ -393,14 +440,20 @@ class PipelineStrategy(ReplicatedStrategy):
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The whole model's gradient norm: each rank's squares (the tied weight counted on the first stage
-        only), summed over the pipeline (replicas hold the same gradients)."""
+        only), summed over the pipeline (replicas hold the same gradients). A gradient that is a DTensor
+        replicated over some mesh dimensions (tensor parallelism's whole layers) is counted once: its squares
+        divided by the ranks holding the same copy."""
         params = self._own_parameters()
         counted = [p for p in params if p is not self._clone and p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for param in counted:
-            squares += _local(param.grad).detach().double().pow(2).sum()
+            squares += _local(param.grad).detach().double().pow(2).sum() / _copies(param.grad)
         # Replicas hold the same gradients (the pipeline's ranks); shards hold parts of them (every rank).
-        dist.all_reduce(squares, group=None if self.shard else self.pp_group)
+        if self.tp == 1:
+            dist.all_reduce(squares, group=None if self.shard else self.pp_group)
+        else:  # the pipeline's and its tensor-parallel ranks: every rank, each replica's sum once
+            dist.all_reduce(squares)
+            squares /= 1 if self.shard else self.dp
         norm = squares.sqrt().float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for param in params:
@@ -417,7 +470,8 @@ class PipelineStrategy(ReplicatedStrategy):
         pickled CPU tensors: a model that fits one process's memory, as the full checkpoint does anyway)."""
         mine = {}
         for module in self.modules:  # (FSDP2's shards gathered over the replicas: every rank calls this)
-            mine.update({name: _full(value).detach().cpu() for name, value in module.state_dict().items()})
+            mine.update({name: self._natural(name, _full(value)).detach().cpu()
+                         for name, value in module.state_dict().items()})
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, mine, group=self.pp_group)
         merged = {name: value for part in parts for name, value in part.items()}
@@ -430,7 +484,8 @@ class PipelineStrategy(ReplicatedStrategy):
             for module in self.modules:
                 for name, tensor in module.state_dict(keep_vars=True).items():
                     source = state["token_embedding.weight"] if self._tied and name == "head.weight" else state[name]
-                    _local(tensor).copy_(_local(_shard_like(source.to(self.device), tensor)))
+                    source = self._ranked(name, source.to(self.device))
+                    _local(tensor).copy_(_local(_shard_like(source, tensor)))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """torch's form of one optimizer over the whole model: every rank's states by parameter name, gathered
@@ -438,7 +493,9 @@ class PipelineStrategy(ReplicatedStrategy):
         local = optimizer.state_dict()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         names = self._names
-        mine = {names[id(params[int(i)])]: {key: _full(value) for key, value in entry.items()}
+        mine = {names[id(params[int(i)])]: {key: self._natural(names[id(params[int(i)])], _full(value))
+                                            if _is_moment(value, params[int(i)]) else _full(value)
+                                            for key, value in entry.items()}
                 for i, entry in local["state"].items() if params[int(i)] is not self._clone}
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, _to_cpu(mine), group=self.pp_group)
@@ -460,7 +517,7 @@ class PipelineStrategy(ReplicatedStrategy):
             for param in group["params"]:
                 name = "token_embedding.weight" if param is self._clone else names[id(param)]
                 if name in full:
-                    local_state[offset] = {key: _shard_like(value.to(self.device), param)
+                    local_state[offset] = {key: _shard_like(self._ranked(name, value.to(self.device)), param)
                                            if isinstance(value, torch.Tensor) and value.shape == param.shape else value
                                            for key, value in full[name].items()}
                 indices.append(offset)
@@ -479,7 +536,11 @@ class PipelineStrategy(ReplicatedStrategy):
         model_sd, optim_sd = get_state_dict(self._view(), optimizer)
         if self._clone is not None:
             _rename(optim_sd, "head.weight", "token_embedding.weight")
-        return {"model": model_sd, "optimizer": optim_sd}
+        state = {"model": model_sd, "optimizer": optim_sd}
+        if self.tp > 1:  # the qkv rows in the unsplit model's order (tensor.TensorParallelStrategy.checkpoint_state)
+            for name, moments, value, dim in _fused_entries(state, _qkv_dim):
+                moments[name] = _recut(value, _to_natural(_full(value), self.tp, dim))
+        return state
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                               load: Callable[[dict[str, Any]], None]) -> None:
@@ -487,9 +548,19 @@ class PipelineStrategy(ReplicatedStrategy):
 
         state = self.checkpoint_state(model, optimizer)
         load(state)
+        if self.tp > 1:
+            for name, moments, value, dim in _fused_entries(state, _qkv_dim):
+                moments[name] = _recut(value, _to_ranks(_full(value), self.tp, dim))
         if self._clone is not None:
             _rename(state["optimizer"], "token_embedding.weight", "head.weight")
         set_state_dict(self._view(), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def _natural(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A full tensor of ``name`` in the unsplit model's order (tp > 1: the qkv rows, kept in rank order)."""
+        return _to_natural(value, self.tp, _qkv_dim(name)) if self.tp > 1 and _qkv_dim(name) is not None else value
+
+    def _ranked(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return _to_ranks(value, self.tp, _qkv_dim(name)) if self.tp > 1 and _qkv_dim(name) is not None else value
 
     def _view(self) -> nn.Module:
         """This rank's stages as one module named as the whole model (the blocks of several stages in one
@@ -515,8 +586,8 @@ class PipelineStrategy(ReplicatedStrategy):
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """One batch through the stages in order, without a schedule (evaluation): each stage receives its
-        input from the previous one's rank and sends its output on. The logits on the rank of the last stage,
-        None on the others. Every rank of the pipeline calls it with the same batch."""
+        input from the previous one's rank and sends its output on. The logits on the rank of the last stage (the
+        first of its tensor-parallel ranks), None on the others. Every rank of the pipeline calls it with the same batch."""
         rows = len(inputs)
         x = inputs = _pad_rows(inputs, max(rows, 1))  # a replica with no batch left still runs the stages' gathers
         for stage in range(self.stages):
@@ -528,7 +599,9 @@ class PipelineStrategy(ReplicatedStrategy):
                     _send_tensor(x, holder, self.pp_group)
             if holder == self.pp_rank:
                 x = self.modules[self.indices.index(stage)](x)
-        return x[:rows] if self._stage_rank(self.stages - 1) == self.pp_rank else None
+        # Under tensor parallelism every rank of the last stage holds the logits: the first of them answers.
+        answers = self._stage_rank(self.stages - 1) == self.pp_rank and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
+        return x[:rows] if answers else None
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
@@ -558,6 +631,25 @@ def _recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
     return x
 
 
+def _qkv_dim(name: str) -> int | None:
+    """The built-in transformer's fused q | k | v parameters: the dimension they are fused along."""
+    return next((dim for suffix, dim in _FUSED.items() if name.endswith(suffix)), None)
+
+
+def _copies(tensor: torch.Tensor) -> int:
+    """How many ranks hold the same copy of ``tensor``'s local value: the product of the mesh dimensions a
+    DTensor is replicated over (1 for a plain tensor)."""
+    from torch.distributed.tensor import Replicate
+
+    if not hasattr(tensor, "device_mesh"):
+        return 1
+    return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if isinstance(p, Replicate))
+
+
+def _is_moment(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape)
+
+
 def _rename(optim_sd: dict[str, Any], old: str, new: str) -> None:
     """An optimizer state in torch's FQN form (``get_state_dict``'s), one parameter's entry renamed."""
     optim_sd["state"][new] = optim_sd["state"].pop(old)
@@ -579,11 +671,20 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def pipeline_mesh_context(ctx: DistContext, pp: int) -> tuple[DistContext, Any]:
-    """The 2-D mesh (dp = world / pp, pp) and ``ctx`` with this rank's data-parallel coordinates (the ranks of
-    one pipeline read the same samples). Every rank calls it."""
+def pipeline_mesh_context(ctx: DistContext, pp: int, tp: int = 1, tp_algorithm: str = "torch") -> tuple[DistContext, Any]:
+    """The 2-D mesh (dp = world / pp, pp), or with ``tp`` > 1 the 3-D mesh (dp = world / (pp tp), pp, tp): tp
+    innermost (a tensor-parallel group is consecutive ranks, one host), then the pipeline, the data-parallel
+    replicas outermost. ``ctx`` gets this rank's data-parallel coordinates (the ranks of one pipeline, and of
+    its stages' tensor-parallel groups, read the same samples); ``tp_algorithm = 'shm'`` puts the tp groups on
+    ringtrain's shared memory (``tensor.mesh_context``). Every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp = ctx.world_size // pp
-    mesh = init_device_mesh(ctx.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    from ringtrain.parallel.tensor import tp_backend_override
+
+    dp = ctx.world_size // (pp * tp)
+    if tp > 1:
+        mesh = init_device_mesh(ctx.device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"),
+                                backend_override=tp_backend_override(ctx, tp_algorithm))
+    else:
+        mesh = init_device_mesh(ctx.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     return dataclasses.replace(ctx, dp=(mesh.get_local_rank("dp"), dp), dp_group=mesh.get_group("dp")), mesh

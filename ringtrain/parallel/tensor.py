@@ -42,7 +42,7 @@ from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
 from ringtrain.parallel.units import block_units
 
 __all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "apply_plan", "gpt2_plan", "huggingface_plan",
-           "mesh_context", "parallelize_transformer", "user_plan"]
+           "mesh_context", "parallelize_stage", "parallelize_transformer", "user_plan"]
 
 _FUSED = {"attn.qkv.weight": 0, "attn.qkv.bias": 0}
 """Parameters (by name suffix) whose rows are q | k | v, and the dimension that is: put in rank order at wrap,
@@ -75,17 +75,14 @@ class TensorParallelStrategy(FSDPStrategy):
         """Name suffixes of the parameters kept in rank order (fused q | k | v layers), and along which dimension."""
         self._fused: dict[int, int] = {}
         """ids of those parameters, and the dimension."""
-        self._waits = CollectiveWaits()
         self._shm_group = mesh["tp"].get_group()
-        self._shm_taken = getattr(self._shm_group, "shm_s", 0.0)
+        self._waits = CollectiveWaits(self._shm_group)
 
     def collective_wait_s(self) -> float:
         """Seconds this rank spent on the split layers' collectives (DTensor's all-reduces in forward and
         backward) since the last call: the waits for asynchronous ones (Gloo's), and the time inside
         synchronous ones (``parallel.tp_algorithm = 'shm'``). The step's ``tp_comm`` phase."""
-        shm_s = getattr(self._shm_group, "shm_s", 0.0)
-        inside, self._shm_taken = shm_s - self._shm_taken, shm_s
-        return self._waits.take() + inside
+        return self._waits.take()
 
     def figures(self) -> dict[str, Any]:
         """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
@@ -218,33 +215,15 @@ def parallelize_transformer(model: nn.Module, mesh: Any, sequence_parallel: bool
     the norms run on each rank's share of the tokens (torch's ``SequenceParallel``), the column splits gather
     the sequence first and the row splits reduce-scatter into it, in place of one all-reduce; the embeddings'
     sum is cut (no communication) before the first block and gathered again for the output layer."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-
     tp = mesh.size()
     if model.n_heads % tp:
         raise ConfigError(f"[parallel] tp = {tp} does not divide model.n_heads ({model.n_heads}): each rank computes "
                           f"whole heads; set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
-    with torch.no_grad():
-        for block in model.blocks:
-            for param in block.attn.qkv.parameters():
-                param.copy_(_to_ranks(param, tp))
-    stream = Shard(1) if sequence_parallel else Replicate()
-    for block in model.blocks:
-        # The column splits hand on local tensors (whole heads, whole hidden units); the row splits' outputs are
-        # DTensors (replicated, or sequence-sharded), so the residual stream stays one.
-        plan = {
-            "attn.qkv": ColwiseParallel(input_layouts=stream),
-            "attn.proj": RowwiseParallel(output_layouts=stream, use_local_output=False),
-            "ff.up": ColwiseParallel(input_layouts=stream),
-            "ff.down": RowwiseParallel(output_layouts=stream, use_local_output=False),
-        }
-        if sequence_parallel:
-            plan.update({"norm_attn": SequenceParallel(use_local_output=False),
-                         "norm_ff": SequenceParallel(use_local_output=False)})
-        parallelize_module(block, mesh, plan)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+                                                   SequenceParallel, parallelize_module)
+
+    split_blocks(list(model.blocks), mesh, sequence_parallel)
     whole = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
     head = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)
     outer = {"token_embedding": whole, "position_embedding": whole, "head": head}
@@ -257,27 +236,98 @@ def parallelize_transformer(model: nn.Module, mesh: Any, sequence_parallel: bool
                                              use_local_output=True),
         })
     parallelize_module(model, mesh, outer)
-    replicated: dict[int, nn.Parameter] = {}  # by the plain parameter's id: the tied head keeps its embedding
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
+    replicate_rest(model, mesh)
+
+
+def parallelize_stage(stage: nn.Module, mesh: Any, replicated: dict[int, nn.Parameter]) -> None:
+    """The built-in transformer's tensor-parallel plan inside one pipeline stage (``pipeline.TransformerStage``)
+    on the 1-D ``mesh``: its blocks split as ``parallelize_transformer`` splits them, its edges made to pass
+    plain tensors (a stage's schedule sends and receives those): a stage that starts after the embeddings takes
+    its input as a replicated DTensor, one that ends before the output layer hands on its local value. The
+    rest of its parameters replicated; ``replicated`` is shared by the stages of one rank, so a weight two of
+    them hold (the tied embedding of a V schedule's first and last stage) stays one parameter."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+                                                   parallelize_module)
+
+    split_blocks(list(stage.blocks.values()), mesh)
+    whole = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
+    local = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)
+    first, last = f"blocks.{next(iter(stage.blocks))}", f"blocks.{list(stage.blocks)[-1]}"
+    edges = {"token_embedding": whole, "position_embedding": whole} if stage.is_first else {first: whole}
+    if stage.is_last:
+        edges["head"] = local
+    elif first == last and not stage.is_first:  # one block between two other stages: both of its edges
+        edges[last] = PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Replicate(),
+                                               output_layouts=Replicate(), desired_output_layouts=Replicate())
+    else:
+        edges[last] = local
+    parallelize_module(stage, mesh, edges)
+    if not stage.is_last:
+        # to_local() hands on a view, which the zero-bubble schedules' in-place detach of a stage's outputs refuses:
+        # the output gets its own storage (one copy of the activation per micro-batch).
+        stage.blocks[last[len("blocks."):]].register_forward_hook(lambda module, args, output: output.clone())
+    replicate_rest(stage, mesh, replicated)
+
+
+def split_blocks(blocks: list[nn.Module], mesh: Any, sequence_parallel: bool = False) -> None:
+    """Megatron's split of each of the built-in transformer's ``blocks`` over ``mesh``: the qkv rows put in rank
+    order, the attention's qkv and the MLP's up split by columns, its proj and down by rows; with
+    ``sequence_parallel`` the residual stream between them sharded by sequence and the norms with it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    tp = mesh.size()
+    with torch.no_grad():
+        for block in blocks:
+            for param in block.attn.qkv.parameters():
+                param.copy_(_to_ranks(param, tp))
+    stream = Shard(1) if sequence_parallel else Replicate()
+    for block in blocks:
+        # The column splits hand on local tensors (whole heads, whole hidden units); the row splits' outputs are
+        # DTensors (replicated, or sequence-sharded), so the residual stream stays one.
+        plan = {
+            "attn.qkv": ColwiseParallel(input_layouts=stream),
+            "attn.proj": RowwiseParallel(output_layouts=stream, use_local_output=False),
+            "ff.up": ColwiseParallel(input_layouts=stream),
+            "ff.down": RowwiseParallel(output_layouts=stream, use_local_output=False),
+        }
+        if sequence_parallel:
+            plan.update({"norm_attn": SequenceParallel(use_local_output=False),
+                         "norm_ff": SequenceParallel(use_local_output=False)})
+        parallelize_module(block, mesh, plan)
+
+
+def replicate_rest(module: nn.Module, mesh: Any, replicated: dict[int, nn.Parameter] | None = None) -> None:
+    """Every plain parameter under ``module`` made a replicated DTensor on ``mesh`` (the same value on every rank;
+    a tied weight stays one parameter: ``replicated`` maps the plain parameter's id to its DTensor)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    replicated = {} if replicated is None else replicated
+    for child in module.modules():
+        for name, param in list(child._parameters.items()):
             if param is None or hasattr(param, "device_mesh"):
                 continue
             if id(param) not in replicated:
                 replicated[id(param)] = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
                                                      requires_grad=param.requires_grad)
-            module._parameters[name] = replicated[id(param)]
+            child._parameters[name] = replicated[id(param)]
 
 
 class CollectiveWaits:
     """Time spent waiting for torch's functional collectives, which DTensor issues asynchronously and waits
     for at the first use of their result (``_functional_collectives.wait_tensor``, wrapped once per process):
-    on Gloo the all-reduce runs on the backend's thread meanwhile, so the wait is its exposed part."""
+    on Gloo the all-reduce runs on the backend's thread meanwhile, so the wait is its exposed part. With
+    ``group`` a process group of ringtrain's shared-memory backend (``parallel.tp_algorithm = 'shm'``), whose
+    collectives are synchronous, the time inside them is added."""
 
     _total = 0.0
     _installed = False
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self._taken = CollectiveWaits._total
+        self._group = group
+        self._shm_taken = getattr(group, "shm_s", 0.0)
 
     @classmethod
     def install(cls) -> None:
@@ -301,7 +351,9 @@ class CollectiveWaits:
         """Seconds waited since the last take (or since this timer was made)."""
         total = CollectiveWaits._total
         waited, self._taken = total - self._taken, total
-        return waited
+        shm_s = getattr(self._group, "shm_s", 0.0)
+        inside, self._shm_taken = shm_s - self._shm_taken, shm_s
+        return waited + inside
 
 
 STYLES = ("colwise", "rowwise")
@@ -498,14 +550,20 @@ def mesh_context(ctx: DistContext, tp: int, algorithm: str = "torch") -> tuple[D
     all-reduces run there. Every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    override = None
-    if algorithm == "shm":
-        if ctx.device.type != "cpu":
-            raise ConfigError(f"[parallel] tp_algorithm = 'shm' needs CPU workers, but this worker trains on "
-                              f"{ctx.device}; set tp_algorithm = 'torch'")
-        from ringtrain.comm.c10d_backend import BACKEND
-
-        override = {"tp": BACKEND}
     dp = ctx.world_size // tp
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"), backend_override=override)
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"),
+                            backend_override=tp_backend_override(ctx, algorithm))
     return dataclasses.replace(ctx, dp=(mesh.get_local_rank("dp"), dp), dp_group=mesh.get_group("dp")), mesh
+
+
+def tp_backend_override(ctx: DistContext, algorithm: str) -> dict[str, str] | None:
+    """``init_device_mesh``'s ``backend_override`` for the ``tp`` dimension: ringtrain's shared-memory backend
+    for ``algorithm = 'shm'`` (CPU workers only), the default group's backend otherwise."""
+    if algorithm != "shm":
+        return None
+    if ctx.device.type != "cpu":
+        raise ConfigError(f"[parallel] tp_algorithm = 'shm' needs CPU workers, but this worker trains on "
+                          f"{ctx.device}; set tp_algorithm = 'torch'")
+    from ringtrain.comm.c10d_backend import BACKEND
+
+    return {"tp": BACKEND}

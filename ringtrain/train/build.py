@@ -57,10 +57,10 @@ def build_trainer(
     mesh = None
     degrees = resolve_degrees(config.parallel, config.comm.strategy, ctx.world_size)
     # The model split over tp (or pp) ranks: they read the same samples (ctx's data-parallel coordinates).
-    if degrees["tp"] > 1:
+    if degrees["pp"] > 1:  # with tp > 1: a 3-D mesh, tensor parallelism inside the stages
+        ctx, mesh = pipeline_mesh_context(ctx, degrees["pp"], degrees["tp"], config.parallel.tp_algorithm)
+    elif degrees["tp"] > 1:
         ctx, mesh = mesh_context(ctx, degrees["tp"], config.parallel.tp_algorithm)
-    elif degrees["pp"] > 1:
-        ctx, mesh = pipeline_mesh_context(ctx, degrees["pp"])
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh,
                               parallel=config.parallel, tp_plan=parts.tp_plan)
     if not joining:

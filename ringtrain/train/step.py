@@ -152,7 +152,8 @@ class GradientStep:
         """A pipelined step (``parallel/pipeline.py``): the plan's micro-batches are the schedule's. The loss
         of each, on the last stage, is the task's sum over its real rows (padding rows are not read) times the
         step's scale; the schedule runs every forward and backward. The time a rank waited on its neighbours
-        is booked as ``pipeline_wait`` (the bubble and the activation transfers); the tied weight's and the
+        is booked as ``pipeline_wait`` (the bubble and the activation transfers), its split layers' collectives
+        (tensor parallelism inside the stages) as ``tp_comm``; the tied weight's and the
         replicas' gradient sums as exposed communication. Returns the loss sum on every rank of the pipeline."""
         loss_scale = self.world_size / plan.global_items
         sums: list[torch.Tensor] = []
@@ -169,6 +170,9 @@ class GradientStep:
         with self.clock.phase("forward_backward"):
             compute_s = self.strategy.pipeline_step(plan.micro_batches, loss_fn, self.precision.autocast)
         self.clock.move("forward_backward", "pipeline_wait", max(0.0, time.perf_counter() - start - compute_s))
+        tp_comm_s = self.strategy.collective_wait_s()  # tensor parallelism inside the stages (0 without)
+        if tp_comm_s:
+            self.clock.move("forward_backward", "tp_comm", tp_comm_s)
         with self.clock.phase("comm_exposed"):
             self.strategy.synchronize_gradients()
             # The last stage's losses, one a micro-batch (the calls before them, on a new schedule's first step,

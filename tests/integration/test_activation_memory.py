@@ -1,6 +1,7 @@
 """Peak activation memory per worker against the planner's analytic figure (ringtrain/bench/plan_layouts.py,
 ``activation_bytes``), within 10%, for the built-in transformer in fp32 on one worker, tensor parallel (tp 2),
-pipelined (pp 2, 1F1B over 4 micro-batches) and with full activation checkpointing, the split ones on real
+pipelined (pp 2, 1F1B over 4 micro-batches), both (tp 2 inside each of 2 stages) and with full activation
+checkpointing, the split ones on real
 processes through ringtrain's own strategies. Measured with ``monitor.memory.new_tensor_peak`` (every storage
 the ops create, until it is freed) over a second forward and backward, the gradients already allocated: the
 fullest rank's peak is what the planner predicts."""
@@ -36,8 +37,9 @@ def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     cpu = torch.device("cpu")
     if pp > 1:
-        strategy = PipelineStrategy(cpu, init_device_mesh("cpu", (1, pp), mesh_dim_names=("dp", "pp")), "1f1b",
-                                    microbatches=MICROBATCHES)
+        mesh = (init_device_mesh("cpu", (1, pp, tp), mesh_dim_names=("dp", "pp", "tp")) if tp > 1 else
+                init_device_mesh("cpu", (1, pp), mesh_dim_names=("dp", "pp")))  # tp inside the stages
+        strategy = PipelineStrategy(cpu, mesh, "1f1b", microbatches=MICROBATCHES)
         parameters = strategy.wrap(model).parameters()
         micro_batches = list(zip(tokens.chunk(MICROBATCHES), tokens.chunk(MICROBATCHES)))
 
@@ -70,7 +72,8 @@ def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str
 
 @pytest.mark.parametrize("tp,pp,ac,sp", [(1, 1, "none", False), (1, 1, "full", False), (2, 1, "none", False),
                                          (1, 2, "none", False), (2, 1, "full", False), (1, 2, "full", False),
-                                         (2, 1, "none", True), (2, 1, "full", True)])
+                                         (2, 1, "none", True), (2, 1, "full", True), (2, 2, "none", False),
+                                         (2, 2, "full", False)])
 def test_peak_activation_memory_is_within_10_percent_of_the_planners(tp, pp, ac, sp):
     measured = max(run_distributed(_peak_activation_bytes, tp * pp, tp, pp, ac, sp))
     layout = Layout(dp=1, tp=tp, pp=pp, ac=ac, microbatches=MICROBATCHES if pp > 1 else 1, sp=sp)
