@@ -195,8 +195,9 @@ def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> Non
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What pipeline parallelism (``parallel/pipeline.py``) runs with: the built-in transformer or a user's model
-    (an nn.Sequential, checked when it is built), its pipelines replicated by plain data parallelism over dp, a
-    fixed number of equal micro-batches, no heal. (The layout's own numbers, stages against layers and
+    (an nn.Sequential, checked when it is built), its pipelines replicated over dp (their gradients averaged by
+    ``comm.algorithm``'s all-reduce: the backend's, or ringtrain's ring or shm) or sharded by FSDP2, a fixed
+    number of equal micro-batches, no heal. (The layout's own numbers, stages against layers and
     micro-batches, are checked by the caller.)"""
     pp, model, strategy, parallel = degrees["pp"], config.model, config.comm.strategy, config.parallel
     where = f"[parallel] pp = {pp}"
@@ -204,14 +205,11 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where}: pipeline parallelism cuts the built-in transformer (model.name = 'transformer') "
                           f"or a model of your own that is an nn.Sequential (model.factory, fit) into stages, not "
                           f"model.name = '{model.name}'; set pp = 1")
-    if strategy not in ("ddp", "fsdp"):
+    if strategy not in ("ddp", "manual", "fsdp"):
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
-                          "replicate it (its gradients averaged by one all-reduce, 'ddp') or shard its stages (FSDP2, "
-                          "'fsdp'); zero1/2/3, 'manual' and 'diloco' beside a pipeline are not built yet (issue 23); "
-                          "set comm.strategy = 'ddp' or 'fsdp'")
-    if config.comm.algorithm != "torch":
-        raise ConfigError(f"{where} with comm.algorithm = '{config.comm.algorithm}': the replicas' gradients are "
-                          "all-reduced by the backend itself so far; set comm.algorithm = 'torch'")
+                          "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "
+                          "'manual') or shard its stages (FSDP2, 'fsdp'); zero1/2/3 and 'diloco' beside a pipeline are "
+                          "not built yet (issue 23); set comm.strategy = 'ddp' or 'fsdp'")
     if strategy == "fsdp" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
         raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first "
                           "and last stages on one rank, where they share the tied embedding, which FSDP2 cannot shard "

@@ -84,11 +84,13 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
     dp when dp > 1 (the config checks refused every other data-parallel strategy beside it), split by
     ``tp_plan`` (None: the model's own plan); a (dp, pp) or (dp, pp, tp) mesh
     (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule (its stages split
-    over tp when the mesh has it), its replicas averaged over dp (ddp) or its stages sharded over dp (fsdp)."""
+    over tp when the mesh has it), its replicas averaged over dp (ddp or manual: one all-reduce of
+    ``config.algorithm`` after the schedule) or its stages sharded over dp (fsdp)."""
     if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
         parallel = parallel or ParallelConfig()
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
-                                stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp")
+                                stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp",
+                                algorithm=config.algorithm, chunk_kb=config.chunk_kb)
     if mesh is not None:
         return TensorParallelStrategy(device, mesh, plan=tp_plan,
                                       sequence_parallel=bool(parallel and parallel.sequence_parallel))

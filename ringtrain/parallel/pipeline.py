@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain import comm
 from ringtrain.errors import ConfigError
 from ringtrain.group.init import DistContext
 from ringtrain.monitor.comm_timer import CommTimer
@@ -149,8 +150,11 @@ class PipelineStrategy(ReplicatedStrategy):
     splits_model = True
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
-                 stages_per_rank: int = 1, shard: bool = False):
+                 stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None):
         self.device = device
+        self.algorithm, self.chunk_kb = algorithm, chunk_kb
+        """How the replicas' gradients are averaged over dp (``comm.all_reduce``'s algorithm; 'torch': the
+        backend's own)."""
         self.mesh = mesh
         self.pp, self.dp = mesh["pp"].size(), mesh["dp"].size()
         self.tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
@@ -415,8 +419,11 @@ class PipelineStrategy(ReplicatedStrategy):
         if self.dp > 1 and not self.shard:  # (FSDP2 reduce-scattered them in the schedule's last backward)
             grads = [_local(p.grad) for p in params]  # (with tp: each rank its slice, like its replicas')
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp
+            if self.algorithm == "torch":
+                dist.all_reduce(flat, group=self.dp_group)
+                flat /= self.dp
+            else:  # ringtrain's collectives over the replicas (shm inside a host, ring across)
+                comm.all_reduce(flat, op="avg", algorithm=self.algorithm, group=self.dp_group, chunk_kb=self.chunk_kb)
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))

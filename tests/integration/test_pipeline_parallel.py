@@ -15,6 +15,7 @@ import torch
 
 from ringtrain.data.ledger import check_ledger
 from tests.conftest import run_cli, run_clis
+from tests.faults import Fault, fault_plan
 
 STEPS = 20
 # 30 sequences a step: micro-batches of 8, 8, 7 and 7 (the pipeline pads the short ones to one shape).
@@ -122,6 +123,24 @@ def test_two_pipelines_on_four_workers_replicated_or_sharded_train_as_one_worker
         assert done["world_size"] == 4 and len(set(done["param_sha256"])) == 1
     # FSDP2 holds half of each stage's parameters, gradients and AdamW moments on each of the two replicas.
     assert summary(dirs["fsdp_pp"])["model_state_mb"] < 0.6 * summary(dirs["ddp_pp"])["model_state_mb"]
+
+
+def test_replicas_of_a_pipeline_average_their_gradients_with_ringtrains_own_collectives(tmp_path, runs):
+    # comm.algorithm beside a pipeline: the replicas' one all-reduce after the schedule runs on ringtrain's ring
+    # (ddp) or shared memory (manual). Each trains as one worker; the ring's steps are reached (a fault plan that
+    # only observes), which they are not when the backend's own all-reduce averages them (the control).
+    dirs = {"ring": tmp_path / "ddp_ring_pp", "shm": tmp_path / "manual_shm_pp", "torch": tmp_path / "ddp_torch_pp"}
+    plans = {name: fault_plan(tmp_path, Fault("ring.step", action="observe"), name=f"{name}.json") for name in ("ring", "torch")}
+    results = run_clis(train(dirs["ring"], 4, "comm.algorithm='ring'"),
+                       train(dirs["shm"], 4, "comm.strategy='manual'", "comm.algorithm='shm'"), timeout=500,
+                       env=plans["ring"].env)
+    control = run_cli(*train(dirs["torch"], 4, "train.max_steps=2"), env=plans["torch"].env, timeout=300)
+    for result in (*results, control):
+        assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("ring", "shm"):
+        assert_same_run(dirs[name], runs["oracle"])
+        assert len(set(summary(dirs[name])["param_sha256"])) == 1
+    assert set(plans["ring"].fired_points()) == {"ring.step"} and plans["torch"].fired_points() == []
 
 
 def test_full_checkpoints_cross_layouts_and_resume_bit_for_bit_at_their_own(tmp_path, runs):

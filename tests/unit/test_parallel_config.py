@@ -95,7 +95,7 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
     ({"pp": 2, "tp": 3}, "ddp", {}, 6, r"tp = 3 with pp = 2: tp does not divide model.n_heads \(4\)"),
     ({"pp": 2, "tp": 2}, "zero1", {}, 8, r"pp = 2 with comm.strategy = 'zero1': beside a pipeline"),
     ({"pp": 2, "tp": 2}, "ddp", {"dist": {"heal": True}}, 4, r"pp = 2 with --heal: healing a split model"),
-    ({"pp": 2}, "ddp", {"comm": {"strategy": "ddp", "algorithm": "shm"}}, 2, r"comm.algorithm = 'shm'"),
+    ({"pp": 2}, "zero3", {}, 2, r"pp = 2 with comm.strategy = 'zero3': .* zero1/2/3 and 'diloco' beside a pipeline"),
     ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
      r"cuts the built-in transformer \(model.name = 'transformer'\) or a model of your own that is an nn.Sequential "
      r"\(model.factory, fit\) into stages, not model.name = 'mlp'"),
