@@ -43,8 +43,9 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 class ParallelConfig(Section):
     dp_replicate: int | None = None
-    """Data-parallel replicas (each holds the whole model): -1 takes the ranks the other degrees leave.
-    Unset: what comm.strategy implies (ddp, manual, diloco: -1; zero1-3, fsdp: 1)."""
+    """Data-parallel replicas (each holds the whole model, or under comm.strategy = 'fsdp' each is a group of
+    dp_shard ranks sharding it: FSDP2's HSDP): -1 takes the ranks the other degrees leave. Unset: what
+    comm.strategy implies (ddp, manual, diloco: -1; zero1-3, fsdp: 1)."""
 
     dp_shard: int | None = None
     """Data-parallel ranks the model's state is sharded over: -1 takes the ranks the other degrees leave.
@@ -52,7 +53,8 @@ class ParallelConfig(Section):
 
     tp: int = 1
     """Tensor-parallel degree (-1: the rest): the built-in transformer's attention and MLP split over tp ranks,
-    under FSDP2 on the other ranks (comm.strategy = 'fsdp')."""
+    with FSDP2 on the other ranks (comm.strategy = 'fsdp', HSDP with dp_replicate > 1), whole replicas
+    (comm.strategy = 'ddp': FSDP2's replicate dimension), or inside pipeline stages (pp > 1)."""
 
     tp_algorithm: Literal["torch", "shm"] = "torch"
     """How the tensor-parallel ranks all-reduce the split layers' activations and gradients: 'torch' (the
@@ -115,11 +117,11 @@ def check_strategy_agrees(parallel: ParallelConfig, strategy: str) -> None:
             f"[parallel] dp_shard = {shard} shards the model's state, but comm.strategy = '{strategy}' keeps a "
             f"whole copy on every rank; set comm.strategy = 'fsdp' (or 'zero1', 'zero2', 'zero3') to shard, or "
             "dp_shard = 1 (or leave it unset)")
-    if strategy in SHARDED and replicate not in (None, 1):
+    if strategy in SHARDED and strategy != "fsdp" and replicate not in (None, 1):
         raise ValueError(
             f"[parallel] dp_replicate = {replicate} with comm.strategy = '{strategy}': replicas of a sharded model "
-            "(HSDP) are not built yet (issue 23); set dp_replicate = 1 (or leave it unset), or comm.strategy = "
-            "'ddp' to replicate")
+            "(HSDP) are built on FSDP2 only; set comm.strategy = 'fsdp', dp_replicate = 1 (or leave it unset), or "
+            "comm.strategy = 'ddp' to replicate")
 
 
 def resolve_degrees(parallel: ParallelConfig, strategy: str, world_size: int) -> dict[str, int]:
@@ -157,10 +159,10 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     if model.factory is None and model.n_heads % tp:
         raise ConfigError(f"{where} does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
-    if degrees["dp_replicate"] > 1:
+    if degrees["dp_replicate"] > 1 and strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} (comm.strategy = '{strategy}'): "
-                          "replicas beside tensor parallelism are not built yet (issue 23); set comm.strategy = "
-                          "'fsdp' to shard the data-parallel dimension (a 2-D FSDP2 x TP mesh), or tp = -1")
+                          "replicas beside tensor parallelism are FSDP2's (its replicate dimension); set "
+                          "comm.strategy = 'ddp' (whole replicas) or 'fsdp' (sharded ones), or tp = -1")
     if degrees["dp_shard"] > 1 and strategy != "fsdp":
         raise ConfigError(f"{where} with dp_shard = {degrees['dp_shard']} under comm.strategy = '{strategy}': only "
                           "FSDP2 shards beside tensor parallelism so far (issue 23); set comm.strategy = 'fsdp'")
@@ -205,6 +207,10 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where}: pipeline parallelism cuts the built-in transformer (model.name = 'transformer') "
                           f"or a model of your own that is an nn.Sequential (model.factory, fit) into stages, not "
                           f"model.name = '{model.name}'; set pp = 1")
+    if strategy == "fsdp" and degrees["dp_replicate"] > 1:
+        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} and comm.strategy = 'fsdp': replicas "
+                          "of sharded pipeline stages (HSDP beside a pipeline) are not built yet (issue 23); set "
+                          "dp_replicate = 1 (FSDP2 over every pipeline) or comm.strategy = 'ddp'")
     if strategy not in ("ddp", "manual", "fsdp"):
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
                           "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "

@@ -80,7 +80,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
                    tp_plan: Mapping[str, Any] | None = None) -> Strategy:
     """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None).
     ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so).
-    ``mesh``: a (dp, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
+    ``mesh``: a (dp_replicate, dp_shard) mesh (``fsdp.hsdp_mesh``): FSDP2's HSDP; a (dp, tp) or (dp_replicate,
+    dp_shard, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
     dp when dp > 1 (the config checks refused every other data-parallel strategy beside it), split by
     ``tp_plan`` (None: the model's own plan); a (dp, pp) or (dp, pp, tp) mesh
     (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule (its stages split
@@ -91,6 +92,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
                                 stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp",
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb)
+    if mesh is not None and "tp" not in (mesh.mesh_dim_names or ()):  # (dp_replicate, dp_shard): HSDP
+        return FSDPStrategy(device, mesh=mesh)
     if mesh is not None:
         return TensorParallelStrategy(device, mesh, plan=tp_plan,
                                       sequence_parallel=bool(parallel and parallel.sequence_parallel))

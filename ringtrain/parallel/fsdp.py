@@ -26,7 +26,7 @@ from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.units import block_units
 
-__all__ = ["FSDPStrategy"]
+__all__ = ["FSDPStrategy", "hsdp_mesh"]
 
 
 class FSDPStrategy(ReplicatedStrategy):
@@ -35,10 +35,15 @@ class FSDPStrategy(ReplicatedStrategy):
     reduces_every_micro_batch = True
     forward_is_collective = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, mesh: Any = None):
         self.device = device
         self.comm_timer = CommTimer()
         """FSDP runs its collectives itself: the timer sees none (their time is in forward/backward)."""
+        self.mesh = mesh
+        """A 2-D (dp_replicate, dp_shard) mesh: HSDP (each replica group shards the state, the replicas
+        all-reduce the sharded gradients; ``hsdp_mesh``). None: one dimension, the world."""
+        if mesh is not None:
+            self.name = "hsdp"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -46,7 +51,7 @@ class FSDPStrategy(ReplicatedStrategy):
 
         model.to(self.device)
         _broadcast_from_rank0(model)  # FSDP shards each rank's own copy: start from one
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        mesh = self.mesh if self.mesh is not None else init_device_mesh(self.device.type, (dist.get_world_size(),))
         for block in block_units(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -123,3 +128,12 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
+
+
+def hsdp_mesh(device: torch.device, replicate: int) -> Any:
+    """The (dp_replicate, dp_shard) mesh of the world for HSDP: ``replicate`` groups of consecutive ranks, each
+    sharding the model's state (FSDP2's 2-D mesh; one host's ranks in one shard group when they fit)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh(device.type, (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))

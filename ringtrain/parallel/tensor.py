@@ -66,8 +66,13 @@ class TensorParallelStrategy(FSDPStrategy):
         """The built-in transformer's norms and residual stream split by sequence over tp (``parallelize_transformer``)."""
         self.mesh = mesh
         self.tp = mesh["tp"].size()
-        self.dp = mesh["dp"].size()
-        self.name = "tp" if self.dp == 1 else "fsdp+tp"
+        replicas = "dp_replicate" in mesh.mesh_dim_names
+        self.dp_mesh = mesh[("dp_replicate", "dp_shard")] if replicas else mesh["dp"]
+        """FSDP2's mesh: the data-parallel dimension, or its two (replicas of shard groups: HSDP) under
+        ``mesh_context(replicate=...)``."""
+        self.dp = self.dp_mesh.size()
+        self.name = ("tp" if self.dp == 1 else "fsdp+tp" if not replicas
+                     else "ddp+tp" if mesh["dp_shard"].size() == 1 else "hsdp+tp")
         self.plan = plan
         """A user's plan (``fit(tp_plan=...)``): module paths (``*`` for any one name) to "colwise", "rowwise" or
         a torch ParallelStyle. None: the model's own (the built-in transformer's, or a Hugging Face model's)."""
@@ -120,8 +125,8 @@ class TensorParallelStrategy(FSDPStrategy):
             from torch.distributed.fsdp import fully_shard
 
             for block in block_units(model):
-                fully_shard(block, mesh=self.mesh["dp"])
-            fully_shard(model, mesh=self.mesh["dp"])
+                fully_shard(block, mesh=self.dp_mesh)
+            fully_shard(model, mesh=self.dp_mesh)
         self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
                        if self._fused_dim(name) is not None}
         self._waits.install()
@@ -542,18 +547,26 @@ def _to_natural(ranked: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
 
 
 
-def mesh_context(ctx: DistContext, tp: int, algorithm: str = "torch") -> tuple[DistContext, Any]:
+def mesh_context(ctx: DistContext, tp: int, algorithm: str = "torch", replicate: int = 1) -> tuple[DistContext, Any]:
     """The 2-D mesh (dp = world / tp, tp) over the whole group, and ``ctx`` with this rank's data-parallel
     coordinates: its index along ``dp`` (the samples it reads, the same for its tensor-parallel peers), the
     ``dp`` size, and its ``dp`` group (the ranks whose data sums and ids are gathered). ``algorithm = 'shm'``:
     the ``tp`` dimension's groups are ringtrain's shared-memory backend (``comm/c10d_backend.py``), so DTensor's
-    all-reduces run there. Every rank calls it."""
+    all-reduces run there. ``replicate`` > 1: the 3-D mesh (dp_replicate, dp_shard = dp / replicate, tp), FSDP2's
+    HSDP over the first two (whole replicas when dp_shard is 1), the data-parallel coordinates over both. Every
+    rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dp = ctx.world_size // tp
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"),
-                            backend_override=tp_backend_override(ctx, algorithm))
-    return dataclasses.replace(ctx, dp=(mesh.get_local_rank("dp"), dp), dp_group=mesh.get_group("dp")), mesh
+    override = tp_backend_override(ctx, algorithm)
+    if replicate == 1:
+        mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"), backend_override=override)
+        dp_mesh = mesh["dp"]
+    else:  # replicas of FSDP2 shard groups (a shard group of 1: whole replicas, DDP beside tp)
+        mesh = init_device_mesh(ctx.device.type, (replicate, dp // replicate, tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"), backend_override=override)
+        dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    return dataclasses.replace(ctx, dp=(dp_mesh.get_local_rank(), dp), dp_group=dp_mesh.get_group()), mesh
 
 
 def tp_backend_override(ctx: DistContext, algorithm: str) -> dict[str, str] | None:

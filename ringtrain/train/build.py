@@ -17,6 +17,7 @@ from ringtrain.group.jobstore import NullJobStore
 from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_strategy
 from ringtrain.parallel.activation_checkpoint import apply_ac
+from ringtrain.parallel.fsdp import hsdp_mesh
 from ringtrain.parallel.pipeline import pipeline_mesh_context
 from ringtrain.parallel.tensor import mesh_context
 from ringtrain.train.batch_size import MicroBatcher
@@ -59,8 +60,10 @@ def build_trainer(
     # The model split over tp (or pp) ranks: they read the same samples (ctx's data-parallel coordinates).
     if degrees["pp"] > 1:  # with tp > 1: a 3-D mesh, tensor parallelism inside the stages
         ctx, mesh = pipeline_mesh_context(ctx, degrees["pp"], degrees["tp"], config.parallel.tp_algorithm)
-    elif degrees["tp"] > 1:
-        ctx, mesh = mesh_context(ctx, degrees["tp"], config.parallel.tp_algorithm)
+    elif degrees["tp"] > 1:  # with dp_replicate > 1: FSDP2's replicas of shard groups beside tp
+        ctx, mesh = mesh_context(ctx, degrees["tp"], config.parallel.tp_algorithm, degrees["dp_replicate"])
+    elif degrees["dp_replicate"] > 1 and config.comm.strategy == "fsdp":  # HSDP: every rank is a data-parallel one
+        mesh = hsdp_mesh(ctx.device, degrees["dp_replicate"])
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh,
                               parallel=config.parallel, tp_plan=parts.tp_plan)
     if not joining:

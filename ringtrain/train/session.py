@@ -65,6 +65,7 @@ from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.parallel import build_strategy
+from ringtrain.parallel.fsdp import hsdp_mesh
 from ringtrain.parallel.activation_checkpoint import apply_ac
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.testing import faults
@@ -170,7 +171,10 @@ class Session:
         self.config = self.config.model_copy(update={
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
         apply_ac(module, self.config.train.activation_checkpointing)  # before the strategy wraps it
-        self.strategy = build_strategy(self.config.comm, self.device, self.config.diloco, heal=self.config.dist.heal)
+        degrees = resolve_degrees(self.config.parallel, self.config.comm.strategy, self.world_size)
+        hsdp = degrees["dp_replicate"] > 1 and self.config.comm.strategy == "fsdp"  # FSDP2's replicas of shard groups
+        self.strategy = build_strategy(self.config.comm, self.device, self.config.diloco, heal=self.config.dist.heal,
+                                       mesh=hsdp_mesh(self.device, degrees["dp_replicate"]) if hsdp else None)
         self.module, self.model = module, self.strategy.wrap(module)
         made = self._made_optimizer = optimizer is None
         optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer

@@ -1,13 +1,15 @@
 """Tensor parallelism through `ringtrain train` (``[parallel] tp``, ringtrain/parallel/tensor.py) on real workers
 against one worker training the unsplit model on the same batches (the oracle): tp = 2 alone (with its
 all-reduces on Gloo or shm, with activation checkpointing, with sequence parallelism), and a 2-D mesh of
-FSDP2 (dp_shard = 2) x tp = 2 on four workers. The loss at every step and the parameters after the run agree
+FSDP2 (dp_shard = 2) x tp = 2 on four workers, FSDP2's HSDP (dp_replicate = 2 x dp_shard = 2) and whole replicas
+beside tp (dp_replicate = 2 x tp = 2). The loss at every step and the parameters after the run agree
 within fp32 rounding (the split matmuls add in another order), each sample is dealt once per data-parallel
 rank (the ranks of one tensor-parallel group share theirs), and full checkpoints cross layouts both ways."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,8 @@ def parameters(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["model"]
 
 
-def assert_same_run(run_dir: Path, oracle: Path, steps: range = range(1, STEPS + 1)) -> None:
+def assert_same_run(run_dir: Path, oracle: Path, steps: range = range(1, STEPS + 1), full: bool = True) -> None:
+    """``full``: the run saved full checkpoints, whose parameters are compared too."""
     mine, reference = losses(run_dir), losses(oracle)
     assert sorted(mine) == list(steps), sorted(mine)
     for step in steps:
@@ -48,6 +51,8 @@ def assert_same_run(run_dir: Path, oracle: Path, steps: range = range(1, STEPS +
     # The closing evaluation: the same loss over the same test set, each sample counted once (not once a tp rank).
     evaluated, expected = last_eval(run_dir), last_eval(oracle)
     assert evaluated["count"] == expected["count"] and evaluated["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    if not full:
+        return
     split, whole = parameters(run_dir), parameters(oracle)
     assert split.keys() == whole.keys()
     worst = max((split[k] - whole[k]).abs().max().item() for k in whole)
@@ -116,6 +121,37 @@ def test_fsdp_by_tp_on_four_workers_trains_as_one_worker_and_deals_each_sample_o
     assert reports and all(r.exactly_once for r in reports)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and len(set(summary["param_sha256"])) == 1
+
+
+def test_replicas_of_shard_groups_hsdp_and_whole_replicas_beside_tp_train_as_one_worker(tmp_path, oracle):
+    # dp_replicate > 1: FSDP2's HSDP on four workers (2 replicas of a 2-rank shard group), and DDP beside tensor
+    # parallelism (2 whole replicas of a tp pair: FSDP2's replicate dimension with shard groups of one). HSDP saves
+    # sharded checkpoints, which two FSDP2 workers resume.
+    hsdp, ddp_tp = tmp_path / "hsdp", tmp_path / "ddp_tp"
+    results = run_clis(train(hsdp, 4, "comm.strategy='fsdp'", "parallel.dp_replicate=2", "checkpoint.sharded=true"),
+                       train(ddp_tp, 4, "parallel.tp=2", "parallel.dp_replicate=2"), timeout=400)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    for run_dir, data_ranks in ((hsdp, 4), (ddp_tp, 2)):
+        assert_same_run(run_dir, oracle, full=run_dir is ddp_tp)  # HSDP's parameters: through its resume below
+        ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()[1:]]
+        assert {r["world_size"] for r in ledger} == {data_ranks}
+        reports = check_ledger(run_dir / "ledger.jsonl")
+        assert reports and all(r.exactly_once for r in reports)
+        assert len(set(json.loads((run_dir / "summary.json").read_text())["param_sha256"])) == 1
+    whole = json.loads((oracle / "summary.json").read_text())["model_state_mb"]
+    # Each HSDP rank holds half the state (its shard group of 2's share, not a quarter: the replicas hold the same
+    # shards), a ddp x tp rank half the blocks' matrices.
+    assert 0.45 * whole < json.loads((hsdp / "summary.json").read_text())["model_state_mb"] < 0.55 * whole
+    assert json.loads((ddp_tp / "summary.json").read_text())["model_state_mb"] < 0.75 * whole
+    into = tmp_path / "hsdp_into_fsdp2"
+    (into / "checkpoints").mkdir(parents=True)
+    for saved in (hsdp / "checkpoints").glob("step_00000004.dcp*"):
+        (shutil.copytree if saved.is_dir() else shutil.copy)(saved, into / "checkpoints" / saved.name)
+    result = run_cli(*train(into, 2, "comm.strategy='fsdp'"), "--resume")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed from step_00000004.dcp (step 4)" in result.stderr
+    assert_same_run(into, oracle, steps=range(5, STEPS + 1))
 
 
 def test_full_checkpoints_cross_layouts_both_ways(tmp_path, oracle):

@@ -75,6 +75,16 @@ def test_sequence_parallel_needs_tensor_parallelism_and_the_built_in_transformer
         check_parallel(own, 2)
 
 
+def test_replicas_of_shard_groups_are_fsdp2s_hsdp_beside_tp_or_alone():
+    assert check_parallel(config({"dp_replicate": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 4, "tp": 1, "pp": 1}
+    assert check_parallel(config({"dp_replicate": 2, "tp": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 2,
+                                                                              "tp": 2, "pp": 1}
+    assert check_parallel(config({"tp": 2}, "ddp"), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
+    with pytest.raises(ConfigError, match=r"pp = 2 with dp_replicate = 2 and comm.strategy = 'fsdp': replicas of "
+                                          r"sharded pipeline stages \(HSDP beside a pipeline\) are not built yet"):
+        check_parallel(config({"dp_replicate": 2, "pp": 2}, "fsdp"), 8)
+
+
 def test_tensor_parallelism_takes_sharded_checkpoints():
     sharded = {"sharded": True, "async": True}
     assert check_parallel(config({"tp": 2}, "fsdp", checkpoint=sharded), 4) == {"dp_replicate": 1, "dp_shard": 2,
@@ -117,8 +127,8 @@ def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
-    ({"tp": 2}, "ddp", {}, 4, r"^\[parallel\] tp = 2 with dp_replicate = 2 \(comm.strategy = 'ddp'\): replicas beside "
-                              r"tensor parallelism are not built yet \(issue 23\); set comm.strategy = 'fsdp'"),
+    ({"tp": 2}, "manual", {}, 4, r"^\[parallel\] tp = 2 with dp_replicate = 2 \(comm.strategy = 'manual'\): replicas "
+                                 r"beside tensor parallelism are FSDP2's .* set comm.strategy = 'ddp'"),
     ({"tp": 2}, "zero2", {}, 4, r"tp = 2 with dp_shard = 2 under comm.strategy = 'zero2': only FSDP2 shards"),
     ({"tp": -1}, "diloco", {}, 2, r"tp = 2 with comm.strategy = 'diloco'"),
     ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
@@ -144,7 +154,8 @@ def test_the_pipeline_layout_is_checked_first():
 @pytest.mark.parametrize("parallel, strategy, words", [
     ({"dp_shard": 2}, "ddp", r"dp_shard = 2 shards the model's state, but comm.strategy = 'ddp' keeps a whole copy"),
     ({"dp_shard": -1}, "manual", r"dp_shard = -1 shards"),
-    ({"dp_replicate": 2}, "zero3", r"dp_replicate = 2 with comm.strategy = 'zero3': .*\(HSDP\) are not built yet"),
+    ({"dp_replicate": 2}, "zero3", r"dp_replicate = 2 with comm.strategy = 'zero3': .*\(HSDP\) are built on FSDP2 "
+                                   r"only; set comm.strategy = 'fsdp'"),
     ({"tp": -1, "pp": -1}, "ddp", r"tp and pp are each -1"),
     ({"dp_shard": 0}, "fsdp", r"dp_shard = 0: a degree is a number of ranks"),
     ({"pp_schedule": "zbv_zero_bubble"}, "ddp", r"exactly 2 stages per rank.*stages_per_rank = 1"),
