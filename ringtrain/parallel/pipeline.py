@@ -173,8 +173,9 @@ class PipelineStrategy(ReplicatedStrategy):
         activations, which ``forward`` arranges."""
         self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else "ddp+pp") + ("+tp" if self.tp > 1 else "")
         self.comm_timer = CommTimer()
-        self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
+        self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
+        """The split layers' collectives under tp (their ``tp_comm`` phase)."""
         self.modules: list[nn.Module] = []
         self._full: nn.Module | None = None
         self._tied = False
