@@ -26,7 +26,7 @@ Memory per worker (bytes), the fullest rank (a pipeline's first stage, which als
   backward recomputes one layer, that layer's whole set beside it. Sequence parallelism divides the norms'
   inputs, the final norm's and each checkpointed layer's input by t (``s b h e (2 / t + 2 + 13 / t)`` a layer);
   the gathered inputs of the split layers, backward's gradients and a recomputed layer stay whole. Measured
-  against this in fp32 on one worker, tp 2 (with and without sequence parallelism), pp 2, tp 2 x pp 2, each with
+  against this in fp32 on one worker, tp 2 (with and without sequence parallelism), pp 2, tp 2 x pp 2 (also with it), each with
   and without full checkpointing: within 10% (tests/integration/test_activation_memory.py); in bf16, whose norms autocast
   keeps in fp32, not measured.
 Step time: compute ``tokens x (6 P + 12 L h s) / (tp pp) / FLOP/s`` (a third more under full checkpointing:
@@ -217,10 +217,8 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, mi
                 m = max(d for d in _divisors(share) if d <= microbatches)
             for data in strategies if dp > 1 else ("ddp",):
                 if runs_in_ringtrain(tp, pp, dp, data):
-                    # Under tp alone, sequence parallelism: the same bytes moved, less memory held (inside
-                    # pipeline stages it is not built).
-                    found.extend(Layout(dp, tp, pp, data, checkpointing, m, sp=tp > 1 and pp == 1)
-                                 for checkpointing in ac)
+                    # Under tp, sequence parallelism: the same bytes moved, less memory held.
+                    found.extend(Layout(dp, tp, pp, data, checkpointing, m, sp=tp > 1) for checkpointing in ac)
     return found
 
 

@@ -180,7 +180,7 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> None:
     """Tensor parallelism inside pipeline stages (the 2-D tp x pp and 3-D dp x tp x pp meshes): the built-in
-    transformer, whole heads per rank, no sequence parallelism; the pipeline's own checks follow."""
+    transformer, whole heads per rank; the pipeline's own checks follow."""
     tp, pp, model = degrees["tp"], degrees["pp"], config.model
     where = f"[parallel] tp = {tp} with pp = {pp}"
     if model.factory is not None or model.name != "transformer":
@@ -190,9 +190,6 @@ def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> Non
     if model.n_heads % tp:
         raise ConfigError(f"{where}: tp does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
-    if config.parallel.sequence_parallel:
-        raise ConfigError(f"{where} and sequence_parallel = true: sequence parallelism inside pipeline stages is not "
-                          "built yet (issue 23); leave sequence_parallel unset")
 
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:

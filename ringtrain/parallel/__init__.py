@@ -91,7 +91,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         parallel = parallel or ParallelConfig()
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
                                 stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp",
-                                algorithm=config.algorithm, chunk_kb=config.chunk_kb)
+                                algorithm=config.algorithm, chunk_kb=config.chunk_kb,
+                                sequence_parallel=parallel.sequence_parallel)
     if mesh is not None and "tp" not in (mesh.mesh_dim_names or ()):  # (dp_replicate, dp_shard): HSDP
         return FSDPStrategy(device, mesh=mesh)
     if mesh is not None:

@@ -32,7 +32,7 @@ stages is split over ``mesh['tp']`` (``tensor.parallelize_stage``) before FSDP2,
     mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
-user's nn.Sequential (tp inside stages: the built-in transformer only, without sequence parallelism), ddp or
+user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not), ddp or
 FSDP2 beside it, no --heal, no token budgets or automatic micro-batch shrinking. Every rank builds the whole
 model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
@@ -150,7 +150,8 @@ class PipelineStrategy(ReplicatedStrategy):
     splits_model = True
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
-                 stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None):
+                 stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None,
+                 sequence_parallel: bool = False):
         self.device = device
         self.algorithm, self.chunk_kb = algorithm, chunk_kb
         """How the replicas' gradients are averaged over dp (``comm.all_reduce``'s algorithm; 'torch': the
@@ -159,6 +160,8 @@ class PipelineStrategy(ReplicatedStrategy):
         self.pp, self.dp = mesh["pp"].size(), mesh["dp"].size()
         self.tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
         """Tensor parallelism inside every stage (the built-in transformer), over mesh['tp']."""
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        """The stages' residual stream split by sequence over tp (and passed between stages so)."""
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.pp_rank = mesh.get_local_rank("pp")
         self.schedule = schedule
@@ -244,7 +247,7 @@ class PipelineStrategy(ReplicatedStrategy):
                               f"rank computes whole heads; set n_heads to a multiple of {self.tp}")
         replicated: dict[int, nn.Parameter] = {}
         for module in self.modules:
-            parallelize_stage(module, self.mesh["tp"], replicated)
+            parallelize_stage(module, self.mesh["tp"], replicated, self.sequence_parallel)
         self._relink_tied()
 
     def _relink_tied(self) -> None:

@@ -244,27 +244,46 @@ def parallelize_transformer(model: nn.Module, mesh: Any, sequence_parallel: bool
     replicate_rest(model, mesh)
 
 
-def parallelize_stage(stage: nn.Module, mesh: Any, replicated: dict[int, nn.Parameter]) -> None:
+def parallelize_stage(stage: nn.Module, mesh: Any, replicated: dict[int, nn.Parameter],
+                      sequence_parallel: bool = False) -> None:
     """The built-in transformer's tensor-parallel plan inside one pipeline stage (``pipeline.TransformerStage``)
     on the 1-D ``mesh``: its blocks split as ``parallelize_transformer`` splits them, its edges made to pass
     plain tensors (a stage's schedule sends and receives those): a stage that starts after the embeddings takes
-    its input as a replicated DTensor, one that ends before the output layer hands on its local value. The
-    rest of its parameters replicated; ``replicated`` is shared by the stages of one rank, so a weight two of
-    them hold (the tied embedding of a V schedule's first and last stage) stays one parameter."""
-    from torch.distributed.tensor import Replicate
+    its input as a DTensor, one that ends before the output layer hands on its local value. That value is the
+    whole activation (replicated on the tp ranks), or with ``sequence_parallel`` this rank's share of the
+    sequence (``Shard(1)``: each tp rank sends its peer in the next stage 1/tp of it). The rest of its
+    parameters replicated; ``replicated`` is shared by the stages of one rank, so a weight two of them hold (the
+    tied embedding of a V schedule's first and last stage) stays one parameter."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
-                                                   parallelize_module)
+                                                   SequenceParallel, parallelize_module)
 
-    split_blocks(list(stage.blocks.values()), mesh)
+    split_blocks(list(stage.blocks.values()), mesh, sequence_parallel)
+    passed = Shard(1) if sequence_parallel else Replicate()  # what crosses between stages (its local value)
     whole = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
-    local = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)
+    taken = PrepareModuleInput(input_layouts=passed, desired_input_layouts=passed)
+    local = PrepareModuleOutput(output_layouts=passed, desired_output_layouts=passed, use_local_output=True)
     first, last = f"blocks.{next(iter(stage.blocks))}", f"blocks.{list(stage.blocks)[-1]}"
-    edges = {"token_embedding": whole, "position_embedding": whole} if stage.is_first else {first: whole}
+    if stage.is_first:
+        edges = {"token_embedding": whole, "position_embedding": whole}
+        if sequence_parallel:  # the embeddings' sum cut by sequence (no communication)
+            edges[first] = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))
+    else:
+        edges = {first: taken}
     if stage.is_last:
-        edges["head"] = local
+        edges["head"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                            use_local_output=True)
+        if sequence_parallel:
+            edges["norm"] = SequenceParallel(use_local_output=False)
+            edges["head"] = PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                     output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                                     use_local_output=True)
     elif first == last and not stage.is_first:  # one block between two other stages: both of its edges
-        edges[last] = PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Replicate(),
-                                               output_layouts=Replicate(), desired_output_layouts=Replicate())
+        edges[last] = PrepareModuleInputOutput(input_layouts=passed, desired_input_layouts=passed,
+                                               output_layouts=passed, desired_output_layouts=passed)
+    elif first == last and sequence_parallel:  # the first stage's only block: cut its input, hand on its share
+        edges[last] = PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                               output_layouts=passed, desired_output_layouts=passed)
     else:
         edges[last] = local
     parallelize_module(stage, mesh, edges)

@@ -39,7 +39,7 @@ def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str
     if pp > 1:
         mesh = (init_device_mesh("cpu", (1, pp, tp), mesh_dim_names=("dp", "pp", "tp")) if tp > 1 else
                 init_device_mesh("cpu", (1, pp), mesh_dim_names=("dp", "pp")))  # tp inside the stages
-        strategy = PipelineStrategy(cpu, mesh, "1f1b", microbatches=MICROBATCHES)
+        strategy = PipelineStrategy(cpu, mesh, "1f1b", microbatches=MICROBATCHES, sequence_parallel=sp)
         parameters = strategy.wrap(model).parameters()
         micro_batches = list(zip(tokens.chunk(MICROBATCHES), tokens.chunk(MICROBATCHES)))
 
@@ -73,7 +73,7 @@ def _peak_activation_bytes(rank: int, world_size: int, tp: int, pp: int, ac: str
 @pytest.mark.parametrize("tp,pp,ac,sp", [(1, 1, "none", False), (1, 1, "full", False), (2, 1, "none", False),
                                          (1, 2, "none", False), (2, 1, "full", False), (1, 2, "full", False),
                                          (2, 1, "none", True), (2, 1, "full", True), (2, 2, "none", False),
-                                         (2, 2, "full", False)])
+                                         (2, 2, "full", False), (2, 2, "none", True)])
 def test_peak_activation_memory_is_within_10_percent_of_the_planners(tp, pp, ac, sp):
     measured = max(run_distributed(_peak_activation_bytes, tp * pp, tp, pp, ac, sp))
     layout = Layout(dp=1, tp=tp, pp=pp, ac=ac, microbatches=MICROBATCHES if pp > 1 else 1, sp=sp)

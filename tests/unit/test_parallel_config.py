@@ -67,6 +67,7 @@ def test_tp_algorithm_without_tensor_parallelism_is_one_line():
 
 def test_sequence_parallel_needs_tensor_parallelism_and_the_built_in_transformer():
     assert check_parallel(config({"tp": 2, "sequence_parallel": True}, "fsdp"), 4)["tp"] == 2
+    assert check_parallel(config({"tp": 2, "pp": 2, "sequence_parallel": True}), 4)["pp"] == 2  # inside the stages
     with pytest.raises(ConfigError, match=r"^\[parallel\] sequence_parallel = true with tp = 1: the sequence is split"):
         check_parallel(config({"sequence_parallel": True}), 2)
     own = load_config_dict({"model": {"factory": "tests.fit.tp_code:Mixer"}, "data": {"dataset": "text"},
@@ -97,9 +98,6 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
     ({"pp": 2}, "diloco", {}, 2, r"pp = 2 with comm.strategy = 'diloco'"),
     ({"pp": 2, "pp_schedule": "zbv_zero_bubble", "stages_per_rank": 2}, "fsdp", {}, 4,
      r"pp = 2 with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first and last stages"),
-    ({"pp": 2, "tp": 2, "sequence_parallel": True}, "fsdp", {}, 4,
-     r"^\[parallel\] tp = 2 with pp = 2 and sequence_parallel = true: sequence parallelism inside pipeline stages is "
-     r"not built yet \(issue 23\); leave sequence_parallel unset$"),
     ({"pp": 2, "tp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 4,
      r"tp = 2 with pp = 2: tensor parallelism inside pipeline stages is built for the built-in transformer .* not 'mlp'"),
     ({"pp": 2, "tp": 3}, "ddp", {}, 6, r"tp = 3 with pp = 2: tp does not divide model.n_heads \(4\)"),

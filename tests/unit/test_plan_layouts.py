@@ -73,9 +73,9 @@ def test_layouts_are_those_ringtrain_composes_and_a_tight_memory_rules_some_out(
     found = enumerate_layouts(SHAPE, cluster, global_batch=16, microbatches=4)
     shapes = {(l.dp, l.tp, l.pp, l.data) for l in found}
     assert (8, 1, 1, "zero2") in shapes and (2, 4, 1, "fsdp") in shapes and (4, 1, 2, "ddp") in shapes
-    # tp inside pipeline stages, with the pipelines replicated or sharded (the 3-D mesh), without sequence parallelism.
+    # tp inside pipeline stages, with the pipelines replicated or sharded (the 3-D mesh); tp with sequence parallelism.
     assert {(2, 2, 2, "ddp"), (2, 2, 2, "fsdp"), (1, 4, 2, "ddp")} <= shapes
-    assert not any(l.sp for l in found if l.pp > 1) and all(l.sp for l in found if l.tp > 1 and l.pp == 1)
+    assert all(l.sp for l in found if l.tp > 1)
     assert not any(l.pp > 1 and l.data not in ("ddp", "fsdp") for l in found)
     assert not any(l.tp > 1 and l.pp == 1 and l.dp > 1 and l.data != "fsdp" for l in found)
     assert not any(l.tp > 4 for l in found)  # a tp group stays inside a host
