@@ -67,6 +67,12 @@ class ParallelConfig(Section):
     becomes an all-gather before it and a reduce-scatter after it (the same bytes), and the activations outside
     attention and the MLP are divided by tp."""
 
+    loss_parallel: bool = False
+    """With tp > 1 and a model whose output layer is its own (a Hugging Face Llama-style model built from a
+    config: ``lm_head`` not tied to the embeddings), that layer is split by vocabulary over the tp ranks and the
+    cross-entropy is computed on the logits' shards (torch's ``loss_parallel``): the whole logits are never
+    gathered. Needs loss 'cross_entropy'."""
+
     pp: int = 1
     """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest): the built-in
     transformer's blocks in pp x stages_per_rank stages, its pipelines replicated over the other ranks
@@ -178,6 +184,25 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
                           "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
 
 
+def check_loss_parallel(config: Config, degrees: dict[str, int]) -> None:
+    """``loss_parallel``: tensor parallelism without a pipeline, a model of the user's own (its output layer
+    untied: checked when it is split), the cross-entropy loss."""
+    where = "[parallel] loss_parallel = true"
+    if degrees["tp"] == 1:
+        raise ConfigError(f"{where} with tp = 1: the output layer is split over the tensor-parallel ranks; set tp to 2 "
+                          "or more, or leave loss_parallel unset")
+    if degrees["pp"] > 1:
+        raise ConfigError(f"{where} with pp = {degrees['pp']}: a vocabulary-split output layer inside a pipeline stage "
+                          "is not built yet (issue 23); leave loss_parallel unset")
+    if config.model.factory is None:
+        raise ConfigError(f"{where}: the built-in '{config.model.name}' model's output layer is its token embedding "
+                          "(tied), which a vocabulary split would split too; leave loss_parallel unset (it is built "
+                          "for models whose output layer is their own, such as a Hugging Face Llama)")
+    if config.task.loss != "cross_entropy":
+        raise ConfigError(f"{where} with task.loss = '{config.task.loss}': torch's loss_parallel computes the "
+                          "cross-entropy only; set loss = 'cross_entropy', or leave loss_parallel unset")
+
+
 def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> None:
     """Tensor parallelism inside pipeline stages (the 2-D tp x pp and 3-D dp x tp x pp meshes): the built-in
     transformer, whole heads per rank; the pipeline's own checks follow."""
@@ -263,6 +288,8 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
         raise ConfigError("[parallel] sequence_parallel = true: sequence parallelism is built for the built-in "
                           "transformer (model.name = 'transformer'); a model of your own trains with tp and its plan, "
                           "without it: leave sequence_parallel unset")
+    if parallel.loss_parallel:
+        check_loss_parallel(config, degrees)
     if tp > 1 and pp > 1:
         check_tensor_parallel_stages(config, degrees)
     elif tp > 1:

@@ -50,6 +50,8 @@ class Strategy(Protocol):
 
     def no_sync(self, model: torch.nn.Module): ...
 
+    def loss_context(self): ...
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
@@ -97,7 +99,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         return FSDPStrategy(device, mesh=mesh)
     if mesh is not None:
         return TensorParallelStrategy(device, mesh, plan=tp_plan,
-                                      sequence_parallel=bool(parallel and parallel.sequence_parallel))
+                                      sequence_parallel=bool(parallel and parallel.sequence_parallel),
+                                      loss_parallel=bool(parallel and parallel.loss_parallel))
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

@@ -52,6 +52,12 @@ class ReplicatedStrategy:
         """DiLoCo's periodic synchronisation after optimizer step ``step`` (``diloco.py``); nothing for strategies
         that sync every step."""
 
+    def loss_context(self) -> AbstractContextManager:
+        """Where a step's forward, loss and backward (and an evaluation's forward and loss) run: torch's
+        ``loss_parallel`` under tensor parallelism with a vocabulary-split output layer (``tensor.py``), so the
+        cross-entropy reads the logits' shards; nothing for the others."""
+        return nullcontext()
+
     def evaluation_weights(self) -> AbstractContextManager:
         """The weights an evaluation scores: the module's own for every strategy but DiLoCo, whose workers hold
         their own between outer steps and are scored on the global model inside the block (``diloco.py``)."""

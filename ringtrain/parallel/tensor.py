@@ -12,7 +12,8 @@ The plan, per block: the attention's qkv and the MLP's up projection are split b
 computes whole heads and whole hidden units, with no communication), the attention's proj and the MLP's down
 by input features, each followed by one all-reduce in forward (and one before the column split in backward).
 Embeddings, norms and the tied output layer stay whole on every rank as replicated DTensors (a byte
-vocabulary of 256 is not worth splitting, so loss_parallel does not apply).
+vocabulary of 256 is not worth splitting, and it is tied to the embedding, so loss_parallel does not apply; for a
+model whose output layer is its own, ``loss_parallel`` splits it by vocabulary: ``vocabulary_split_output``).
 
 The fused qkv layer's rows are q | k | v: split by rows as they are, rank 0 would get q and half of k. At wrap
 its rows are put in rank order (rank r's rows are q_r | k_r | v_r, its heads), and every full form (the
@@ -42,7 +43,7 @@ from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
 from ringtrain.parallel.units import block_units
 
 __all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "apply_plan", "gpt2_plan", "huggingface_plan",
-           "mesh_context", "parallelize_stage", "parallelize_transformer", "user_plan"]
+           "mesh_context", "parallelize_stage", "parallelize_transformer", "user_plan", "vocabulary_split_output"]
 
 _FUSED = {"attn.qkv.weight": 0, "attn.qkv.bias": 0}
 """Parameters (by name suffix) whose rows are q | k | v, and the dimension that is: put in rank order at wrap,
@@ -60,9 +61,11 @@ class TensorParallelStrategy(FSDPStrategy):
     splits_model = True
 
     def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, loss_parallel: bool = False):
         super().__init__(device)
         self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        """The model's own output layer split by vocabulary (its logits ``Shard(-1)``), the loss on the shards."""
         """The built-in transformer's norms and residual stream split by sequence over tp (``parallelize_transformer``)."""
         self.mesh = mesh
         self.tp = mesh["tp"].size()
@@ -120,6 +123,8 @@ class TensorParallelStrategy(FSDPStrategy):
             if self.plan is None and _is_gpt2(model):
                 self._fused_dims = _GPT2_FUSED
                 _gpt2_heads_to_ranks(model, self.tp)
+            if self.loss_parallel:
+                plan = {**plan, **vocabulary_split_output(model)}
             apply_plan(model, plan, self.mesh["tp"])
         if self.dp > 1:
             from torch.distributed.fsdp import fully_shard
@@ -131,6 +136,14 @@ class TensorParallelStrategy(FSDPStrategy):
                        if self._fused_dim(name) is not None}
         self._waits.install()
         return model
+
+    def loss_context(self):
+        """torch's ``loss_parallel`` when the output layer is split by vocabulary (``loss_parallel``)."""
+        if not self.loss_parallel:
+            return super().loss_context()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """torch's clip over the whole model's gradients, which may mix DTensors (split layers, on the tp or the
@@ -403,7 +416,7 @@ def huggingface_plan(model: nn.Module, tp: int) -> dict[str, Any] | None:
     """The plan a Hugging Face model's config declares for its base model (``base_model_tp_plan``: Llama,
     Mistral, Qwen2 and their kin), its paths made the whole model's; for GPT-2, which declares none, ringtrain's
     (``gpt2_plan``); None for any other. Its heads (and key-value heads) must divide by ``tp``; the output layer
-    stays whole (no loss_parallel)."""
+    stays whole (``vocabulary_split_output`` adds it, split, under ``loss_parallel``)."""
     config = getattr(model, "config", None)
     plan = getattr(config, "base_model_tp_plan", None)
     base = getattr(model, "base_model_prefix", "")
@@ -422,6 +435,31 @@ def huggingface_plan(model: nn.Module, tp: int) -> dict[str, Any] | None:
             raise ConfigError(f"[parallel] tp = {tp} does not divide {name}'s {field} ({heads}): each rank computes "
                               f"whole heads; set tp to a divisor of {heads}")
     return {prefix + path: style for path, style in plan.items()}
+
+
+def vocabulary_split_output(model: nn.Module) -> dict[str, Any]:
+    """The plan entry that splits a model's own output layer by vocabulary (``loss_parallel``): torch's
+    ``ColwiseParallel`` with its logits left sharded on the last dimension (a DTensor), which torch's
+    ``loss_parallel`` reads. The layer is the model's ``get_output_embeddings()`` (a Hugging Face model's
+    ``lm_head``); a model without one, or whose output layer is tied to its input embeddings, is refused in one
+    line."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    name = type(model).__name__
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    if not isinstance(output, nn.Linear):
+        raise ConfigError(f"[parallel] loss_parallel = true: {name} has no output layer to split by vocabulary "
+                          "(get_output_embeddings() gives no nn.Linear); leave loss_parallel unset")
+    get_input = getattr(model, "get_input_embeddings", None)
+    inputs = get_input() if callable(get_input) else None
+    if inputs is not None and getattr(inputs, "weight", None) is output.weight:
+        raise ConfigError(f"[parallel] loss_parallel = true: {name}'s output layer is tied to its input embeddings "
+                          "(tie_word_embeddings), which a vocabulary split would split too; build it with "
+                          "tie_word_embeddings=False, or leave loss_parallel unset")
+    path = next(path for path, module in model.named_modules() if module is output)
+    return {path: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
 
 
 def _is_gpt2(model: nn.Module) -> bool:

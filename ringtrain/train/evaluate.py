@@ -28,6 +28,7 @@ def evaluate(
     collective_forward: bool = False,
     group: dist.ProcessGroup | None = None,
     forward: Callable[[Any], Any] | None = None,
+    loss_context: Callable[[], AbstractContextManager] = nullcontext,
 ) -> dict:
     """Metrics over the whole test set, every sample counted once. ``module`` is the unwrapped model: a DDP
     forward would run collectives, and ranks may hold different numbers of eval batches. ``autocast`` gives
@@ -36,7 +37,8 @@ def evaluate(
     ``collective_forward``: the module's forward runs collectives (zero3/fsdp gather parameters), so every
     rank runs as many forwards as the rank with the most batches, the others on batches of zero rows.
     ``forward``: a pipeline's (``PipelineStrategy.forward``): the outputs on the last stage's rank, None on the
-    others, which count nothing; the ranks of one pipeline hold the same batches."""
+    others, which count nothing; the ranks of one pipeline hold the same batches. ``loss_context``: the
+    strategy's (``loss_parallel`` when the logits are split by vocabulary), around each forward and its sums."""
     was_training = module.training
     module.eval()
     metrics = metrics or {}
@@ -50,13 +52,14 @@ def evaluate(
                 run(to_device(inputs, device))
             continue
         targets = targets.to(device)
-        with autocast():
-            outputs = run(to_device(inputs, device))
-        if outputs is None:
-            continue
-        sums += task.eval_sums(outputs, targets).to(device)
-        for name, metric in metrics.items():
-            metric.update(*task.metric_inputs(outputs, targets, name))
+        with loss_context():
+            with autocast():
+                outputs = run(to_device(inputs, device))
+            if outputs is None:
+                continue
+            sums += task.eval_sums(outputs, targets).to(device)
+            for name, metric in metrics.items():
+                metric.update(*task.metric_inputs(outputs, targets, name))
     dist.all_reduce(sums, group=group)  # the data-parallel ranks: a tensor-parallel group scored the same samples
     module.train(was_training)
     results = task.eval_metrics(sums.cpu())

@@ -219,6 +219,7 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
                 self.parts.metrics, collective_forward=strategy.forward_is_collective,
                 group=None if pipelined else self.ctx.dp_group, forward=strategy.forward if pipelined else None,
+                loss_context=strategy.loss_context,
             )
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics

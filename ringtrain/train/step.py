@@ -128,7 +128,8 @@ class GradientStep:
             # Accumulation micro-steps skip gradient sync; only the last backward all-reduces
             # (in a recoverable step none does: _sync_gradients follows).
             sync = index == last and model is self.model
-            with nullcontext() if sync else self.strategy.no_sync(self.model):
+            # loss_context: torch's loss_parallel around forward, loss and backward when the logits are split.
+            with nullcontext() if sync else self.strategy.no_sync(self.model), self.strategy.loss_context():
                 with self.precision.autocast():
                     outputs = call_model(model, inputs)
                     # A micro-batch of 0 rows (uneven shares, token budgets) still runs the forward, as every
@@ -136,10 +137,10 @@ class GradientStep:
                     loss = self.task.loss_sum(outputs, targets) if len(targets) else None
                 self.batcher.after_forward(step, is_last=index == last)
                 if sync and before_sync is not None:
-                    before_sync(loss_sum + loss.detach() if loss is not None else loss_sum)
+                    before_sync(loss_sum + _plain(loss.detach()) if loss is not None else loss_sum)
                 if loss is not None:
                     self.precision.scale(loss * loss_scale).backward()
-                    loss_sum += loss.detach()
+                    loss_sum += _plain(loss.detach())
                 elif sync or self.strategy.reduces_every_micro_batch:
                     # The strategy's sync still needs this backward (zero2/zero3/fsdp: on every micro-batch);
                     # sharded parameters are only reached through the outputs.
@@ -212,3 +213,8 @@ def _backward_zero(outputs, module: nn.Module | None) -> None:
     params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
     zero = logits_of(outputs).sum() + sum(p.sum() for p in params)
     (zero * 0.0).backward()
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: under ``loss_parallel`` the cross-entropy is a replicated DTensor."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value

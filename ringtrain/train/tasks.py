@@ -138,7 +138,8 @@ class Task:
 
     # --- evaluation: sums over batches and ranks, then metrics ------------------------------------------
     def eval_sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_sum(outputs, targets).detach().double()
+        loss = self.loss_sum(outputs, targets).detach()
+        loss = (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).double()  # loss_parallel's: a DTensor
         count = torch.tensor(self.count_items(targets), dtype=torch.float64, device=loss.device)
         sums = [loss, count]
         if self.classifier:
@@ -164,6 +165,8 @@ class Task:
         if transform is not None:
             return transform(outputs, targets)
         logits = logits_of(outputs)
+        if hasattr(logits, "full_tensor"):  # split by vocabulary (loss_parallel): a metric reads them whole
+            logits = logits.full_tensor()
         if self.loss == "mse" and logits.shape != targets.shape and logits.numel() == targets.numel():
             logits = logits.reshape(targets.shape)
         return logits.float(), targets

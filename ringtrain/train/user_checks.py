@@ -90,7 +90,7 @@ def check_one_batch(trainer, parts: UserParts, batch_size: int) -> None:
     module.eval()
     try:
         strategy = trainer.parts.strategy
-        with torch.no_grad(), trainer.precision.autocast():
+        with torch.no_grad(), strategy.loss_context(), trainer.precision.autocast():
             if getattr(strategy, "pipelined", False):  # through the stages; the outputs on the last one's rank
                 outputs = strategy.forward(to_device(inputs, device))
                 if outputs is None:
@@ -99,8 +99,8 @@ def check_one_batch(trainer, parts: UserParts, batch_size: int) -> None:
                 outputs = call_model(module, to_device(inputs, device))
             targets = targets.to(device) if isinstance(targets, torch.Tensor) else targets
             task.eval_sums(outputs, targets)  # the loss (and the built-in accuracy) on these outputs
-        for metric_name, metric in trainer.parts.metrics.items():
-            _check_metric(metric_name, metric, task, outputs, targets, name)
+            for metric_name, metric in trainer.parts.metrics.items():
+                _check_metric(metric_name, metric, task, outputs, targets, name)
     finally:
         module.train(was_training)
 

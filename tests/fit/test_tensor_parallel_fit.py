@@ -24,10 +24,10 @@ CONFIG = {"train": {"precision": "fp32", "max_steps": STEPS, "global_batch_size"
           "monitor": {"log_every_steps": 1}, "checkpoint": {"every_steps": STEPS}}
 
 
-def fit_run(run_dir: Path, case: str, nproc: int, **sections) -> list[str]:
+def fit_run(run_dir: Path, case: str, nproc: int, loss: str = "token_loss", **sections) -> list[str]:
     config = {**CONFIG, **sections}
     return ["run", SCRIPT, "--nproc", str(nproc), "--run-dir", str(run_dir), "--", "--case", case,
-            "--config", json.dumps(config)]
+            "--config", json.dumps(config), "--loss", loss]
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -67,6 +67,32 @@ def test_a_huggingface_llama_and_a_users_plan_train_as_one_worker(tmp_path):
     assert_same_run(tmp_path / "mixer_fsdp_tp2", tmp_path / "mixer_one")
     # The split layers' weights are halved on each rank (Llama: attention and MLP; the embeddings stay whole).
     assert summary(tmp_path / "llama_tp2")["model_state_mb"] < 0.8 * summary(tmp_path / "llama_one")["model_state_mb"]
+
+
+def test_loss_parallel_splits_llamas_output_layer_by_vocabulary_and_trains_as_one_worker(tmp_path):
+    """parallel.loss_parallel: Llama's own lm_head split by vocabulary, the cross-entropy on the logits' shards
+    (torch's loss_parallel, the backward under it too); GPT-2, whose output layer is its embedding, and a loss of
+    the user's own are one line each."""
+    lp = {"parallel": {"tp": 2, "loss_parallel": True}}
+    runs = {"llama_ce_one": fit_run(tmp_path / "llama_ce_one", "llama", 1, loss="cross_entropy"),
+            "llama_ce_lp": fit_run(tmp_path / "llama_ce_lp", "llama", 2, loss="cross_entropy", **lp),
+            "llama_ce_tp2": fit_run(tmp_path / "llama_ce_tp2", "llama", 2, loss="cross_entropy", parallel={"tp": 2}),
+            "gpt2_lp": fit_run(tmp_path / "gpt2_lp", "gpt2", 2, loss="cross_entropy", **lp),
+            "own_loss_lp": fit_run(tmp_path / "own_loss_lp", "llama", 2, **lp)}
+    results = dict(zip(runs, run_clis(*runs.values(), timeout=400)))
+    for name in ("llama_ce_one", "llama_ce_lp", "llama_ce_tp2"):
+        assert results[name].returncode == 0, results[name].stderr[-2000:]
+    assert_same_run(tmp_path / "llama_ce_lp", tmp_path / "llama_ce_one")
+    # Each rank holds half of lm_head (a vocabulary of 48 x 32: 24 x 32 fewer weights, and AdamW moments, than at
+    # tp 2 without it, where lm_head stays whole; measured 9,216 bytes, 12 a value).
+    saved_mb = summary(tmp_path / "llama_ce_tp2")["model_state_mb"] - summary(tmp_path / "llama_ce_lp")["model_state_mb"]
+    assert saved_mb * 2**20 >= 24 * 32 * 12
+    for name, words in (("gpt2_lp", "GPT2LMHeadModel's output layer is tied to its input embeddings"),
+                        ("own_loss_lp", "loss_parallel = true with task.loss = '__main__:token_loss': torch's "
+                                        "loss_parallel computes the cross-entropy only")):
+        failed = results[name]
+        assert failed.returncode == 2, failed.stderr[-2000:]
+        assert words in failed.stderr and "Traceback" not in failed.stderr, failed.stderr[-2000:]
 
 
 def test_huggingface_gpt2_splits_its_conv1d_layers_and_trains_as_one_worker(tmp_path):

@@ -89,9 +89,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=sorted(CASES), required=True)
     parser.add_argument("--config", default="{}")
+    parser.add_argument("--loss", default="token_loss", help="token_loss (this script's own) or a built-in's name")
     args = parser.parse_args()
     model, plan = CASES[args.case]
-    ringtrain.fit(model, Tokens(96, seed=0), Tokens(32, seed=1), loss=token_loss, config=json.loads(args.config),
+    loss = token_loss if args.loss == "token_loss" else args.loss
+    ringtrain.fit(model, Tokens(96, seed=0), Tokens(32, seed=1), loss=loss, config=json.loads(args.config),
                   tp_plan=plan)
 
 

@@ -86,6 +86,21 @@ def test_replicas_of_shard_groups_are_fsdp2s_hsdp_beside_tp_or_alone():
         check_parallel(config({"dp_replicate": 2, "pp": 2}, "fsdp"), 8)
 
 
+def test_loss_parallel_needs_tp_a_users_own_output_layer_and_the_cross_entropy():
+    with pytest.raises(ConfigError, match=r"^\[parallel\] loss_parallel = true with tp = 1: the output layer is split"):
+        check_parallel(config({"loss_parallel": True}), 2)
+    with pytest.raises(ConfigError, match=r"loss_parallel = true: the built-in 'transformer' model's output layer is "
+                                          r"its token embedding \(tied\)"):
+        check_parallel(config({"tp": 2, "loss_parallel": True}, "fsdp"), 2)
+    with pytest.raises(ConfigError, match=r"loss_parallel = true with pp = 2: a vocabulary-split output layer inside"):
+        check_parallel(config({"tp": 2, "pp": 2, "loss_parallel": True}), 4)
+    own = {"model": {"factory": "tests.fit.tp_code:llama"}, "data": {"dataset": "text"}, "comm": {"strategy": "fsdp"},
+           "parallel": {"tp": 2, "loss_parallel": True}}
+    assert check_parallel(load_config_dict(own), 2)["tp"] == 2
+    with pytest.raises(ConfigError, match=r"loss_parallel = true with task.loss = 'mse': torch's loss_parallel"):
+        check_parallel(load_config_dict({**own, "task": {"loss": "mse"}}), 2)
+
+
 def test_tensor_parallelism_takes_sharded_checkpoints():
     sharded = {"sharded": True, "async": True}
     assert check_parallel(config({"tp": 2}, "fsdp", checkpoint=sharded), 4) == {"dp_replicate": 1, "dp_shard": 2,
