@@ -77,9 +77,9 @@ def report_error(err: RingtrainError, env: DistEnv) -> None:
     record_failure(env.error_file, kind, line, err)
     if isinstance(err, Stopped):
         if env.rank == 0:
-            print(f"ringtrain: [rank 0] {err}", file=sys.stderr, flush=True)
+            say(f"ringtrain: [rank 0] {err}")
     elif not (kind == "usage" and env.launched_by_ringtrain):
-        print(f"ringtrain: error: {line}", file=sys.stderr, flush=True)
+        say(f"ringtrain: error: {line}")
 
 
 def report_exception(err: Exception, env: DistEnv, run_dir: str | None) -> NoReturn:
@@ -92,8 +92,15 @@ def report_exception(err: Exception, env: DistEnv, run_dir: str | None) -> NoRet
     record_failure(env.error_file, "cause", line, err, traceback=path)
     if not env.is_distributed or path is None:
         raise err
-    print(f"ringtrain: error: {line} (traceback: {path})", file=sys.stderr, flush=True)
+    say(f"ringtrain: error: {line} (traceback: {path})")
     sys.exit(1)
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: workers run unbuffered (``python -u``) into one pipe, where print()'s
+    separate write of the newline lets another rank's line land inside this one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _first_line(err: BaseException) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,12 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ringtrain.data.digits import load_digits_split
 from ringtrain.models import MLP
+
+def say_summary(result: dict) -> None:
+    """Print ``SUMMARY {json}`` as one write: every rank prints it into one pipe, and print()'s separate write of
+    the newline (stdout is unbuffered under the launcher) let another rank's line land inside this one."""
+    os.write(1, ("SUMMARY " + json.dumps(result) + "\n").encode())
+
 
 # --- the user's parts -------------------------------------------------------------------------------------
 
@@ -154,7 +161,7 @@ def main() -> None:
         case(config, train, test)
         return
     summary = ringtrain.fit(model=model, train_data=train, eval_data=test, config=config, **kwargs)
-    print("SUMMARY " + json.dumps({k: summary[k] for k in ("steps", "eval", "param_sha256")}), flush=True)
+    say_summary({k: summary[k] for k in ("steps", "eval", "param_sha256")})
 
 
 # --- the front door's cases (tests/fit/test_front_door.py): what a new user's script does ----------------------
@@ -212,7 +219,7 @@ def metric_inputs(config, train, test):
     result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
                            metrics={"zero_acc": (BinaryAccuracy(), lambda outputs, targets: (
                                outputs.argmax(-1) == 0, (targets == 0).long()))})
-    print("SUMMARY " + json.dumps(result["eval"]), flush=True)
+    say_summary(result["eval"])
 
 
 def raises_on_rank_1(config, train, test):
@@ -239,9 +246,9 @@ def pretrain_then_fine_tune(config, train, test):
     first = ringtrain.fit(model=model, train_data=train, eval_data=test, config=config)
     second = ringtrain.fit(model=first.model, train_data=train, eval_data=test,
                            config={**config, "train": {**config["train"], "lr": 0.01}})
-    print("SUMMARY " + json.dumps({"first": first["param_sha256"][0], "second": second["param_sha256"][0],
-                                   "same_module": second.model is model, "restarts": second["restarts"],
-                                   "model": model_digest(second.model)}), flush=True)
+    say_summary({"first": first["param_sha256"][0], "second": second["param_sha256"][0],
+                 "same_module": second.model is model, "restarts": second["restarts"],
+                 "model": model_digest(second.model)})
 
 
 def own_optimizer(config, train, test):
@@ -250,8 +257,7 @@ def own_optimizer(config, train, test):
 
     result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
                            optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01))
-    print("SUMMARY " + json.dumps({"param_sha256": result["param_sha256"], "model": model_digest(result.model)}),
-          flush=True)
+    say_summary({"param_sha256": result["param_sha256"], "model": model_digest(result.model)})
 
 
 def halve_every_5(optimizer):
@@ -264,7 +270,7 @@ def own_scheduler(config, train, test):
 
     result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
                            lr_scheduler=halve_every_5)
-    print("SUMMARY " + json.dumps({"param_sha256": result["param_sha256"]}), flush=True)
+    say_summary({"param_sha256": result["param_sha256"]})
 
 
 def fit_arguments(config, train, test):
@@ -276,7 +282,7 @@ def fit_arguments(config, train, test):
     resume = os.environ.get("USER_RESUME", "")
     result = ringtrain.fit(model=digits_mlp, train_data=train, eval_data=test, config=config,
                            run_dir=os.environ["USER_RUN_DIR"], resume=resume == "true" or resume)
-    print("SUMMARY " + json.dumps({"steps": result["steps"], "param_sha256": result["param_sha256"]}), flush=True)
+    say_summary({"steps": result["steps"], "param_sha256": result["param_sha256"]})
 
 
 FRONT_DOOR = {f.__name__: f for f in (lengths_differ, wrong_keys, metric_misfit, metric_inputs, raises_on_rank_1,

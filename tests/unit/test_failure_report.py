@@ -61,3 +61,36 @@ def test_only_peers_failures_name_the_first_of_them(tmp_path):
     err = failures(tmp_path, (0, 1, "consequence", "[rank 0] step 3: all_reduce failed: rank 1 did not respond", None),
                    (1, -signal.SIGTERM, None, "", None))
     assert "worker rank 0 " in str(_describe_failure(err)) and "rank 1 did not respond" in str(_describe_failure(err))
+
+
+class Writes:
+    """A stderr that keeps each write() call: what an unbuffered stream (``python -u``) makes a syscall each."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_workers_error_line_is_one_write_so_ranks_sharing_a_pipe_cannot_splice_their_lines(tmp_path, monkeypatch):
+    from ringtrain.errors import ConfigError
+    from ringtrain.group.env import DistEnv
+    from ringtrain.worker import report_error, report_exception
+
+    stderr = Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+    env = DistEnv(rank=1, world_size=2, master_addr="127.0.0.1", error_file=str(tmp_path / "error.json"))
+    report_error(ConfigError("train.lr must be positive"), env)
+    try:
+        report_exception(KeyError("logit"), env, str(tmp_path))
+    except SystemExit as ended:
+        assert ended.code == 1
+    assert len(stderr.calls) == 2, stderr.calls
+    assert stderr.calls[0] == "ringtrain: error: [rank 1] train.lr must be positive\n"
+    assert stderr.calls[1].startswith("ringtrain: error: [rank 1] KeyError: 'logit' (traceback: ")
+    assert stderr.calls[1].endswith(".traceback)\n")
