@@ -22,6 +22,7 @@ import pytest
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, assert_loopback_only, last_step, ledger_steps, records
 from tests.conftest import run_main
+from tests.faults import Fault, fault_plan
 
 STEPS_PER_EPOCH = 23  # 1,437 training samples, 64 a step
 
@@ -132,14 +133,20 @@ def test_an_elastic_run_listens_on_loopback_only(scenario):
 
 def test_shrink_three_to_two_with_a_global_batch_that_divides_by_neither(tmp_path):
     """Issue 21: 97 samples a step are 33 + 32 + 32 at 3 workers and 49 + 48 at 2; the job loses an agent
-    mid-epoch, re-forms with 2 workers and trains on, every sample of every epoch used exactly once."""
+    mid-epoch, re-forms with 2 workers and trains on, every sample of every epoch used exactly once.
+
+    The worker of agent 2 stops itself in step 5 (a fault plan), which holds the job there until the test kills
+    that agent: killed once the test saw step 4 instead, a test process starved by the tests beside it (load 13)
+    killed it after the job had trained past the 15 steps of epoch 0 in milliseconds each, and the shrink landed
+    in epoch 1."""
     run_dir = tmp_path / "run"
+    plan = fault_plan(tmp_path, Fault("step.micro_batch", action="stop", member=2, step=5))
     args = ["configs/debug_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--max-restarts", "3",
             "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
             "--set", "train.global_batch_size=97", "--set", "train.local_batch_size=16", "--set", "data.ledger=true",
             "--set", "train.epochs=2", "--set", "checkpoint.every_steps=3", "--set", "monitor.log_every_steps=1"]
-    with Job("train", *args, "--run-dir", str(run_dir)) as job:
-        job.wait_for(lambda: last_step(run_dir) >= 4, what="step 4")
+    with Job("train", *args, "--run-dir", str(run_dir), env=plan.env) as job:
+        job.wait_for(plan.fired_points, what="worker 2 stopped in step 5")
         job.agent_of(2).kill()
         code = job.finish()
     assert code == 0, job.stderr
