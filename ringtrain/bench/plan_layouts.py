@@ -27,7 +27,8 @@ Memory per worker (bytes), the fullest rank (a pipeline's first stage, which als
   inputs, the final norm's and each checkpointed layer's input by t (``s b h e (2 / t + 2 + 13 / t)`` a layer);
   the gathered inputs of the split layers, backward's gradients and a recomputed layer stay whole. Measured
   against this in fp32 on one worker, tp 2 (with and without sequence parallelism), pp 2, tp 2 x pp 2 (also with it), each with
-  and without full checkpointing: within 10% (tests/integration/test_activation_memory.py); in bf16, whose norms autocast
+  and without full checkpointing, and FSDP2 on 2 ranks alone and beside tp 2 (its gathered parameters and unreduced
+  gradients, not counted here, leave it up to 5% under): within 10% (tests/integration/test_activation_memory.py); in bf16, whose norms autocast
   keeps in fp32, not measured.
 Step time: compute ``tokens x (6 P + 12 L h s) / (tp pp) / FLOP/s`` (a third more under full checkpointing:
 the forward again; under tp a stated share ``tp_unsplit`` of it is not divided by tp); tensor parallelism's 4 all-reduces per layer and micro-batch (6 with checkpointing) of
