@@ -18,9 +18,10 @@ from torch.utils.data import Dataset, IterableDataset
 from ringtrain.data.digits import load_digits_split
 from ringtrain.models import MLP
 
+
 def say_summary(result: dict) -> None:
     """Print ``SUMMARY {json}`` as one write: every rank prints it into one pipe, and print()'s separate write of
-    the newline (stdout is unbuffered under the launcher) let another rank's line land inside this one."""
+    the newline (stdout is unbuffered under the launcher) lets another rank's line land inside this one."""
     os.write(1, ("SUMMARY " + json.dumps(result) + "\n").encode())
 
 
