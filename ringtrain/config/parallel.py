@@ -247,10 +247,6 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
         if microbatches % pp:
             raise ConfigError(f"[parallel] pp_schedule = '{parallel.pp_schedule}' runs micro-batches in rounds of pp "
                               f"({pp}), but pp_microbatches = {microbatches}; set it to a multiple of {pp}")
-    if config.train.max_tokens is not None:
-        raise ConfigError(f"{where} with train.max_tokens = {config.train.max_tokens}: a pipeline's stages exchange "
-                          "micro-batches of one shape, cut by count (parallel.pp_microbatches), not by a token budget; "
-                          "leave train.max_tokens unset")
     if config.train.auto_micro_batch:
         raise ConfigError(f"{where} with train.auto_micro_batch: a pipeline's micro-batches are its schedule's "
                           "(parallel.pp_microbatches), and a rank that ran out of memory mid-schedule would leave its "

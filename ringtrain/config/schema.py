@@ -227,7 +227,9 @@ class TrainConfig(Section):
     max_tokens: int | None = Field(default=None, gt=0)
     """Text: token budget of one micro-batch on one worker (sequences x longest sequence, padding
     included). Micro-batches are filled with sequences up to it and to local_batch_size sequences; a
-    sequence longer than the budget gets a micro-batch of its own. Unset: local_batch_size sequences."""
+    sequence longer than the budget gets a micro-batch of its own. Unset: local_batch_size sequences. Under a
+    pipeline (parallel.pp > 1) every micro-batch of a step is as wide as the share's longest sequence, and the
+    budget sets how many there are (at least parallel.pp_microbatches)."""
 
     auto_micro_batch: bool = False
     """On out-of-memory (CUDA) or above memory_budget_mb, every worker halves the micro-batch (and

@@ -23,8 +23,11 @@ The pipeline's micro-batches are ringtrain's: a step's batch is cut into ``micro
 each padded to the largest with rows that the loss does not read (a schedule's stages exchange activations of
 one shape). The loss of each micro-batch is the task's sum over its items times the step's scale (the
 data-parallel size over the step's items), so the accumulated gradient is the full batch's mean, as for every
-other strategy; the schedule does not scale gradients again. Each activation shape (the last, smaller window
-of an epoch; text of another width) gets its own stages and schedule, built once and kept.
+other strategy; the schedule does not scale gradients again. Under a token budget (``train.max_tokens``) the
+count follows the step: as many micro-batches as keep each within the budget (every one as wide as the share's
+longest sequence), at least ``microbatches`` (``MicroBatcher.pipeline_count``). Each activation shape and count
+(the last, smaller window of an epoch; text of another width) gets its own stages and schedule, built once and
+kept (the most recent eight).
 
 With ``tp`` > 1 the mesh is 3-D, ``(dp, pp, tp)`` with tp innermost, and each of the built-in transformer's
 stages is split over ``mesh['tp']`` (``tensor.parallelize_stage``) before FSDP2, if any, shards it over dp:
@@ -33,7 +36,7 @@ stages is split over ``mesh['tp']`` (``tensor.parallelize_stage``) before FSDP2,
 
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
 user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not), ddp or
-FSDP2 beside it, no --heal, no token budgets or automatic micro-batch shrinking. Every rank builds the whole
+FSDP2 beside it, no --heal, no automatic micro-batch shrinking. Every rank builds the whole
 model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -68,6 +72,8 @@ SCHEDULES = {
     "zbv_zero_bubble": "ScheduleZBVZeroBubble",
 }
 """``[parallel] pp_schedule`` -> the class in ``torch.distributed.pipelining``."""
+_SCHEDULES_KEPT = 8
+"""Schedules kept built (their stages' shape inference runs once per micro-batch shape and count)."""
 _MULTI = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 
 
@@ -168,6 +174,9 @@ class PipelineStrategy(ReplicatedStrategy):
         self.stages = self.pp * stages_per_rank
         self.stages_per_rank = stages_per_rank
         self.microbatches = microbatches or self.stages
+        """Micro-batches a step (with a token budget: the fewest; the budget may ask for more)."""
+        self.microbatch_multiple = self.pp if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") else 1
+        """The interleaved schedules run micro-batches in rounds of pp."""
         self.indices = stage_indices(self.pp_rank, self.pp, stages_per_rank, schedule)
         self.shard = shard and self.dp > 1
         """FSDP2 over mesh['dp'] on every stage (each replica holds 1/dp of its stages' state)."""
@@ -188,8 +197,11 @@ class PipelineStrategy(ReplicatedStrategy):
         """The last stage's copy of the tied embedding weight, when the first stage is on another rank."""
         self._tie_group: dist.ProcessGroup | None = None
         self._tie_src: int | None = None
-        self._schedules: dict[tuple, Any] = {}
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
+        """Built schedules by micro-batch shape and count, the most recently used last (at most _SCHEDULES_KEPT)."""
         self._compute_s = 0.0
+        self._counts: dict[int, int] = {}
+        """Steps run by micro-batch count."""
         self._groups: list[list[str]] = []
         """The optimizer's parameter groups by whole-model parameter name (the full form's order)."""
 
@@ -349,9 +361,12 @@ class PipelineStrategy(ReplicatedStrategy):
         return self._waits.take() if self._waits is not None else 0.0
 
     def figures(self) -> dict[str, Any]:
-        """With ``parallel.tp_algorithm = 'shm'``: the split layers' all-reduces this rank ran on shared memory."""
+        """``pp_microbatches_run``: how many steps this rank's schedule ran with each micro-batch count (one count
+        without a token budget); with ``parallel.tp_algorithm = 'shm'``, ``tp_shm_all_reduces``: the split
+        layers' all-reduces this rank ran on shared memory."""
+        figures: dict[str, Any] = {"pp_microbatches_run": {str(k): v for k, v in sorted(self._counts.items())}}
         calls = getattr(self.mesh["tp"].get_group(), "shm_calls", None) if self.tp > 1 else None
-        return {} if calls is None else {"tp_shm_all_reduces": calls}
+        return figures if calls is None else {**figures, "tp_shm_all_reduces": calls}
 
     # --- a step --------------------------------------------------------------------------------------------
     def pipeline_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -365,8 +380,10 @@ class PipelineStrategy(ReplicatedStrategy):
                               f"{type(micro_batches[0][0]).__name__}; make each sample's input one tensor, or set pp = 1")
         rows = max(1, max(len(targets) for _, targets in micro_batches))
         inputs = [_pad_rows(x, rows) for x, _ in micro_batches]
-        key = (tuple(inputs[0].shape), inputs[0].dtype)
+        key = (tuple(inputs[0].shape), inputs[0].dtype, len(inputs))
         schedule = self._schedules.get(key) or self._build_schedule(key, loss_fn)
+        self._schedules.move_to_end(key)
+        self._counts[len(inputs)] = self._counts.get(len(inputs), 0) + 1
         schedule._loss_fn = loss_fn  # this step's scale
         first = 0 in self.indices
         last = self.stages - 1 in self.indices
@@ -387,10 +404,15 @@ class PipelineStrategy(ReplicatedStrategy):
         for stage in stages:
             self._time_chunks(stage)
         cls = getattr(pipelining, SCHEDULES[self.schedule])
+        count = key[-1]
         if self.schedule in _MULTI:
-            schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = cls(stages, n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
         else:
-            schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = cls(stages[0], n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
+        # Token budgets make many (shape, count) pairs; each schedule keeps receive buffers for its micro-batches.
+        # Every rank of a pipeline sees the same keys in the same order, so all drop the same one.
+        while len(self._schedules) >= _SCHEDULES_KEPT:
+            self._schedules.popitem(last=False)
         self._schedules[key] = schedule
         return schedule
 

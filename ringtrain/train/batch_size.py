@@ -61,11 +61,14 @@ class MicroBatcher:
     """Plans each step's micro-batches; checks memory; shrinks the micro-batch when some rank ran out."""
 
     def __init__(self, train: TrainConfig, task: Task, rank: int, world_size: int, device: torch.device,
-                 group: dist.ProcessGroup | None = None, count: int | None = None):
+                 group: dist.ProcessGroup | None = None, count: int | None = None, count_multiple: int = 1):
         """``rank`` and ``world_size`` in the data-parallel dimension (``group``: its ranks; None, the whole
         group): under tensor and pipeline parallelism the ranks of one model's group cut the same samples
-        alike. ``count``: cut every step into exactly this many micro-batches (a pipeline's)."""
+        alike. ``count``: cut every step into exactly this many micro-batches of one shape (a pipeline's);
+        with ``max_tokens`` too, into as many as the token budget needs, at least ``count`` and a multiple of
+        ``count_multiple`` (see ``pipeline_count``)."""
         self.count = count
+        self.count_multiple = count_multiple
         self.micro_batch_size = train.local_batch_size
         self.max_tokens = train.max_tokens
         self.recoverable = train.auto_micro_batch
@@ -82,7 +85,7 @@ class MicroBatcher:
     def plan(self, batch: StepBatch, window: int) -> StepPlan:
         """This rank's micro-batches of the step whose window holds ``window`` samples."""
         if self.count is not None:
-            micro = batch.micro_batches(self.count)
+            micro = batch.micro_batches(self.pipeline_count(batch))
         elif self.max_tokens is not None:
             micro = batch.token_micro_batches(self.max_tokens, self.micro_batch_size)
         else:
@@ -97,8 +100,26 @@ class MicroBatcher:
         counts[1 + self.rank] = len(micro)
         dist.all_reduce(counts, group=self.group)
         busiest = int(counts[1:].max())
+        if self.count is not None and busiest > len(micro):
+            # A pipeline's micro-batches share one shape, and FSDP2 over its replicas gathers each stage once per
+            # micro-batch: every replica runs the busiest one's count, its own share cut that much finer.
+            return StepPlan(batch.micro_batches(busiest), int(counts[0]))
         # Empty micro-batches go first, so the last one (the one that synchronises) has data if any.
         return StepPlan([batch.empty()] * (busiest - len(micro)) + micro, int(counts[0]))
+
+    def pipeline_count(self, batch: StepBatch) -> int:
+        """How many micro-batches a pipeline cuts this rank's share into: ``count`` (``pp_microbatches``), or
+        with a token budget as many as keep each at most ``max_tokens`` padded tokens, every one as wide as the
+        share's longest sequence (a schedule's stages exchange activations of one shape), at least ``count``
+        and a multiple of ``count_multiple`` (the interleaved schedules run rounds of pp). A sequence longer
+        than the budget is a micro-batch alone. For example 30 sequences padded to 128 tokens under
+        ``max_tokens = 1024`` are 4 micro-batches (8, 8, 7 and 7 sequences), at pp = 2 with 1F1B.
+        """
+        if self.max_tokens is None:
+            return self.count
+        rows = max(1, self.max_tokens // batch.targets.shape[1])
+        count = max(self.count, -(-len(batch) // rows))
+        return -(-count // self.count_multiple) * self.count_multiple
 
     # --- memory -----------------------------------------------------------------------------------------
     def after_forward(self, step: int, is_last: bool) -> None:

@@ -119,6 +119,33 @@ def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_
     assert last.startswith("ringtrain: error: worker rank 0") and "rank 1 did not respond" in last, job.stderr
 
 
+def test_a_stopped_pipeline_stage_is_named_within_the_timeout_and_the_flight_recorder_shows_the_schedule(tmp_path):
+    """Chaos 7 through a pipeline (pp = 2): rank 0 waits on its stopped neighbour wherever it is (the schedule's
+    activation transfers, or a collective after it) and fails within the timeout naming rank 1, the operation and
+    the step; its flight recorder, dumped on the failure, holds the schedule's steps."""
+    run_dir = tmp_path / "run"
+    with Job("train", "configs/debug_pp.toml", "--nproc", "2", "--run-dir", str(run_dir), "--set", "train.max_steps=100000",
+             "--set", "dist.timeout_s=10", "--set", "monitor.log_every_steps=1") as job:
+        job.wait_for(lambda: last_step(run_dir) >= 5, what="step 5")
+        stopped = job.worker(1)
+        stopped.suspend()  # SIGSTOP
+        stopped_at = time.monotonic()
+        seen, line = job.wait_for_line("did not respond", timeout=60)
+        print(f"SIGSTOP pipeline rank 1: detected in {seen - stopped_at:.1f} s: {line}")
+        assert seen - stopped_at < 20
+        assert re.search(r"\[rank 0\] step \d+: .+ failed: rank 1 did not respond within 10 s", line), line
+        dump = run_dir / "flight" / "rank-0.json"
+        job.wait_for(lambda: dump.exists() and "did not respond" in json.loads(dump.read_text())["reason"],
+                     timeout=10, what="rank 0's dump on the failure")
+        regions = {r["caller"] for r in json.loads(dump.read_text())["regions"]}
+        assert "pipeline schedule (activations and gradients between stages)" in regions, regions
+        stopped.send_signal(signal.SIGCONT)
+        code = job.finish(timeout=60)
+    assert code != 0
+    last = job.stderr.strip().splitlines()[-1]
+    assert last.startswith("ringtrain: error: worker rank 0") and "rank 1 did not respond" in last, job.stderr
+
+
 def test_sigterm_to_the_launcher_saves_the_step_reached_and_the_resume_loses_nothing(tmp_path, uninterrupted):
     """Preemption: the launcher gets SIGTERM (a scheduler, or Ctrl-C as SIGINT); the workers finish the step,
     checkpoint it and exit; --resume continues from exactly there (the step counter, optimizer and data

@@ -88,6 +88,7 @@ def test_pp2_1f1b_trains_as_one_worker_step_for_step_holding_half_the_blocks(run
     assert ledger == [json.loads(line) for line in (oracle / "ledger.jsonl").read_text().splitlines()[1:]]
     # The step breakdown has the pipeline's wait (its bubble and the activation transfers) as a phase of its own.
     assert all(r["time/pipeline_wait_s"] > 0 for r in records(run_dir, "train"))
+    assert done["pp_microbatches_run"] == {"4": STEPS}  # pp_microbatches, every step
 
 
 def test_every_other_schedule_trains_as_one_worker(tmp_path, runs):
@@ -100,6 +101,22 @@ def test_every_other_schedule_trains_as_one_worker(tmp_path, runs):
         assert result.returncode == 0, result.stderr[-2000:]
     for run_dir in dirs.values():
         assert_same_run(run_dir, runs["oracle"])
+
+
+def test_a_token_budget_sets_each_steps_micro_batches_and_the_pipeline_still_trains_as_one_worker(tmp_path, runs):
+    # debug_pp's every step holds a whole 128-byte sequence, so all 30 of a step are 128 wide: train.max_tokens = 768
+    # is 6 sequences a micro-batch, 5 micro-batches (pp_microbatches = 4 is only the least); the interleaved schedule
+    # runs rounds of pp = 2, so 6 there. The loss is a sum over tokens: the cut changes only the rounding.
+    dirs = {"1f1b": tmp_path / "budget_1f1b", "interleaved_1f1b": tmp_path / "budget_interleaved"}
+    results = run_clis(train(dirs["1f1b"], 2, "train.max_tokens=768"),
+                       train(dirs["interleaved_1f1b"], 2, "train.max_tokens=768",
+                             "parallel.pp_schedule='interleaved_1f1b'", *INTERLEAVED), timeout=500)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    for run_dir in dirs.values():
+        assert_same_run(run_dir, runs["oracle"])
+    assert summary(dirs["1f1b"])["pp_microbatches_run"] == {"5": STEPS}
+    assert summary(dirs["interleaved_1f1b"])["pp_microbatches_run"] == {"6": STEPS}
 
 
 def test_two_pipelines_on_four_workers_replicated_or_sharded_train_as_one_worker_and_deal_each_sample_once(
@@ -172,7 +189,8 @@ def test_a_layout_pipeline_parallelism_cannot_run_is_one_line_before_any_worker(
                      "--set", "parallel.pp=2", "--set", "model.n_layers=4")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pp = 2 with train.max_tokens = 512" in lines[0], result.stderr
+    # debug_lm shrinks its micro-batches when memory runs out, which a pipeline's schedule cannot.
+    assert len(lines) == 1 and "pp = 2 with train.auto_micro_batch" in lines[0], result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 

@@ -10,6 +10,8 @@ import json
 
 import numpy as np
 import psutil
+import pytest
+import torch
 
 from tests.distributed import run_distributed
 from tests.faults import fault_plan, oom_at
@@ -126,3 +128,43 @@ def test_the_closing_pass_of_a_recoverable_step_is_not_a_batch_for_batchnorm(tmp
         # the strategy synchronise is not one.
         assert counts[False] == [4], f"rank {rank}: a plain run counted {counts[False]} batches"
         assert counts[True] == counts[False], f"rank {rank}: a recoverable run counted {counts[True]} batches"
+
+
+def pipeline_cut(rank: int, world_size: int, width: int, multiple: int) -> dict:
+    """A pipeline's micro-batches under train.max_tokens = 256 on two data-parallel ranks whose shares are 10
+    sequences each, rank 0's 64 tokens wide and rank 1's ``width`` wide (real Gloo: the plan's all-reduce)."""
+    from ringtrain.config import load_config_dict
+    from ringtrain.data.loader import StepBatch
+    from ringtrain.train.batch_size import MicroBatcher
+    from ringtrain.train.tasks import builtin_task
+
+    train = load_config_dict({"model": {"name": "transformer"}, "data": {"dataset": "text"},
+                              "train": {"max_tokens": 256, "global_batch_size": 20}}).train
+    share = 64 if rank == 0 else width
+    targets = torch.arange(10 * share).reshape(10, share) + 1000 * rank
+    targets[:, share - 3:] = -100  # each sequence 3 tokens short of the share's width
+    batch = StepBatch(torch.arange(10) + 10 * rank, targets.clone(), targets)
+    batcher = MicroBatcher(train, builtin_task("text"), rank, world_size, torch.device("cpu"), count=4,
+                           count_multiple=multiple)
+    plan = batcher.plan(batch, window=20)
+    return {"own": batcher.pipeline_count(batch), "global_items": plan.global_items,
+            "shapes": [tuple(t.shape) for _, t in plan.micro_batches],
+            "rows": torch.cat([t for _, t in plan.micro_batches]).tolist(), "share": targets.tolist()}
+
+
+@pytest.mark.parametrize("width, multiple, own, count", [(128, 1, (4, 5), 5), (128, 2, (4, 6), 6), (32, 1, (4, 4), 4)])
+def test_a_pipelines_token_budget_cuts_each_share_into_the_busiest_replicas_count_of_one_shape(
+        width, multiple, own, count):
+    """256 tokens: 4 rows of 64 (3 micro-batches, at least pp_microbatches = 4) or 2 of 128 (5); the replicas run
+    the busiest count (FSDP2 gathers each stage once per micro-batch), the other's share cut finer, every
+    micro-batch within the budget, as wide as its share, every sequence once and in order."""
+    results = run_distributed(pipeline_cut, 2, width, multiple)
+    assert tuple(r["own"] for r in results) == own
+    for rank, result in enumerate(results):
+        shapes = result["shapes"]
+        assert len(shapes) == count, shapes
+        assert all(rows * wide <= 256 and wide == (64 if rank == 0 else width) for rows, wide in shapes), shapes
+        rows = [rows for rows, _ in shapes]
+        assert max(rows) - min(rows) <= 1, shapes  # cut finer, not padded with empty micro-batches
+        assert result["rows"] == result["share"]
+        assert result["global_items"] == 10 * 61 + 10 * (width - 3)  # the step's real tokens on both ranks

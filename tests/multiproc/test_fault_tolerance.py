@@ -286,3 +286,40 @@ def test_resume_with_powersgd_is_bit_exact(tmp_path):
     for name, tensor in ref[1][1].items():
         assert np.array_equal(tensor, got[1][1][name]), f"{name} differs after the resume"
     assert not [r for r in records(split, "warning") if "PowerSGD" in r["message"]]
+
+
+def train_split(rank: int, world_size: int, run_dir: str, config: str, overrides: list[str], nan: dict):
+    """Train a split model (a pipeline or a tensor-parallel pair) with ``NaNTask``; its parameters by digest (each
+    rank holds a part; the summary's digest is the whole model's)."""
+    trainer = build_test_trainer(rank, world_size, config, ["monitor.log_every_steps=1", "train.precision='fp32'",
+                                                            *overrides], run_dir)
+    trainer.parts.task = NaNTask(trainer.parts.task, trainer, **nan)
+    trainer.resume(ResumePlan.fresh())
+    return trainer.fit()["param_sha256"], trainer.state.state_dict()
+
+
+SPLIT = {"pp": ("configs/debug_pp.toml", []),
+         "tp": ("configs/debug_lm.toml", ["parallel.tp=-1", "train.auto_micro_batch=false"])}
+# A pipeline's loss is its last stage's, handed to every rank of the pipeline: a NaN there is both ranks' loss. A
+# tensor-parallel pair computes the loss on each rank; the bad gradient reaches the other rank through the split
+# layers' all-reduces (and through the stages' activation gradients).
+REASONS = {("pp", "loss"): "non-finite loss on ranks 0, 1", ("tp", "loss"): "non-finite loss on rank 1",
+           ("pp", "gradient"): "non-finite gradient on ranks 0, 1", ("tp", "gradient"): "non-finite gradient on ranks 0, 1"}
+
+
+@pytest.mark.parametrize("layout", SPLIT)
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_non_finite_step_of_a_split_model_is_skipped_by_every_rank(tmp_path, layout, where):
+    """Through a pipeline (rank 1 holds the last stage, where the loss is) and a tensor-parallel pair: a NaN loss or
+    an infinite gradient on rank 1 at step 4 makes both ranks skip step 4, so the model they hold is step 3's."""
+    config, overrides = SPLIT[layout]
+    skipped = run_distributed(train_split, 2, str(tmp_path / "bad"), config, ["train.max_steps=4", *overrides],
+                              {"rank": 1, "steps": {4}, "where": where}, timeout_s=240)
+    clean = run_distributed(train_split, 2, str(tmp_path / "clean"), config, ["train.max_steps=3", *overrides],
+                            {"rank": 1, "steps": set()}, timeout_s=240)
+    for digests, state in skipped:
+        assert state["skipped_steps"] == 1 and state["step"] == 4
+        assert digests == clean[0][0], "the skipped step changed the parameters"
+    skips = records(tmp_path / "bad", "skip")
+    print(f"{layout}, non-finite {where} on rank 1 at step 4: {skips}")
+    assert skips == [{"type": "skip", "step": 4, "reason": REASONS[layout, where]}]

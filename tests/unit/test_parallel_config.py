@@ -122,8 +122,6 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
     ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
      r"cuts the built-in transformer \(model.name = 'transformer'\) or a model of your own that is an nn.Sequential "
      r"\(model.factory, fit\) into stages, not model.name = 'mlp'"),
-    ({"pp": 2}, "ddp", {"train": {"max_tokens": 512}}, 2, r"pp = 2 with train.max_tokens = 512: .* leave "
-                                                          r"train.max_tokens unset"),
     ({"pp": 2}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"pp = 2 with train.auto_micro_batch"),
     ({"pp": 2}, "ddp", {"dist": {"heal": True}}, 2, r"pp = 2 with --heal: healing a split model"),
     ({"pp": 2, "stages_per_rank": 2, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 5}, "ddp", {}, 2,
