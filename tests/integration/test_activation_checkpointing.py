@@ -1,7 +1,9 @@
 """Activation checkpointing through `ringtrain train` on 2 real workers: 'full' and 'selective' end on the
-same parameters as 'none', bit for bit (recompute on CPU is deterministic), replicated (ddp) and sharded
-(fsdp: FSDP2's fully_shard over checkpointed blocks). The summary says the blocks were checkpointed, so a
-run that ignored the setting cannot pass."""
+same parameters as 'none', bit for bit (recompute on CPU is deterministic), replicated (ddp), sharded
+(fsdp: FSDP2's fully_shard over checkpointed blocks; zero3) and split into a pipeline's two stages (pp 2,
+``configs/debug_pp.toml``: each stage recomputes its own blocks inside the schedule). The summary says the
+blocks were checkpointed, so a run that ignored the setting cannot pass. (Tensor parallelism with 'full':
+tests/integration/test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -14,11 +16,17 @@ from tests.conftest import run_clis
 MODES = ("none", "full", "selective")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+LAYOUTS = {"ddp": ("configs/debug_lm.toml", "ddp", 2), "fsdp": ("configs/debug_lm.toml", "fsdp", 2),
+           "zero3": ("configs/debug_lm.toml", "zero3", 2), "pp": ("configs/debug_pp.toml", "ddp", 4)}
+"""Layout -> config, comm.strategy and the model's blocks."""
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
 def test_checkpointed_runs_end_on_the_parameters_of_the_plain_run(tmp_path, strategy):
-    commands = [["train", "configs/debug_lm.toml", "--nproc", "2", "--run-dir", str(tmp_path / mode),
+    config, comm, blocks = LAYOUTS[strategy]
+    commands = [["train", config, "--nproc", "2", "--run-dir", str(tmp_path / mode),
                  "--set", "train.max_steps=3", "--set", "train.auto_micro_batch=false",
-                 "--set", f"comm.strategy='{strategy}'", "--set", f"train.activation_checkpointing='{mode}'"]
+                 "--set", f"comm.strategy='{comm}'", "--set", f"train.activation_checkpointing='{mode}'"]
                 for mode in MODES]
     for mode, result in zip(MODES, run_clis(*commands)):
         assert result.returncode == 0, f"{mode}: {result.stderr[-2000:]}"
@@ -29,4 +37,4 @@ def test_checkpointed_runs_end_on_the_parameters_of_the_plain_run(tmp_path, stra
     assert digests["full"] == digests["none"] and digests["selective"] == digests["none"]
     assert summaries["none"]["steps"] == 3 and "activation_checkpointing" not in summaries["none"]
     for mode in ("full", "selective"):
-        assert summaries[mode]["activation_checkpointing"] == {"mode": mode, "blocks": 2}  # debug_lm: 2 layers
+        assert summaries[mode]["activation_checkpointing"] == {"mode": mode, "blocks": blocks}
