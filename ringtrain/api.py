@@ -65,6 +65,7 @@ def fit(
     run_dir: str | Path | None = None,
     resume: bool | str | Path = False,
     tp_plan: Mapping[str, Any] | None = None,
+    pp_split: Callable[[nn.Module, int], list[nn.Module]] | None = None,
 ) -> FitResult:
     """Train ``model`` on ``train_data`` with every ringtrain guarantee; return the run's summary with the
     trained model (``FitResult``: the summary dict, and ``.model``), on every rank.
@@ -98,6 +99,11 @@ def fit(
       features, its output all-reduced) or a torch ``ParallelStyle``, as ``parallelize_module`` takes them.
       Default: the model's own plan (ringtrain's transformer; a Hugging Face model whose config declares
       ``base_model_tp_plan``, such as Llama).
+    - ``pp_split``: with ``{"parallel": {"pp": N}}``, how a model that is not an ``nn.Sequential`` is cut into
+      stages: ``pp_split(model, stages) -> [stage_0, ...]``, ``stages`` modules built from the model's own
+      submodules (not copies), each taking the previous stage's output (the first: the batch's input tensor)
+      and returning one tensor (the last: the outputs the loss takes). Every parameter and buffer of the model
+      belongs to one stage; ringtrain names them as the model does, so checkpoints load into any layout.
 
     A bad input (config, part, checkpoint) ends the process with one line, ``ringtrain: error: ...``, and
     exit code 2 (``SystemExit``), as ``ringtrain train`` does; an exception of the user's own code ends it
@@ -119,13 +125,16 @@ def fit(
                               "training as a job of its own, or drop --heal")
         resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction, run_dir, call)
         parts = UserParts.checked(model, train_data, eval_data, loss, loss_reduction, count_items, metrics,
-                                  optimizer, collate_fn, lr_scheduler, tp_plan)
+                                  optimizer, collate_fn, lr_scheduler, tp_plan, pp_split)
         if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
             return FitResult(run_joined_training(resolved, env, user=parts))
         validate_for_world_size(resolved, env.world_size)
         if tp_plan is not None and resolve_degrees(resolved.parallel, resolved.comm.strategy, env.world_size)["tp"] == 1:
             raise ConfigError("fit(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1 "
                               "here; pass config={'parallel': {'tp': 2}} (or more), or leave tp_plan out")
+        if pp_split is not None and resolve_degrees(resolved.parallel, resolved.comm.strategy, env.world_size)["pp"] == 1:
+            raise ConfigError("fit(pp_split=...) cuts the model into pipeline stages, but parallel.pp is 1 here; pass "
+                              "config={'parallel': {'pp': 2}} (or more), or leave pp_split out")
         plan = plan_resume(env, resume, resolved, words)
         with init_distributed(env, resolved.dist) as ctx:
             on_start = (lambda: _record_program(resolved)) if ctx.rank == 0 else None

@@ -14,7 +14,7 @@ pp`` (``pipeline.py``: torch's pipeline schedules over the built-in transformer'
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -79,7 +79,7 @@ class Strategy(Protocol):
 
 def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None,
                    heal: bool = False, mesh=None, parallel: ParallelConfig | None = None,
-                   tp_plan: Mapping[str, Any] | None = None) -> Strategy:
+                   tp_plan: Mapping[str, Any] | None = None, pp_split: Callable | None = None) -> Strategy:
     """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None).
     ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so).
     ``mesh``: a (dp_replicate, dp_shard) mesh (``fsdp.hsdp_mesh``): FSDP2's HSDP; a (dp, tp) or (dp_replicate,
@@ -87,14 +87,14 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
     dp when dp > 1 (the config checks refused every other data-parallel strategy beside it), split by
     ``tp_plan`` (None: the model's own plan); a (dp, pp) or (dp, pp, tp) mesh
     (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule (its stages split
-    over tp when the mesh has it), its replicas averaged over dp (ddp or manual: one all-reduce of
+    over tp when the mesh has it; a user's model cut by ``pp_split``), its replicas averaged over dp (ddp or manual: one all-reduce of
     ``config.algorithm`` after the schedule) or its stages sharded over dp (fsdp)."""
     if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
         parallel = parallel or ParallelConfig()
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
                                 stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp",
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
-                                sequence_parallel=parallel.sequence_parallel)
+                                sequence_parallel=parallel.sequence_parallel, split=pp_split)
     if mesh is not None and "tp" not in (mesh.mesh_dim_names or ()):  # (dp_replicate, dp_shard): HSDP
         return FSDPStrategy(device, mesh=mesh)
     if mesh is not None:

@@ -62,7 +62,7 @@ from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.fsdp import _broadcast_from_rank0, _full, _local, _shard_like
 from ringtrain.parallel.tensor import _FUSED, CollectiveWaits, _fused_entries, _recut, _to_natural, _to_ranks
 
-__all__ = ["PipelineStrategy", "TransformerStage", "stage_indices", "pipeline_mesh_context", "SCHEDULES"]
+__all__ = ["PipelineStrategy", "TransformerStage", "UserStage", "stage_indices", "pipeline_mesh_context", "SCHEDULES"]
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -132,6 +132,52 @@ class SequentialStage(nn.Module):
         return x
 
 
+class _Shell(nn.Module):
+    """A module path's container inside a ``UserStage`` (``model`` of ``model.layers.0``): holds what is under it,
+    runs nothing."""
+
+
+class UserStage(nn.Module):
+    """Stage ``index`` of ``stages`` made by a user's split function (``fit(pp_split=...)``): its forward is the
+    user's stage module's, and it holds the whole model's submodules that module uses under their whole-model
+    paths (``model.layers.3`` stays ``model.layers.3``), so its parameters and state are named as the unsplit
+    model's (checkpoints load into any layout). The user's module itself is not a child: its names are its own."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, index: int, stages: int):
+        super().__init__()
+        self.index, self.is_first, self.is_last = index, index == 0, index == stages - 1
+        object.__setattr__(self, "_stage", module)
+        used = {id(m) for m in module.modules()}
+        grafted: list[str] = []
+        for path, sub in model.named_modules():
+            if not path or id(sub) not in used or any(path.startswith(g + ".") for g in grafted):
+                continue
+            grafted.append(path)
+            *parents, name = path.split(".")
+            holder: nn.Module = self
+            for part in parents:
+                if part not in holder._modules:
+                    holder.add_module(part, _Shell())
+                holder = holder._modules[part]
+            holder.add_module(name, sub)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._stage(x)
+
+
+def _merge_into(view: nn.Module, module: nn.Module) -> None:
+    """``module``'s children into ``view`` under the same paths; shells are copied (a stage's own stay as they are)."""
+    for name, child in module.named_children():
+        mine = view._modules.get(name)
+        if mine is None and isinstance(child, _Shell):
+            mine = _Shell()
+            view.add_module(name, mine)
+        if isinstance(child, _Shell) and isinstance(mine, _Shell):
+            _merge_into(mine, child)
+        elif mine is None:
+            view.add_module(name, child)
+
+
 def sequential_cut(children: int, stages: int) -> list[tuple[int, int]]:
     """``[start, stop)`` of each stage's children: near-equal counts, the first stages one more.
 
@@ -157,8 +203,10 @@ class PipelineStrategy(ReplicatedStrategy):
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
                  stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, split: Callable[[nn.Module, int], list[nn.Module]] | None = None):
         self.device = device
+        self.split = split
+        """A user's split function (``fit(pp_split=...)``): ``split(model, stages)`` -> the stage modules, in order."""
         self.algorithm, self.chunk_kb = algorithm, chunk_kb
         """How the replicas' gradients are averaged over dp (``comm.all_reduce``'s algorithm; 'torch': the
         backend's own)."""
@@ -210,10 +258,11 @@ class PipelineStrategy(ReplicatedStrategy):
         from ringtrain.models.transformer import TransformerLM
 
         where = f"[parallel] pp = {self.pp} x stages_per_rank = {self.stages_per_rank}"
-        if not isinstance(model, (TransformerLM, nn.Sequential)):
+        if self.split is None and not isinstance(model, (TransformerLM, nn.Sequential)):
             raise ConfigError(f"{where}: pipeline parallelism cuts the built-in transformer or an nn.Sequential into "
                               f"stages, and this model is a {type(model).__name__}; build it as an nn.Sequential "
-                              "(its children are cut in order), or set pp = 1")
+                              "(its children are cut in order), pass fit(..., pp_split=split) with split(model, "
+                              "stages) returning the stage modules, or set pp = 1")
         if isinstance(model, nn.Sequential) and len(model) < self.stages:
             raise ConfigError(f"{where}: {self.stages} stages, but the nn.Sequential has {len(model)} children; "
                               "lower pp or stages_per_rank, or split the model into more children")
@@ -221,7 +270,7 @@ class PipelineStrategy(ReplicatedStrategy):
         _broadcast_from_rank0(model)  # every rank keeps its stages of one copy
         self._full = model
         self._parameter_names = [name for name, _ in model.named_parameters()]  # the tied weight once
-        self._tied = isinstance(model, TransformerLM)
+        self._tied = isinstance(model, TransformerLM) and self.split is None
         if self.shard and self._tied and 0 in self.indices and self.stages - 1 in self.indices:
             raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = '{self.schedule}': the first and "
                               "last stages on one rank share the tied embedding, which FSDP2 cannot shard in two "
@@ -233,6 +282,9 @@ class PipelineStrategy(ReplicatedStrategy):
                 head.weight = self._clone = nn.Parameter(model.token_embedding.weight.detach().clone())
             self.modules = [TransformerStage(model, index, self.stages, head) for index in self.indices]
             self._make_tie_groups()
+        elif self.split is not None:
+            stages = self._user_stages(model, where)
+            self.modules = [stages[index] for index in self.indices]
         else:
             self._check_no_shared_parameters(model, where)
             self.modules = [SequentialStage(model, index, self.stages) for index in self.indices]
@@ -276,11 +328,48 @@ class PipelineStrategy(ReplicatedStrategy):
         from torch.distributed.fsdp import fully_shard
 
         for module in self.modules:
-            for block in (module.blocks.values() if isinstance(module, TransformerStage) else module.children()):
+            # A user's stage runs its own module: which of its submodules are called is its business, so it is one
+            # FSDP2 unit (gathered whole for its forward and backward).
+            blocks = (module.blocks.values() if isinstance(module, TransformerStage)
+                      else () if isinstance(module, UserStage) else module.children())
+            for block in blocks:
                 if any(True for _ in block.parameters()):
                     fully_shard(block, mesh=self.mesh["dp"])
             fully_shard(module, mesh=self.mesh["dp"])
         self._relink_tied()
+
+    def _user_stages(self, model: nn.Module, where: str) -> list[UserStage]:
+        """Every stage the user's split function makes (each rank builds all of them, keeps its own), checked: as
+        many as the pipeline has, modules of this model (not copies), every parameter and state entry of the model
+        in exactly one stage."""
+        made = self.split(model, self.stages)
+        if not isinstance(made, (list, tuple)) or len(made) != self.stages or not all(
+                isinstance(m, nn.Module) for m in made):
+            raise ConfigError(f"{where}: pp_split(model, {self.stages}) must return a list of {self.stages} nn.Modules "
+                              f"(one a stage, in order), and it returned {_describe_stages(made)}")
+        stages = [UserStage(model, module, index, self.stages) for index, module in enumerate(made)]
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        owner: dict[int, int] = {}
+        for index, (module, stage) in enumerate(zip(made, stages)):
+            held = {id(p) for p in stage.parameters()}
+            foreign = next((p for p in module.parameters() if id(p) not in held), None)
+            if foreign is not None:
+                raise ConfigError(f"{where}: stage {index} of pp_split uses a parameter of shape {tuple(foreign.shape)} "
+                                  "that is not the model's; build the stages from the model's own modules (not copies "
+                                  "or new layers)")
+            for param in module.parameters():
+                if owner.setdefault(id(param), index) != index:
+                    raise ConfigError(f"{where}: {names[id(param)]} is in stages {owner[id(param)]} and {index} of "
+                                      "pp_split; a pipeline keeps one copy a stage, so keep tied weights in one stage "
+                                      "(or untie them), or set pp = 1")
+        missing = [name for name, p in model.named_parameters() if id(p) not in owner]
+        held_state = {key for stage in stages for key in stage.state_dict()}
+        missing += [key for key in model.state_dict() if key not in held_state and key not in missing]
+        if missing:
+            raise ConfigError(f"{where}: no stage of pp_split holds {missing[0]}"
+                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; every parameter and "
+                              "buffer of the model belongs to one stage")
+        return stages
 
     def _check_no_shared_parameters(self, model: nn.Sequential, where: str) -> None:
         owner: dict[int, int] = {}
@@ -599,6 +688,10 @@ class PipelineStrategy(ReplicatedStrategy):
         """This rank's stages as one module named as the whole model (the blocks of several stages in one
         ``blocks``)."""
         view = nn.Module()
+        if self.split is not None:  # user stages: their paths merged (two stages' "model.layers" become one)
+            for module in self.modules:
+                _merge_into(view, module)
+            return view
         for module in self.modules:
             for name, child in module.named_children():
                 if name == "blocks":
@@ -688,6 +781,12 @@ def _rename(optim_sd: dict[str, Any], old: str, new: str) -> None:
     optim_sd["state"][new] = optim_sd["state"].pop(old)
     for group in optim_sd["param_groups"]:
         group["params"] = [new if name == old else name for name in group["params"]]
+
+
+def _describe_stages(made: Any) -> str:
+    if isinstance(made, (list, tuple)):
+        return f"a {type(made).__name__} of {len(made)}: " + ", ".join(type(m).__name__ for m in made[:4])
+    return f"a {type(made).__name__}"
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

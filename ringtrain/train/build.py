@@ -65,7 +65,8 @@ def build_trainer(
     elif degrees["dp_replicate"] > 1 and config.comm.strategy == "fsdp":  # HSDP: every rank is a data-parallel one
         mesh = hsdp_mesh(ctx.device, degrees["dp_replicate"])
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh,
-                              parallel=config.parallel, tp_plan=parts.tp_plan)
+                              parallel=config.parallel, tp_plan=parts.tp_plan,
+                              pp_split=parts.pp_split)
     if not joining:
         faults.point("train.wrap")
     wrapped = model if joining else strategy.wrap(model)

@@ -49,6 +49,9 @@ class UserParts:
     """A built-in workload's data, with its facts (classes, input shape, the corpus's statistics)."""
     tp_plan: dict[str, Any] | None = None
     """How the model splits over tensor-parallel ranks (``fit(tp_plan=...)``); None: the model's own."""
+    pp_split: Callable[[nn.Module, int], list[nn.Module]] | None = None
+    """How the model is cut into pipeline stages (``fit(pp_split=...)``); None: the built-in transformer's cut,
+    or an nn.Sequential's children in order."""
 
     @classmethod
     def builtin(cls, config: Config) -> UserParts:
@@ -65,7 +68,7 @@ class UserParts:
     @classmethod
     def checked(cls, model, train_data, eval_data=None, loss="cross_entropy", loss_reduction="mean",
                 count_items=None, metrics=None, optimizer=None, collate_fn=None, lr_scheduler=None,
-                tp_plan=None) -> UserParts:
+                tp_plan=None, pp_split=None) -> UserParts:
         """Check each part; raise ConfigError naming the first that does not fit."""
         if not isinstance(model, nn.Module) and not callable(model):
             raise ConfigError(f"model must be an nn.Module or a zero-argument callable returning one, not "
@@ -92,7 +95,11 @@ class UserParts:
             from ringtrain.parallel.tensor import user_plan
 
             tp_plan = user_plan(tp_plan)
-        return cls(model, train_data, eval_data, task, metrics, optimizer, collate_fn, lr_scheduler, tp_plan=tp_plan)
+        if pp_split is not None and not callable(pp_split):
+            raise ConfigError(f"pp_split must be a callable split(model, stages) returning the stage modules in order, "
+                              f"not {type(pp_split).__name__}")
+        return cls(model, train_data, eval_data, task, metrics, optimizer, collate_fn, lr_scheduler, tp_plan=tp_plan,
+                   pp_split=pp_split)
 
     @classmethod
     def from_config(cls, config: Config) -> UserParts:

@@ -1,6 +1,7 @@
-"""Tensor parallelism through fit(), as a user's script: a Hugging Face Llama built from a config (its own
-plan), Hugging Face GPT-2 (ringtrain's plan for its Conv1D layers), a model of the user's own with the plan passed to fit(tp_plan=...), and the mistakes (a model with no
-plan, a plan path that names nothing). Run as ``ringtrain run tests/fit/tp_code.py -- --case CASE --config
+"""Tensor and pipeline parallelism through fit(), as a user's script: a Hugging Face Llama built from a config (its
+own plan), Hugging Face GPT-2 (ringtrain's plan for its Conv1D layers), a model of the user's own with the plan
+passed to fit(tp_plan=...), and the mistakes (a model with no plan, a plan path that names nothing); the Llama cut
+into pipeline stages by the user's own split function (fit(pp_split=...)), and splits that do not fit. Run as ``ringtrain run tests/fit/tp_code.py -- --case CASE --config
 JSON`` (tests/fit/test_tensor_parallel_fit.py)."""
 
 from __future__ import annotations
@@ -71,17 +72,79 @@ class Mixer(nn.Module):
 MIXER_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
 
+class LlamaStage(nn.Module):
+    """A user's pipeline stage of a Hugging Face ``LlamaForCausalLM``: the model's own decoder layers
+    ``[start, stop)``, the token embeddings before them on the first stage, the final norm and ``lm_head`` after
+    them on the last; the causal mask and the rotary position embeddings made here as ``LlamaModel.forward``
+    makes them."""
+
+    def __init__(self, model: nn.Module, start: int, stop: int, first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.embed = model.model.embed_tokens if first else None
+        self.rotary = model.model.rotary_emb
+        self.layers = nn.ModuleList(model.model.layers[start:stop])
+        self.norm, self.head = (model.model.norm, model.lm_head) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.embed is not None:
+            x = self.embed(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        rotary = self.rotary(x, position_ids=positions)
+        for layer in self.layers:
+            x = layer(x, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def llama_split(model: nn.Module, stages: int) -> list[nn.Module]:
+    """fit(pp_split=...): the decoder layers in equal runs, one a stage."""
+    per = model.config.num_hidden_layers // stages
+    return [LlamaStage(model, i * per, (i + 1) * per, i == 0, i == stages - 1) for i in range(stages)]
+
+
+def llama4() -> nn.Module:
+    """llama() with four decoder layers: two a stage at pp = 2, one at pp 2 x stages_per_rank 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        attn_implementation="eager"))
+
+
+def copying_split(model: nn.Module, stages: int) -> list[nn.Module]:
+    """A split that copies the model's layers instead of using them (a mistake ringtrain names)."""
+    import copy
+
+    return [copy.deepcopy(stage) for stage in llama_split(model, stages)]
+
+
+def leaving_split(model: nn.Module, stages: int) -> list[nn.Module]:
+    """A split whose last stage forgets the final norm (a mistake ringtrain names)."""
+    made = llama_split(model, stages)
+    made[-1].norm = None
+    made[-1].forward = lambda x: made[-1].head(x)
+    return made
+
+
 def token_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
     logits = getattr(outputs, "logits", outputs)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-CASES = {  # case: (model, tp_plan)
-    "llama": (llama, None),
-    "mixer": (Mixer, MIXER_PLAN),
-    "mixer_whole": (Mixer, None),  # the oracle: one worker, no plan
-    "gpt2": (gpt2, None),
-    "typo": (Mixer, {"blocks.*.upp": "colwise", "blocks.*.down": "rowwise"}),
+CASES = {  # case: (model, tp_plan, pp_split)
+    "llama": (llama, None, None),
+    "mixer": (Mixer, MIXER_PLAN, None),
+    "mixer_whole": (Mixer, None, None),  # the oracle: one worker, no plan
+    "gpt2": (gpt2, None, None),
+    "typo": (Mixer, {"blocks.*.upp": "colwise", "blocks.*.down": "rowwise"}, None),
+    "llama4": (llama4, None, None),  # the pipeline's oracle: one worker
+    "llama4_pp": (llama4, None, llama_split),
+    "llama4_copying": (llama4, None, copying_split),
+    "llama4_leaving": (llama4, None, leaving_split),
 }
 
 
@@ -91,10 +154,10 @@ def main() -> None:
     parser.add_argument("--config", default="{}")
     parser.add_argument("--loss", default="token_loss", help="token_loss (this script's own) or a built-in's name")
     args = parser.parse_args()
-    model, plan = CASES[args.case]
+    model, plan, split = CASES[args.case]
     loss = token_loss if args.loss == "token_loss" else args.loss
     ringtrain.fit(model, Tokens(96, seed=0), Tokens(32, seed=1), loss=loss, config=json.loads(args.config),
-                  tp_plan=plan)
+                  tp_plan=plan, pp_split=split)
 
 
 if __name__ == "__main__":

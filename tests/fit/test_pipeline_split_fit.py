@@ -1,0 +1,69 @@
+"""Pipeline parallelism for a model that is not an nn.Sequential, through fit() under `ringtrain run`: a Hugging
+Face Llama built from a config (4 decoder layers) cut into stages by the user's own split function
+(``fit(pp_split=...)``, tests/fit/tp_code.py ``llama_split``: each stage runs the model's own layers and makes
+the causal mask and rotary embeddings as ``LlamaModel`` does). At pp = 2 under 1F1B and at pp 2 x two stages a
+rank (interleaved 1F1B, its sharded checkpoint exported by the model's own names) it trains as one worker does on
+the same batches, and so do two such pipelines on four workers with FSDP2 over them: the loss at every step within rtol 1e-5, the closing evaluation alike, the parameters after the
+run within 1e-5. A split that copies the model's layers, one that leaves a module out, and pp_split without a
+pipeline are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli, run_clis
+from tests.fit.test_tensor_parallel_fit import STEPS, assert_same_run, fit_run, summary
+
+PP = {"pp": 2, "pp_microbatches": 4}
+INTERLEAVED = {"pp": 2, "pp_microbatches": 4, "stages_per_rank": 2, "pp_schedule": "interleaved_1f1b"}
+
+
+def test_a_huggingface_llama_cut_by_the_users_split_function_trains_as_one_worker(tmp_path):
+    runs = {"one": ("llama4", 1, {}), "pp": ("llama4_pp", 2, {"parallel": PP}),
+            "interleaved": ("llama4_pp", 2, {"parallel": INTERLEAVED, "checkpoint": {"every_steps": STEPS,
+                                                                                      "sharded": True}}),
+            "fsdp_pp": ("llama4_pp", 4, {"parallel": PP, "comm": {"strategy": "fsdp"}})}
+    results = run_clis(*(fit_run(tmp_path / name, case, nproc, **sections)
+                         for name, (case, nproc, sections) in runs.items()), timeout=600)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(tmp_path / "pp", tmp_path / "one")
+    done = summary(tmp_path / "pp")
+    assert done["pp_microbatches_run"] == {"4": STEPS}
+    # Each rank holds two of the four layers (the embeddings with the first, the norm and lm_head with the last).
+    assert done["model_state_mb"] < 0.75 * summary(tmp_path / "one")["model_state_mb"]
+    # Two such pipelines on four workers, FSDP2 sharding each stage over them (a user's stage is one FSDP2 unit).
+    assert_same_run(tmp_path / "fsdp_pp", tmp_path / "one")
+    assert summary(tmp_path / "fsdp_pp")["model_state_mb"] < 0.6 * done["model_state_mb"]
+    # The interleaved run's sharded (DCP) checkpoint names every tensor as the model does: exported, it is the
+    # unsplit model's state, as close to one worker's as the pipeline's own run.
+    interleaved = tmp_path / "interleaved"
+    exported = run_cli("export", str(interleaved))
+    assert exported.returncode == 0, exported.stderr
+    split = load_file(interleaved / "model.safetensors")
+    whole = torch.load(tmp_path / "one" / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)["model"]
+    assert split.keys() == whole.keys()
+    worst = max((split[k] - whole[k]).abs().max().item() for k in whole)
+    print(f"interleaved, 4 stages of one layer: largest parameter difference from one worker {worst:.2e}")
+    assert worst < 1e-5
+    one = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
+           if r["type"] == "train"}
+    mine = {r["step"]: r["loss"] for r in map(json.loads, (interleaved / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "train"}
+    assert mine.keys() == one.keys() and all(abs(mine[s] - one[s]) <= 1e-5 * abs(one[s]) for s in one)
+
+
+def test_a_split_that_does_not_fit_is_one_line(tmp_path):
+    cases = {"llama4_copying": ({"parallel": PP}, "stage 0 of pp_split uses a parameter of shape"),
+             "llama4_leaving": ({"parallel": PP}, "no stage of pp_split holds model.norm.weight"),
+             "llama4_pp": ({}, "fit(pp_split=...) cuts the model into pipeline stages, but parallel.pp is 1")}
+    results = run_clis(*(fit_run(tmp_path / case, case, 2, **sections) for case, (sections, _) in cases.items()))
+    for (case, (_, words)), result in zip(cases.items(), results):
+        assert result.returncode == 2, f"{case}: {result.stderr[-2000:]}"
+        errors = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: error:")]
+        print(f"{case}: {errors[0]}")
+        assert errors and words in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
