@@ -2,8 +2,8 @@
 same parameters as 'none', bit for bit (recompute on CPU is deterministic), replicated (ddp), sharded
 (fsdp: FSDP2's fully_shard over checkpointed blocks; zero3) and split into a pipeline's two stages (pp 2,
 ``configs/debug_pp.toml``: each stage recomputes its own blocks inside the schedule). The summary says the
-blocks were checkpointed, so a run that ignored the setting cannot pass. (Tensor parallelism with 'full':
-tests/integration/test_tensor_parallel.py.)"""
+blocks were checkpointed, so a run that ignored the setting cannot pass. And under tensor parallelism (tp 2:
+each rank recomputes its half of every block, the split layers' all-reduces included)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,18 @@ from tests.conftest import run_clis
 MODES = ("none", "full", "selective")
 
 
-LAYOUTS = {"ddp": ("configs/debug_lm.toml", "ddp", 2), "fsdp": ("configs/debug_lm.toml", "fsdp", 2),
-           "zero3": ("configs/debug_lm.toml", "zero3", 2), "pp": ("configs/debug_pp.toml", "ddp", 4)}
-"""Layout -> config, comm.strategy and the model's blocks."""
+LAYOUTS = {"ddp": ("configs/debug_lm.toml", "ddp", 2, ()), "fsdp": ("configs/debug_lm.toml", "fsdp", 2, ()),
+           "zero3": ("configs/debug_lm.toml", "zero3", 2, ()), "pp": ("configs/debug_pp.toml", "ddp", 4, ()),
+           "tp": ("configs/debug_lm.toml", "ddp", 2, ("--set", "parallel.tp=-1"))}
+"""Layout -> config, comm.strategy, the model's blocks and what else it sets."""
 
 
 @pytest.mark.parametrize("strategy", LAYOUTS)
 def test_checkpointed_runs_end_on_the_parameters_of_the_plain_run(tmp_path, strategy):
-    config, comm, blocks = LAYOUTS[strategy]
+    config, comm, blocks, extra = LAYOUTS[strategy]
     commands = [["train", config, "--nproc", "2", "--run-dir", str(tmp_path / mode),
                  "--set", "train.max_steps=3", "--set", "train.auto_micro_batch=false",
-                 "--set", f"comm.strategy='{comm}'", "--set", f"train.activation_checkpointing='{mode}'"]
+                 "--set", f"comm.strategy='{comm}'", "--set", f"train.activation_checkpointing='{mode}'", *extra]
                 for mode in MODES]
     for mode, result in zip(MODES, run_clis(*commands)):
         assert result.returncode == 0, f"{mode}: {result.stderr[-2000:]}"
