@@ -45,6 +45,7 @@ class Strategy(Protocol):
     reduces_every_micro_batch: bool
     forward_is_collective: bool
     splits_model: bool
+    step_operation: str
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 

@@ -33,6 +33,9 @@ class ReplicatedStrategy:
     """Backward communicates on every micro-batch (zero2/zero3/fsdp), so every rank must run one on each."""
     forward_is_collective = False
     """The bare module's forward runs collectives (zero3/fsdp gather parameters): every rank must run as many."""
+    step_operation = "all_reduce (DDP gradient sync)"
+    """What a step's forward and backward wait on, as a rank that stops answering there is reported and the flight
+    recorder files it (``ringtrain: error: [rank 0] step 6: OPERATION failed: rank 1 did not respond ...``)."""
     splits_model = False
     """The bare module is not the model a run trains (tensor and pipeline parallelism split it): its whole form is
     ``model_state_dict``'s."""

@@ -200,6 +200,7 @@ class PipelineStrategy(ReplicatedStrategy):
     gradients_replicated = False
     pipelined = True
     splits_model = True
+    step_operation = "pipeline schedule (activations and gradients between stages)"
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
                  stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None,

@@ -59,6 +59,7 @@ class TensorParallelStrategy(FSDPStrategy):
     reduces_every_micro_batch = True
     forward_is_collective = True
     splits_model = True
+    step_operation = "all_reduce (tensor-parallel layers in forward and backward, gradient sync)"
 
     def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None,
                  sequence_parallel: bool = False, loss_parallel: bool = False):

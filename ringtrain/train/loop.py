@@ -165,9 +165,7 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
         # Sharded gradients differ per rank: then the gradient's flag joins the agreement after the backward.
         strategy, pending = self.parts.strategy, []
         start = (lambda loss: pending.append(self.guard.start(loss))) if strategy.gradients_replicated else None
-        operation = ("pipeline schedule (activations and gradients between stages)"
-                     if getattr(strategy, "pipelined", False) else "all_reduce (DDP gradient sync)")
-        with self.watch.op(operation, step):
+        with self.watch.op(strategy.step_operation, step):
             loss_sum, items = self.gradient.run(batch, window, step, on_shrink=self.logger.log, before_sync=start)
         if not self._gradients_checked and strategy.gradients_replicated:
             check_every_parameter_has_a_gradient(self.module, step)

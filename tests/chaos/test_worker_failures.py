@@ -119,26 +119,36 @@ def test_sigstop_makes_the_others_fail_within_the_timeout_naming_rank_operation_
     assert last.startswith("ringtrain: error: worker rank 0") and "rank 1 did not respond" in last, job.stderr
 
 
-def test_a_stopped_pipeline_stage_is_named_within_the_timeout_and_the_flight_recorder_shows_the_schedule(tmp_path):
-    """Chaos 7 through a pipeline (pp = 2): rank 0 waits on its stopped neighbour wherever it is (the schedule's
-    activation transfers, or a collective after it) and fails within the timeout naming rank 1, the operation and
-    the step; its flight recorder, dumped on the failure, holds the schedule's steps."""
+SPLIT = {"pp": ("configs/debug_pp.toml", (), "pipeline schedule (activations and gradients between stages)"),
+         "tp": ("configs/debug_lm.toml", ("--set", "parallel.tp=-1", "--set", "train.auto_micro_batch=false"),
+                "all_reduce (tensor-parallel layers in forward and backward, gradient sync)")}
+"""A split model's layout -> config, settings, and what its steps wait on (the flight recorder's name for it)."""
+
+
+@pytest.mark.parametrize("layout", SPLIT)
+def test_a_stopped_rank_of_a_split_model_is_named_within_the_timeout_and_the_flight_recorder_shows_its_steps(
+        tmp_path, layout):
+    """Chaos 7 through a pipeline (pp = 2) and a tensor-parallel pair: rank 0 waits on its stopped peer wherever it
+    is (the schedule's activation transfers, the split layers' all-reduces, or a collective after them) and fails
+    within the timeout naming rank 1, the operation and the step; its flight recorder, dumped on the failure,
+    holds the steps under their own name."""
+    config, settings, operation = SPLIT[layout]
     run_dir = tmp_path / "run"
-    with Job("train", "configs/debug_pp.toml", "--nproc", "2", "--run-dir", str(run_dir), "--set", "train.max_steps=100000",
-             "--set", "dist.timeout_s=10", "--set", "monitor.log_every_steps=1") as job:
+    with Job("train", config, "--nproc", "2", "--run-dir", str(run_dir), "--set", "train.max_steps=100000",
+             "--set", "dist.timeout_s=10", "--set", "monitor.log_every_steps=1", *settings) as job:
         job.wait_for(lambda: last_step(run_dir) >= 5, what="step 5")
         stopped = job.worker(1)
         stopped.suspend()  # SIGSTOP
         stopped_at = time.monotonic()
         seen, line = job.wait_for_line("did not respond", timeout=60)
-        print(f"SIGSTOP pipeline rank 1: detected in {seen - stopped_at:.1f} s: {line}")
+        print(f"SIGSTOP {layout} rank 1: detected in {seen - stopped_at:.1f} s: {line}")
         assert seen - stopped_at < 20
         assert re.search(r"\[rank 0\] step \d+: .+ failed: rank 1 did not respond within 10 s", line), line
         dump = run_dir / "flight" / "rank-0.json"
         job.wait_for(lambda: dump.exists() and "did not respond" in json.loads(dump.read_text())["reason"],
                      timeout=10, what="rank 0's dump on the failure")
         regions = {r["caller"] for r in json.loads(dump.read_text())["regions"]}
-        assert "pipeline schedule (activations and gradients between stages)" in regions, regions
+        assert operation in regions, regions
         stopped.send_signal(signal.SIGCONT)
         code = job.finish(timeout=60)
     assert code != 0
