@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -67,3 +68,13 @@ def test_a_split_that_does_not_fit_is_one_line(tmp_path):
         print(f"{case}: {errors[0]}")
         assert errors and words in errors[0], result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_pp_split_that_is_not_a_function_is_one_line():
+    from ringtrain.errors import ConfigError
+    from ringtrain.train.user_parts import UserParts
+    from tests.fit.tp_code import Tokens, llama4
+
+    with pytest.raises(ConfigError, match=r"^pp_split must be a callable split\(model, stages\) returning the stage "
+                                          r"modules in order, not dict$"):
+        UserParts.checked(llama4, Tokens(4, seed=0), pp_split={"model.layers.0": 0})
