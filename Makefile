@@ -40,6 +40,10 @@ test: install
 	# tests marked exclusive, one after another in one process: scattered among the others, each one stopped the
 	# two other test processes while it ran and while the tests beside it finished (29 min of waiting a run).
 	# Both phases always run; the target fails if either did.
+	# Bytecode first: the suite starts ~900 Python processes, and where PYTHONDONTWRITEBYTECODE is set (as on
+	# this project's machines) each one compiled ringtrain's modules afresh: 0.2 s of CPU a process (a 2-worker
+	# job: 6.1 s of CPU with the bytecode, 6.7 s without, alternated four times).
+	$(BIN)/python -m compileall -q ringtrain tests
 	$(BIN)/python -m pytest -n 3 --dist loadscope -m "not exclusive"; shared=$$?; \
 	$(BIN)/python -m pytest -m exclusive; alone=$$?; \
 	test $$shared -eq 0 && test $$alone -eq 0
