@@ -271,6 +271,14 @@ class DiLoCoStrategy(ReplicatedStrategy):
         """This rank's replica's group (DDP's), where a replica has several ranks."""
         return None if self._replica is None else live_group(self._replica)
 
+    @property
+    def step_operation(self) -> str:
+        """An inner step synchronises nothing where every worker is a replica; inside a replica of several ranks,
+        DDP's all-reduce over its group."""
+        if self._ddp is None:
+            return "forward and backward (DiLoCo inner step: no collective)"
+        return "all_reduce (DDP gradient sync inside this DiLoCo replica)"
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         # Replicas of one worker never synchronise in backward; DDP inside a replica skips its all-reduce.
         return nullcontext() if self._ddp is None else self._ddp.no_sync(model)

@@ -34,6 +34,7 @@ class FSDPStrategy(ReplicatedStrategy):
     gradients_replicated = False
     reduces_every_micro_batch = True
     forward_is_collective = True
+    step_operation = "all_gather and reduce_scatter (FSDP2 parameters and gradients)"
 
     def __init__(self, device: torch.device, mesh: Any = None):
         self.device = device
@@ -44,6 +45,7 @@ class FSDPStrategy(ReplicatedStrategy):
         all-reduce the sharded gradients; ``hsdp_mesh``). None: one dimension, the world."""
         if mesh is not None:
             self.name = "hsdp"
+            self.step_operation = "all_gather, reduce_scatter and all_reduce (HSDP parameters and gradients)"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

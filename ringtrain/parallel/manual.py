@@ -231,6 +231,7 @@ class ManualStrategy(ReplicatedStrategy):
     """ringtrain's own data parallelism (``BucketedDataParallel``) as a strategy for the training loop."""
 
     name = "manual"
+    step_operation = "all_reduce (ringtrain's gradient buckets)"
 
     def __init__(self, device: torch.device, bucket_mb: float = 25.0, algorithm: str = "torch", chunk_kb: int | None = None):
         self.device = device

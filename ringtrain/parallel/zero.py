@@ -318,6 +318,8 @@ class ZeroStrategy(ReplicatedStrategy):
         self.comm_timer = CommTimer()
         self.reduces_every_micro_batch = stage > 1
         self.forward_is_collective = stage == 3
+        self.step_operation = ("all_gather and reduce_scatter (ZeRO-3 parameter units and gradient buckets)"
+                               if stage == 3 else f"reduce_scatter (ZeRO-{stage} gradient buckets)")
         self._param_ids: list[list[int]] = []
         self._wrapped: ZeroDataParallel | None = None
 

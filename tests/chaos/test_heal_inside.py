@@ -103,7 +103,7 @@ def check_healed(run_dir: Path, job: Job, code: int, lost: list[list[int]]) -> N
     print(f"heals at steps {[h['step'] for h in heals]}: lost {[h['lost_ranks'] for h in heals]}, recovery_s "
           f"{[h['recovery_s'] for h in heals]}, steps_lost {[h['steps_lost'] for h in heals]}")
     assert [h["step"] for h in heals] == [1, 21] and [h["lost_ranks"] for h in heals] == lost, heals
-    assert heals[0]["cause"].startswith("step 1: all_reduce (DDP gradient sync) failed"), heals  # inside the sync
+    assert heals[0]["cause"].startswith("step 1: all_reduce (ringtrain's gradient buckets) failed"), heals  # inside the sync
     assert all(h["steps_lost"] == 0 for h in heals) and [h["world_size"] for h in heals] == [2, 1], heals
     assert "2 workers go on (generation 1)" in job.stderr and "1 worker goes on (generation 2)" in job.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -19,7 +19,7 @@ from ringtrain.testing import faults
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
 from tests.faults import Fault, fault_plan
-from tests.trainers import build_test_trainer, params_of
+from tests.trainers import build_test_trainer
 
 VICTIM = 1
 KILL_STEP = 3
@@ -37,12 +37,13 @@ def kill_plan(folder: str, algorithm: str, world_size: int) -> str:
     return str(fault_plan(Path(folder), fault).path)
 
 
-def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir: str, plan: str) -> dict:
+def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir: str, plan: str,
+                            settings: tuple[str, ...] = ()) -> dict:
     # A fault waiting at shm.arrive puts the host on shm's Python path, whose barriers a point sits between (the
     # native path is one C++ call; a rank killed inside it is tests/multiproc/test_shm_native.py's).
     overrides = [f"comm.algorithm={algorithm}", "model.hidden_sizes=[512, 512]", "train.max_steps=10",
                  f"train.global_batch_size={16 * world_size}", "train.local_batch_size=16",
-                 f"dist.timeout_s={TIMEOUT_S}", "monitor.log_every_steps=1"]
+                 f"dist.timeout_s={TIMEOUT_S}", "monitor.log_every_steps=1", *settings]
     trainer = build_test_trainer(rank, world_size, "configs/debug_mlp.toml", overrides, run_dir, fault_plan=plan)
     trainer.resume(ResumePlan.fresh())
     committed = {}
@@ -50,7 +51,7 @@ def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir:
 
     def recorded_step(batch):
         verdict = run_step(batch)
-        committed["step"], committed["params"] = trainer.state.step, params_of(trainer)
+        committed["step"], committed["params"] = trainer.state.step, stepped_params(trainer)
         committed["at"] = time.monotonic()
         return verdict
 
@@ -60,8 +61,15 @@ def train_until_a_peer_dies(rank: int, world_size: int, algorithm: str, run_dir:
     except RingtrainError as err:
         # Measured from the end of the last committed step: the victim died within the next one.
         return {"error": str(err), "after_s": time.monotonic() - committed["at"], "committed_step": committed["step"],
-                "unchanged": all(np.array_equal(committed["params"][k], v) for k, v in params_of(trainer).items())}
+                "unchanged": all(np.array_equal(a, b) for a, b in zip(committed["params"], stepped_params(trainer)))}
     return {"error": None}
+
+
+def stepped_params(trainer) -> list[np.ndarray]:
+    """What this rank's optimizer steps: every parameter (DDP, manual), this rank's flat shards (ZeRO) or its
+    parts of the sharded parameters (FSDP2)."""
+    return [(p.to_local() if hasattr(p, "to_local") else p).detach().numpy().copy()
+            for group in trainer.parts.optimizer.param_groups for p in group["params"]]
 
 
 @pytest.mark.parametrize("algorithm,world_size", [("ring", 2), ("shm", 3)])
@@ -81,3 +89,32 @@ def test_sigkill_inside_the_allreduce_names_the_rank_and_applies_no_partial_grad
         assert f"rank {VICTIM}" in result["error"]
         assert result["committed_step"] == KILL_STEP - 1
         assert result["unchanged"], "a partially reduced gradient was applied"
+
+
+STEP_OPERATIONS = {
+    "manual": "all_reduce (ringtrain's gradient buckets)",
+    "zero1": "reduce_scatter (ZeRO-1 gradient buckets)",
+    "zero2": "reduce_scatter (ZeRO-2 gradient buckets)",
+    "zero3": "all_gather and reduce_scatter (ZeRO-3 parameter units and gradient buckets)",
+    "fsdp": "all_gather and reduce_scatter (FSDP2 parameters and gradients)",
+}
+"""What a step of each data-parallel strategy waits on, as a failure inside it names it (DDP's is the test above)."""
+
+
+@pytest.mark.parametrize("strategy", STEP_OPERATIONS)
+def test_a_peer_killed_inside_a_step_is_named_with_the_strategys_own_collectives(tmp_path, strategy):
+    """A kill between step 3's forward and backward, under each other data-parallel strategy: the survivor fails
+    naming the step and what that strategy's step waits on (ZeRO and FSDP2 reduce-scatter
+    gradients and gather parameters; none of them runs DDP's all-reduce), and applies nothing."""
+    plan = str(fault_plan(tmp_path, Fault("step.micro_batch", action="kill", member=VICTIM, step=KILL_STEP)).path)
+    results = run_distributed(train_until_a_peer_dies, 2, "torch", str(tmp_path / "run"), plan,
+                              (f"comm.strategy={strategy}",), lost_ranks={VICTIM}, timeout_s=120,
+                              collective_timeout_s=TIMEOUT_S)
+    assert [(f["point"], f["member"], f["step"]) for f in faults.fired(plan)] == [
+        ("step.micro_batch", VICTIM, KILL_STEP)]
+    error = results[0]["error"]
+    assert error is not None, f"rank 0 finished although rank {VICTIM} died"
+    print(f"{strategy}: rank 0 failed {results[0]['after_s']:.2f} s after step {KILL_STEP - 1}: {error}")
+    # (Which rank is gone comes from the job store's heartbeats in a launched job: these ranks have none.)
+    assert error.startswith(f"step {KILL_STEP}: {STEP_OPERATIONS[strategy]} failed: "), error
+    assert results[0]["committed_step"] == KILL_STEP - 1 and results[0]["unchanged"]
