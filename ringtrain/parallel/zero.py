@@ -34,7 +34,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
