@@ -20,7 +20,7 @@ import torch
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import Digest, write_manifest
 from ringtrain.checkpoint.sharded import EXTRA_FILE, ShardedCheckpointer, check_loadable, manifest_of
-from ringtrain.errors import CheckpointError, CorruptCheckpoint, LaunchError, UnsafeCheckpoint
+from ringtrain.errors import CheckpointError, LaunchError, UnsafeCheckpoint
 
 
 class Payload:

@@ -3,7 +3,6 @@ building blocks have for a hand-written loop (examples/custom_loop.py runs them 
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import signal
