@@ -261,9 +261,12 @@ def _check_script_run_dir(run_dir: str, resume: bool, resume_from: str | None) -
 
 def _launch_hosts(args: argparse.Namespace, options, run_dir: str) -> int:
     """--hostfile: the checked job, one launcher per host over ssh (hostfile.py); their exit code."""
+    from ringtrain.group.auth import ensure_job_secret
     from ringtrain.group.env import remote_environ
     from ringtrain.hostfile import launch_hosts, node_argv
 
+    # One secret for every host's launcher, handed to each over its ssh channel, never on a command line.
+    ensure_job_secret(os.environ)
     argvs = [node_argv(args, args.hosts, i, options.rdzv_endpoint) for i in range(len(args.hosts.hosts))]
     code = launch_hosts(args.hosts, argvs, args.remote_python or sys.executable, args.remote_cwd or os.getcwd(),
                         remote_environ(), args.ssh_port, args.ssh_options)
@@ -283,11 +286,18 @@ def _launch(options, program, run_dir: str) -> None:
         launch_worker_agents(options, program, run_dir, log_dir)
     else:
         min_nodes, max_nodes = options.node_range()
+        run_id = None
         if min_nodes < max_nodes and options.node_rank == 0:
             from ringtrain.elastic import write_job_file
 
-            write_job_file(options, program, run_dir, log_dir)  # a host that lost the job rejoins with it
-        launch(replace(options, log_dir=log_dir), program)
+            run_id = write_job_file(options, program, run_dir, log_dir)  # a host that lost the job rejoins with it
+        try:
+            launch(replace(options, log_dir=log_dir, run_id=options.run_id or run_id or ""), program)
+        finally:
+            if run_id is not None:
+                from ringtrain.group.auth import forget_job_secret
+
+                forget_job_secret(run_id)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,6 +42,8 @@ from pathlib import Path
 import psutil
 
 from ringtrain.comm.groups import host_id
+from ringtrain.group.auth import (SECRET_VAR, JobSecret, SecretError, forget_job_secret, load_job_secret,
+                                  save_job_secret, saved_job_secret)
 from ringtrain.group.env import BIND_ADDR_VAR, HEAL_JOIN_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR, forget_fault_plan
 from ringtrain.group.jobstore import JobStore
 from ringtrain.errors import LaunchError
@@ -51,7 +54,9 @@ from ringtrain.launch import (
     LaunchOptions,
     Program,
     WorkerFailed,
+    default_run_id,
     host_rendezvous_store,
+    job_secret_for,
     launch,
     split_endpoint,
     stop_signals,
@@ -89,16 +94,30 @@ class JobSpec:
     heal: bool = False
     """--heal: workers heal in place when one is lost; the agents never restart them."""
 
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "program": self.program.to_json()})
+    def to_json(self, secret: JobSecret | None = None) -> str:
+        """The description as JSON; with the job's secret, sealed (``seal``: its HMAC), as job.json is."""
+        values = {**asdict(self), "program": self.program.to_json()}
+        if secret is not None:
+            values["seal"] = secret.tag(JOB_FILE, _canonical(values)).hex()
+        return json.dumps(values)
 
     @classmethod
-    def from_json(cls, text: str) -> JobSpec:
-        """JSON only (a planted file unpickles nothing), every field of its type, else ValueError naming it.
-        What it describes still runs: ``ringtrain join`` starts the program it names (README: threat model)."""
+    def from_json(cls, text: str, secret: JobSecret | None = None, where: str = "the job description") -> JobSpec:
+        """JSON only (a planted file unpickles nothing), every field of its type, else ValueError naming it. With
+        ``secret``, its seal must match (UnsealedJobFile otherwise): ``ringtrain join`` starts the program a job file
+        names, so it runs only what the job's own launcher wrote (README: threat model)."""
         values = json.loads(text)
         if not isinstance(values, dict):
             raise ValueError(f"a JSON {type(values).__name__}, not an object")
+        seal = values.pop("seal", None)
+        if secret is not None:
+            import hmac
+
+            expected = secret.tag(JOB_FILE, _canonical(values)).hex()
+            if not isinstance(seal, str) or not hmac.compare_digest(seal, expected):
+                raise UnsealedJobFile(
+                    f"{where} is not sealed with the job's secret ({'no seal' if seal is None else 'a wrong seal'}): "
+                    "it was not written by the job's launcher; refused, nothing it names was started")
         for name, kind in _FIELD_TYPES.items():
             if name in values and type(values[name]) is not kind:
                 raise ValueError(f"{name} is {values[name]!r}, not a {kind.__name__}")
@@ -113,15 +132,41 @@ class JobSpec:
 
     @classmethod
     def read(cls, run_dir: str | Path) -> JobSpec:
+        """RUN_DIR/job.json, opened with the job's secret: the environment's (RINGTRAIN_JOB_SECRET[_FILE]), else
+        the one this account's launcher kept for the run id the file names (group/auth.save_job_secret)."""
         path = Path(run_dir) / JOB_FILE
         try:
-            return cls.from_json(path.read_text())
+            text = path.read_text()
+            run_id = json.loads(text).get("run_id") if text.lstrip().startswith("{") else None
+            secret = load_job_secret(os.environ) or (
+                saved_job_secret(run_id) if isinstance(run_id, str) and _RUN_ID.fullmatch(run_id) else None)
+            if secret is None:
+                raise LaunchError(
+                    f"{path}: no secret for this job here: join from the account that started it (its launcher "
+                    f"keeps the secret while the job runs), or set {SECRET_VAR} as the job's launcher had it")
+            spec = cls.from_json(text, secret, str(path))
         except FileNotFoundError:
             raise LaunchError(
                 f"{path} not found: join works for a running job started with --min-nproc below --nproc"
             ) from None
-        except (ValueError, TypeError, KeyError) as err:
+        except (SecretError, UnsealedJobFile) as err:
+            raise LaunchError(str(err)) from None
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as err:
             raise LaunchError(f"{path} is not a ringtrain job description ({err})") from None
+        os.environ[SECRET_VAR] = secret.hex  # the agent and its workers join with it
+        return spec
+
+
+class UnsealedJobFile(ValueError):
+    """A job file whose seal does not match the job's secret."""
+
+
+def _canonical(values: dict) -> bytes:
+    return json.dumps(values, sort_keys=True, separators=(",", ":")).encode()
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""A run id names a file of the account's secrets: a plain name, never a path."""
 
 
 _FIELD_TYPES = {"rdzv_endpoint": str, "run_id": str, "min_workers": int, "max_workers": int, "max_restarts": int,
@@ -135,16 +180,17 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
     failed, JobStopped when this process was told to stop.
     """
     options.validate()
+    secret = job_secret_for(options)  # in the environment: every agent and worker started here inherits it
     min_workers, max_workers = options.world_size_range()
     host, port = split_endpoint(options.rdzv_endpoint or "127.0.0.1:0")
     store = host_rendezvous_store(host, port) if options.node_rank == 0 else None
     port = store.port if store is not None else port
-    spec = _spec(options, program, log_dir, host, port, min_workers, max_workers, nproc=1)
+    spec = _spec(options, program, log_dir, host, port, min_workers, max_workers, secret, nproc=1)
     if options.node_rank == 0:
-        _write(spec, run_dir)
+        _write(spec, run_dir, secret)
     # Node 0's workers bind where its rendezvous listens; other nodes' to --local-addr (or torch's choice).
     local_addr = options.local_addr or (host if options.node_rank == 0 else None)
-    watch = _HealWatch(host, port, spec.run_id) if options.heal else None
+    watch = _HealWatch(host, port, spec.run_id, secret) if options.heal else None
     barrier = Path(tempfile.mkdtemp(prefix="ringtrain-start-"))
     try:
         with watch or nullcontext():
@@ -152,27 +198,34 @@ def launch_worker_agents(options: LaunchOptions, program: Program, run_dir: str,
             _wait(agents, min_workers, watch, stop_signals(options), release=lambda: (barrier / "go").touch())
     finally:
         shutil.rmtree(barrier, ignore_errors=True)
+        forget_job_secret(spec.run_id)
         del store  # the rendezvous lives exactly as long as this launcher
 
 
-def write_job_file(options: LaunchOptions, program: Program, run_dir: str, log_dir: str) -> None:
+def write_job_file(options: LaunchOptions, program: Program, run_dir: str, log_dir: str) -> str:
     """Node 0 of an elastic-nodes job (``--nnodes MIN:MAX``, one agent per host): RUN_DIR/job.json, so that
-    ``ringtrain join RUN_DIR`` on a host can (re)join it with an agent for ``options.nproc`` workers."""
+    ``ringtrain join RUN_DIR`` on a host can (re)join it with an agent for ``options.nproc`` workers. Returns the
+    run id (the caller forgets the kept secret when the job ends: group/auth.forget_job_secret)."""
+    secret = job_secret_for(options)
     min_workers, max_workers = options.world_size_range()
     host, port = split_endpoint(options.rdzv_endpoint)  # multi-node: a fixed port (validate)
-    _write(_spec(options, program, log_dir, host, port, min_workers, max_workers, nproc=options.nproc), run_dir)
+    spec = _spec(options, program, log_dir, host, port, min_workers, max_workers, secret, nproc=options.nproc)
+    _write(spec, run_dir, secret)
+    return spec.run_id
 
 
 def _spec(options: LaunchOptions, program: Program, log_dir: str, host: str, port: int, min_workers: int,
-          max_workers: int, nproc: int) -> JobSpec:
+          max_workers: int, secret: JobSecret, nproc: int) -> JobSpec:
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return JobSpec(endpoint, options.run_id or f"ringtrain-{host}-{port}", min_workers, max_workers,
+    return JobSpec(endpoint, options.run_id or default_run_id(secret, host, port), min_workers, max_workers,
                    options.max_restarts, options.rdzv_conf, program, log_dir, nproc, options.heal)
 
 
-def _write(spec: JobSpec, run_dir: str) -> None:
+def _write(spec: JobSpec, run_dir: str, secret: JobSecret) -> None:
+    """job.json, sealed with the job's secret, which this account keeps for ``ringtrain join`` while the job runs."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / JOB_FILE).write_text(spec.to_json() + "\n")
+    save_job_secret(secret, spec.run_id)
+    (Path(run_dir) / JOB_FILE).write_text(spec.to_json(secret) + "\n")
 
 
 def join_healing_job(spec: JobSpec, local_addr: str | None = None) -> None:
@@ -185,7 +238,8 @@ def join_healing_job(spec: JobSpec, local_addr: str | None = None) -> None:
            BIND_ADDR_VAR: local_addr or host}
     forget_fault_plan(env)  # a joiner is never armed by a test's fault plan (ringtrain/testing/faults.py)
     host_, port = split_endpoint(spec.rdzv_endpoint)
-    reports = job_keys(JobStore(host_, port, f"ringtrain/{spec.run_id}/", is_writer=False))
+    reports = job_keys(JobStore(host_, port, f"ringtrain/{spec.run_id}/", is_writer=False,
+                                secret=load_job_secret(env)))
     # This process is the worker's parent: it records the worker's exit for members on other hosts.
     with ExitReporter(lambda h, pid: reports.set(exit_key(h, pid), "1")):
         worker = subprocess.Popen([sys.executable, "-u", *spec.program.args], env=env, cwd=spec.program.cwd)
@@ -297,10 +351,10 @@ class _HealWatch:
     hosts know for certain that one is dead (heal/liveness.py), and it learns when the job is done, so a
     worker that was cut off and stays stopped cannot keep the launcher waiting for ever."""
 
-    def __init__(self, host: str, port: int, run_id: str):
+    def __init__(self, host: str, port: int, run_id: str, secret: JobSecret):
         # Clients of their own: the exit reporter writes from its thread, the launcher reads from this one.
-        self._reports = job_keys(JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False))
-        self._reads = job_keys(JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False))
+        self._reports = job_keys(JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False, secret=secret))
+        self._reads = job_keys(JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False, secret=secret))
         self._reporter = ExitReporter(lambda h, pid: self._reports.set(exit_key(h, pid), "1"))
 
     def __enter__(self) -> _HealWatch:

@@ -31,7 +31,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ringtrain.group import rendezvous
 from ringtrain.group.addresses import RENDEZVOUS_WAIT_S, bind_address
+from ringtrain.group.auth import SECRET_FILE_VAR, SECRET_VAR, JobSecret, SecretError, load_job_secret
 from ringtrain.group.env import BIND_ADDR_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.group.failure import failure_report
 from ringtrain.group.jobstore import JobStore
@@ -39,7 +41,7 @@ from ringtrain.group.watch import host_answers
 from ringtrain.errors import LaunchError, RingtrainError
 
 __all__ = ["LaunchOptions", "Program", "WorkerFailed", "JobStopped", "launch", "parse_rdzv_conf", "RDZV_DEFAULTS",
-           "stop_signals"]
+           "stop_signals", "job_secret_for", "default_run_id"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -195,6 +197,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
     Raises WorkerFailed naming the first failed rank, or LaunchError when the rendezvous fails.
     """
     options.validate()
+    secret = job_secret_for(options)
     min_nodes, max_nodes = options.node_range()
     if options.heal and options.join:
         # A --heal launcher's own agents (elastic.py): the rendezvous only starts the job, who is in it later is
@@ -218,12 +221,14 @@ def launch(options: LaunchOptions, program: Program) -> None:
     if program.cwd:
         os.chdir(program.cwd)  # the agent starts its workers where it runs
     _pick_worker_store_ports_outside_the_ephemeral_range()
+    rendezvous.register()
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=options.nproc,
-        run_id=options.run_id or f"ringtrain-{host}-{port}",
-        rdzv_backend="c10d",
+        run_id=options.run_id or default_run_id(secret, host, port),
+        # torch's c10d rendezvous over a store sealed with the job's secret (group/rendezvous.py).
+        rdzv_backend=rendezvous.BACKEND,
         rdzv_endpoint=f"{_bracket(host)}:{port}",
         # Node 0's launcher hosts the store above; every agent, node 0's included, joins as a client.
         rdzv_configs={**parse_rdzv_conf(options.rdzv_conf), "is_host": False},
@@ -232,7 +237,8 @@ def launch(options: LaunchOptions, program: Program) -> None:
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
     )
     dump_signal = signal.SIGUSR2 if options.sigusr1_stops else signal.SIGUSR1
-    previous = {dump_signal: signal.signal(dump_signal, _dump_request_handler(host, port, config.run_id, dump_signal))}
+    previous = {dump_signal: signal.signal(dump_signal, _dump_request_handler(host, port, config.run_id, secret,
+                                                                               dump_signal))}
     if options.sigusr1_stops:
         # As torch's agent does for SIGTERM: it stops every worker with this same signal (they save), then re-raises.
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _stop_handler)
@@ -279,14 +285,14 @@ def _stop_handler(signum, frame) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
-def _dump_request_handler(host: str, port: int, run_id: str, signum: int = signal.SIGUSR1):
+def _dump_request_handler(host: str, port: int, run_id: str, secret: JobSecret, signum: int = signal.SIGUSR1):
     """SIGUSR1 (SIGUSR2 in a SLURM job) to a launcher: ask every worker of the job (all nodes) to write its flight
     recorder to RUN_DIR/flight/rank-R.json. Each worker's heartbeat thread answers, even one stuck in a collective."""
     name = signal.Signals(signum).name
 
     def request() -> None:
         try:
-            JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False).request_dump()
+            JobStore(host, port, f"ringtrain/{run_id}/", is_writer=False, secret=secret).request_dump()
             print(f"ringtrain: {name}: asked every worker to write its flight recorder to RUN_DIR/flight/rank-R.json; "
                   "then run `ringtrain diagnose RUN_DIR`", file=sys.stderr, flush=True)
         except (RuntimeError, ValueError) as err:
@@ -297,6 +303,35 @@ def _dump_request_handler(host: str, port: int, run_id: str, signum: int = signa
         threading.Thread(target=request, name="ringtrain-dump-request", daemon=True).start()
 
     return handle
+
+
+def job_secret_for(options: LaunchOptions) -> JobSecret:
+    """The job's secret (group/auth.py), in this process's environment from now on, so that every agent and
+    worker it starts inherits it: the one the user gave (RINGTRAIN_JOB_SECRET or RINGTRAIN_JOB_SECRET_FILE),
+    else a new one. A job of several nodes must share one (each node's launcher is started on its own), and an
+    agent that joins a running job must have the job's."""
+    try:
+        secret = load_job_secret(os.environ)
+    except SecretError as err:
+        raise LaunchError(str(err)) from None
+    if secret is None:
+        if options.join:
+            raise LaunchError(f"joining a job needs its secret: set {SECRET_VAR} (or {SECRET_FILE_VAR}) as the job's "
+                              "launcher had it, or join from the account that started it")
+        if options.node_range()[1] > 1:
+            raise LaunchError(
+                f"a job of several nodes needs one secret on every node: export {SECRET_VAR}=... (the same value on "
+                f"each, e.g. from `openssl rand -hex 32`) or {SECRET_FILE_VAR}=FILE (mode 0600) before launching; "
+                "--hostfile hands its hosts one itself")
+        secret = JobSecret.new()
+    os.environ[SECRET_VAR] = secret.hex
+    return secret
+
+
+def default_run_id(secret: JobSecret, host: str, port: int) -> str:
+    """The rendezvous id: the same on every node of the job (they share the secret and the endpoint), and no one
+    without the secret can name the job's store keys."""
+    return f"ringtrain-{secret.derive('run-id', f'{host}:{port}')[:24]}"
 
 
 def parse_rdzv_conf(text: str) -> dict[str, int]:

@@ -30,6 +30,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 REPO = Path(__file__).resolve().parent.parent
 
+# A job of several nodes needs one secret on every node (ringtrain/group/auth.py), which its user exports on each;
+# the tests' multi-node jobs (test hosts, SLURM's variables, --nnodes on loopback) get this one the same way. A
+# one-node launcher then takes it instead of making its own; tests/integration/test_shared_host.py runs one without
+# it, and `ringtrain join` commands (tests/chaos/jobs.py) drop it to find the secret the job's launcher kept.
+os.environ.setdefault("RINGTRAIN_JOB_SECRET", __import__("secrets").token_hex(32))
+
 
 def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m ringtrain ARGS`` as a user runs it; returns the finished process (never raises on exit code)."""

@@ -11,9 +11,11 @@ import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
+from ringtrain.group.auth import SECRET_FILE_VAR, SECRET_VAR, JobSecret, load_job_secret
+
 __all__ = ["DistEnv", "BIND_ADDR_VAR", "LAUNCHER_VAR", "JOB_STORE_VAR", "SET_VAR", "RUN_DIR_VAR", "RESUME_VAR",
-           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "ERROR_FILE_VAR", "forget_fault_plan", "cluster_environ",
-           "remote_environ"]
+           "HEAL_VAR", "HEAL_JOIN_VAR", "FAULT_PLAN_VAR", "FAULT_PLAN_ARMED_VAR", "ERROR_FILE_VAR", "forget_fault_plan",
+           "cluster_environ", "remote_environ"]
 
 # Both set by `ringtrain train`, never by torchrun.
 BIND_ADDR_VAR = "RINGTRAIN_BIND_ADDR"
@@ -31,6 +33,9 @@ HEAL_JOIN_VAR = "RINGTRAIN_HEAL_JOIN"
 FAULT_PLAN_VAR = "RINGTRAIN_FAULT_PLAN"
 """The path of a test's fault plan: the worker arms it (train/build.py) and drops the variable from its own
 environment; `ringtrain join` drops it too, so a joiner is never armed."""
+FAULT_PLAN_ARMED_VAR = "RINGTRAIN_FAULT_PLAN_ARMED"
+"""The test's opt-in beside the plan (`i-am-a-test-` and the plan's own random value): without it a plan is
+ignored with a warning, so a RINGTRAIN_FAULT_PLAN a production environment inherits arms nothing."""
 
 # Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user); a
 # user sets RINGTRAIN_RUN_DIR and RINGTRAIN_RESUME under python or torchrun too (README "Your own model and data").
@@ -80,8 +85,13 @@ class DistEnv:
     """`ringtrain join` of a --heal job: admitted by the running workers, no rendezvous (heal/membership.py)."""
     fault_plan: str | None = None
     """A test harness's fault plan (FAULT_PLAN_VAR), armed by build_trainer; None in every user's run."""
+    fault_plan_opt_in: str | None = None
+    """The harness's opt-in beside it (FAULT_PLAN_ARMED_VAR): the plan is armed only when it matches the plan's."""
     error_file: str | None = None
     """Where the elastic agent reads why this worker failed (ERROR_FILE_VAR); None without an agent."""
+    job_secret: JobSecret | None = None
+    """The job's secret (group/auth.py: RINGTRAIN_JOB_SECRET or RINGTRAIN_JOB_SECRET_FILE): seals the workers' and
+    the job's stores; None under plain torchrun without one."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -94,7 +104,9 @@ class DistEnv:
             "heal_max_workers": int(env[HEAL_VAR].split(":")[-1]) if env.get(HEAL_VAR) else None,
             "heal_join": HEAL_JOIN_VAR in env,
             "fault_plan": env.get(FAULT_PLAN_VAR) or None,
+            "fault_plan_opt_in": env.get(FAULT_PLAN_ARMED_VAR) or None,
             "error_file": env.get(ERROR_FILE_VAR) or None,
+            "job_secret": load_job_secret(env),
         }
         if "RANK" not in env:
             # A worker joining a --heal job gets its rank when admitted; it reaches the job store now.
@@ -129,7 +141,9 @@ class DistEnv:
 def forget_fault_plan(environ: MutableMapping[str, str] | None = None) -> None:
     """Take the fault plan out of ``environ`` (default: this process's environment), so that no process
     started from it is armed: the armed worker's children, a `ringtrain join` worker."""
-    (os.environ if environ is None else environ).pop(FAULT_PLAN_VAR, None)
+    env = os.environ if environ is None else environ
+    env.pop(FAULT_PLAN_VAR, None)
+    env.pop(FAULT_PLAN_ARMED_VAR, None)
 
 
 def _agent_store(env: Mapping[str, str]) -> str | None:
@@ -150,7 +164,10 @@ def cluster_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 _REMOTE_VARS = ("PYTHONPATH", "OMP_NUM_THREADS")
-_NOT_REMOTE = (BIND_ADDR_VAR, LAUNCHER_VAR, JOB_STORE_VAR, HEAL_VAR, HEAL_JOIN_VAR, FAULT_PLAN_VAR)
+_NOT_REMOTE = (BIND_ADDR_VAR, LAUNCHER_VAR, JOB_STORE_VAR, HEAL_VAR, HEAL_JOIN_VAR, FAULT_PLAN_VAR,
+               FAULT_PLAN_ARMED_VAR, SECRET_VAR, SECRET_FILE_VAR)
+"""Never on an ssh command line: what a launcher sets for its own workers, a test's fault plan, and the job's
+secret (hostfile.py hands that to each host over the ssh channel's stdin)."""
 
 
 def remote_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:

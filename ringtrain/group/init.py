@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ringtrain.comm import flight
 from ringtrain.config import DistConfig
+from ringtrain.group.auth_store import AuthStore
 from ringtrain.group.env import DistEnv
 from ringtrain.group.sockets import forget_group_sockets, recording_group_sockets
 from ringtrain.errors import LaunchError
@@ -231,6 +232,15 @@ def _build_store(env: DistEnv, timeout: timedelta) -> dist.Store:
 
 
 def _new_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    store = _connect_store(env, timeout)
+    if env.job_secret is None:
+        return store
+    # Every value the ranks exchange here (Gloo's addresses, the groups' keys) sealed with the job's secret: a
+    # stranger who reaches the port cannot hand a rank an address or a value (group/auth.py).
+    return AuthStore(store, env.job_secret, where=f"the workers' store at {env.master_addr}:{env.master_port}")
+
+
+def _connect_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     if env.use_agent_store:
         # Plain torchrun shares its rendezvous store; the prefix keeps restarts apart, as torch's env:// does.
         client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)

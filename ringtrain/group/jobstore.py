@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ringtrain.group.auth import JobSecret
+from ringtrain.group.auth_store import AuthStore
 from ringtrain.group.env import DistEnv
 
 __all__ = ["JobStore", "NullJobStore", "PreviousAttempt", "connect_job_store"]
@@ -85,12 +87,16 @@ class NullJobStore:
 
 
 class JobStore(NullJobStore):
-    """Keys under ``ringtrain/<run id>/`` in a store that outlives the workers."""
+    """Keys under ``ringtrain/<run id>/`` in a store that outlives the workers; with the job's ``secret`` (every
+    ringtrain launch has one) each value sealed with it, and one the job did not write refused (group/auth.py)."""
 
-    def __init__(self, host: str, port: int, prefix: str, is_writer: bool, timeout_s: float = 10.0):
+    def __init__(self, host: str, port: int, prefix: str, is_writer: bool, timeout_s: float = 10.0,
+                 secret: JobSecret | None = None):
         self.host, self.port, self.prefix, self.is_writer = host, port, prefix, is_writer
-        self.timeout_s = timeout_s
+        self.timeout_s, self.secret = timeout_s, secret
         client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        if secret is not None:
+            client = AuthStore(client, secret, where=f"the job store at {host}:{port}")
         self.store = dist.PrefixStore(prefix, client)
 
     def begin_attempt(self) -> PreviousAttempt:
@@ -150,7 +156,7 @@ class JobStore(NullJobStore):
 
     def clone(self) -> JobStore:
         """A second connection, for another thread (one client socket must not be shared)."""
-        return JobStore(self.host, self.port, self.prefix, self.is_writer, self.timeout_s)
+        return JobStore(self.host, self.port, self.prefix, self.is_writer, self.timeout_s, self.secret)
 
 
 def connect_job_store(env: DistEnv, is_writer: bool) -> NullJobStore:
@@ -160,7 +166,7 @@ def connect_job_store(env: DistEnv, is_writer: bool) -> NullJobStore:
     host, _, port = env.job_store.rpartition(":")
     prefix = f"ringtrain/{env.run_id or 'job'}/"
     try:
-        return JobStore(host.strip("[]"), int(port), prefix, is_writer)
+        return JobStore(host.strip("[]"), int(port), prefix, is_writer, secret=env.job_secret)
     except (RuntimeError, ValueError):
         # The launcher's store is gone (the job is being torn down); training does not need it.
         return NullJobStore()

@@ -34,6 +34,8 @@ class Job:
         self.worker_command = worker_command
         """What a worker's command line holds: ringtrain.worker, or the script of `ringtrain run`."""
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+        if args[:1] == ("join",) and not (env or {}).get("RINGTRAIN_JOB_SECRET"):
+            full_env.pop("RINGTRAIN_JOB_SECRET", None)  # as a user joins: the secret the job's launcher kept
         self.started = time.monotonic()
         # prefix: e.g. `ip netns exec NS` (tests/hosts.py), which runs the command on a test host.
         self.process = subprocess.Popen([*prefix, sys.executable, "-m", "ringtrain", *args], cwd=REPO, env=full_env,
