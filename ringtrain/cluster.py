@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 from ringtrain.errors import LaunchError
 
-__all__ = ["LaunchFlags", "ClusterJob", "FilledFlags", "NodelistError", "expand_nodelist", "detect_cluster", "fill_launch_flags",
-           "slurm_port", "CLUSTER_VAR"]
+__all__ = ["LaunchFlags", "ClusterJob", "FilledFlags", "NodelistError", "expand_nodelist", "nodelist_size", "detect_cluster",
+           "fill_launch_flags", "slurm_port", "CLUSTER_VAR", "MAX_NODES"]
 
 CLUSTER_VAR = "RINGTRAIN_CLUSTER"
 """'none': ignore the scheduler's variables (e.g. a one-node job inside a larger allocation)."""
@@ -34,6 +34,9 @@ SLURM_BASE_PORT = 15000
 SLURM_PORT_SPAN = 20000
 """The rendezvous port of a SLURM job: 15000 + job id % 20000, the same on every node of the job, and
 different for jobs that share a node (as Lightning's SLURMEnvironment derives its MASTER_PORT)."""
+MAX_NODES = 100_000
+"""The most nodes a node list or a tasks-per-node count may name (the largest machines have some 10,000): a
+list is counted before it is expanded, so ``node[1-100000000]`` is one line at once, not gigabytes of names."""
 
 
 class NodelistError(LaunchError):
@@ -82,7 +85,7 @@ class ClusterJob:
 
 
 # --- SLURM's node lists -----------------------------------------------------------------------------------
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"^(\d{1,18})(?:-(\d{1,18}))?$")
 
 
 def expand_nodelist(text: str) -> list[str]:
@@ -92,12 +95,16 @@ def expand_nodelist(text: str) -> list[str]:
         ['node01', 'node02', 'node03', 'node07', 'gpu-8-ib', 'gpu-9-ib', 'gpu-10-ib', 'login']
 
     A name may hold several bracket groups (``r[1-2]n[1-2]``: every combination, the last group fastest).
-    Raises NodelistError naming the list and what is wrong with it.
+    Raises NodelistError naming the list and what is wrong with it, or how many hosts it names when that is
+    more than ``MAX_NODES`` (counted first: nothing is expanded then).
     """
+    size = nodelist_size(text)
+    if size > MAX_NODES:
+        raise NodelistError(f"node list {_shown(text)} names {size} hosts, more than {MAX_NODES}: not a SLURM allocation")
     hosts: list[str] = []
     for item in _split_top_level(text):
         if not item:
-            raise NodelistError(f"node list {text!r} has an empty host name (a stray comma)")
+            raise NodelistError(f"node list {_shown(text)} has an empty host name (a stray comma)")
         names = [""]
         for literal, bracket, group in re.findall(r"([^\[\]]*)(\[([^\[\]]*)\])?", item):
             names = [name + literal for name in names]
@@ -105,8 +112,29 @@ def expand_nodelist(text: str) -> list[str]:
                 names = [name + number for name in names for number in _expand_group(group, text)]
         hosts.extend(names)
     if not hosts:
-        raise NodelistError(f"node list {text!r} names no host")
+        raise NodelistError(f"node list {_shown(text)} names no host")
     return hosts
+
+
+def nodelist_size(text: str) -> int:
+    """How many hosts ``expand_nodelist(text)`` names, counted without expanding (NodelistError as it raises)."""
+    total = 0
+    for item in _split_top_level(text):
+        if not item:
+            raise NodelistError(f"node list {_shown(text)} has an empty host name (a stray comma)")
+        names = 1
+        for _, bracket, group in re.findall(r"([^\[\]]*)(\[([^\[\]]*)\])?", item):
+            if bracket:
+                names *= sum(high - low + 1 for low, high, _ in _ranges(group, text))
+        total += names
+    if not total:
+        raise NodelistError(f"node list {_shown(text)} names no host")
+    return total
+
+
+def _shown(text: str) -> str:
+    """A list as an error line quotes it: at most 80 characters of it."""
+    return repr(text) if len(text) <= 80 else f"{text[:80]!r}... ({len(text)} characters)"
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -116,48 +144,59 @@ def _split_top_level(text: str) -> list[str]:
         if char == "[":
             depth += 1
             if depth > 1:
-                raise NodelistError(f"node list {text!r}: nested '[' at position {i}")
+                raise NodelistError(f"node list {_shown(text)}: nested '[' at position {i}")
         elif char == "]":
             depth -= 1
             if depth < 0:
-                raise NodelistError(f"node list {text!r}: ']' at position {i} closes nothing")
+                raise NodelistError(f"node list {_shown(text)}: ']' at position {i} closes nothing")
         elif char == "," and depth == 0:
             items.append(text[start:i].strip())
             start = i + 1
     if depth:
-        raise NodelistError(f"node list {text!r}: a '[' is never closed")
+        raise NodelistError(f"node list {_shown(text)}: a '[' is never closed")
     items.append(text[start:].strip())
     return items
 
 
 def _expand_group(group: str, text: str) -> list[str]:
     """'01-03,7' -> ['01', '02', '03', '7']: a range keeps the width of its first number."""
-    numbers = []
+    return [str(n).zfill(width) for low, high, width in _ranges(group, text) for n in range(low, high + 1)]
+
+
+def _ranges(group: str, text: str) -> list[tuple[int, int, int]]:
+    """'01-03,7' -> [(1, 3, 2), (7, 7, 1)]: each range's first and last number and its width."""
+    ranges = []
     for part in group.split(","):
         match = _RANGE.match(part.strip())
         if not match:
-            raise NodelistError(f"node list {text!r}: [{group}] holds {part!r}, not a number or a range like 01-04")
+            raise NodelistError(f"node list {_shown(text)}: [{group[:40]}] holds {part[:40]!r}, not a number or a range "
+                                "like 01-04")
         low, high = match.group(1), match.group(2) or match.group(1)
         if int(high) < int(low):
-            raise NodelistError(f"node list {text!r}: range {part!r} runs backwards")
-        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
-    return numbers
+            raise NodelistError(f"node list {_shown(text)}: range {part!r} runs backwards")
+        ranges.append((int(low), int(high), len(low)))
+    return ranges
 
 
-def _tasks_per_node(text: str) -> list[int]:
-    """SLURM_TASKS_PER_NODE's form '2(x3),1' -> [2, 2, 2, 1]."""
-    counts = []
+def _tasks_per_node(text: str) -> dict[int, int]:
+    """SLURM_TASKS_PER_NODE's form '2(x3),1' -> {2: 3, 1: 1} (tasks: how many nodes), never expanded; at most
+    MAX_NODES nodes in all."""
+    counts: dict[int, int] = {}
     for part in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        match = re.fullmatch(r"\s*(\d{1,18})(?:\(x(\d{1,18})\))?\s*", part)
         if not match:
-            raise LaunchError(f"SLURM tasks per node {text!r} is not in SLURM's form (e.g. 1(x2))")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
+            raise LaunchError(f"SLURM tasks per node {_shown(text)} is not in SLURM's form (e.g. 1(x2))")
+        tasks, nodes = int(match.group(1)), int(match.group(2) or 1)
+        counts[tasks] = counts.get(tasks, 0) + nodes
+        if sum(counts.values()) > MAX_NODES:
+            raise LaunchError(f"SLURM tasks per node {_shown(text)} counts more than {MAX_NODES} nodes: not a SLURM "
+                              "allocation")
     return counts
 
 
 def slurm_port(job_id: str) -> int:
     """The job's rendezvous port, the same on every node: 15000 + job id % 20000."""
-    digits = re.match(r"\d+", job_id)
+    digits = re.match(r"\d{1,18}(?!\d)", job_id)
     if not digits:
         raise LaunchError(f"SLURM_JOB_ID {job_id!r} is not a number; pass --rdzv-endpoint HOST:PORT")
     return SLURM_BASE_PORT + int(digits.group()) % SLURM_PORT_SPAN
@@ -171,7 +210,7 @@ def _int(env: Mapping[str, str], name: str, value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise LaunchError(f"{name}={value!r} is not a whole number") from None
+        raise LaunchError(f"{name}={_shown(value)} is not a whole number") from None
 
 
 def _slurm_job(env: Mapping[str, str]) -> ClusterJob | None:
@@ -183,6 +222,8 @@ def _slurm_job(env: Mapping[str, str]) -> ClusterJob | None:
     if nnodes_text is None or nodelist is None:
         return None
     nnodes = _int(env, "SLURM_NNODES", nnodes_text)
+    if not 1 <= nnodes <= MAX_NODES:
+        raise LaunchError(f"SLURM_NNODES={nnodes_text[:20]!r} is not between 1 and {MAX_NODES}")
     if not under_srun:
         if nnodes > 1:
             raise LaunchError(
@@ -193,7 +234,7 @@ def _slurm_job(env: Mapping[str, str]) -> ClusterJob | None:
         return ClusterJob(f"SLURM job {job_id}", "1", 0, "", 0)
     tasks = _first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     per_node = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-    per_node_counts = _tasks_per_node(per_node) if per_node else []
+    per_node_counts = _tasks_per_node(per_node) if per_node else {}
     if env.get("SLURM_NTASKS_PER_NODE", "1") != "1" or any(count != 1 for count in per_node_counts) or (
             tasks is not None and _int(env, "SLURM_NTASKS", tasks) != nnodes):
         started = f"{tasks} tasks" if tasks else f"tasks per node {per_node or env.get('SLURM_NTASKS_PER_NODE')}"
@@ -201,10 +242,11 @@ def _slurm_job(env: Mapping[str, str]) -> ClusterJob | None:
             f"SLURM job {job_id}: srun started {started} on {nnodes} node{'s' * (nnodes != 1)}, but ringtrain's "
             "launcher starts the workers itself: one task per node (srun --ntasks-per-node=1, workers per node "
             "with --nproc)")
-    hosts = expand_nodelist(nodelist)
-    if len(hosts) != nnodes:
-        raise LaunchError(f"SLURM job {job_id}: node list {nodelist!r} names {len(hosts)} hosts, SLURM_NNODES says "
+    named = nodelist_size(nodelist)  # counted before it is expanded: a list of 10^8 hosts is one line at once
+    if named != nnodes:
+        raise LaunchError(f"SLURM job {job_id}: node list {_shown(nodelist)} names {named} hosts, SLURM_NNODES says "
                           f"{nnodes}")
+    hosts = expand_nodelist(nodelist)
     node_rank = _int(env, "SLURM_NODEID", env.get("SLURM_NODEID", "0"))
     return ClusterJob(f"SLURM job {job_id}", str(nnodes), node_rank, hosts[0], slurm_port(job_id))
 

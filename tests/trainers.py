@@ -24,6 +24,7 @@ from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.train.build import build_trainer
 from ringtrain.train.loop import Trainer
 from ringtrain.train.resume import ResumePlan
+from tests.faults import opt_in_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,7 +42,7 @@ def build_test_trainer(
     config = load_config(REPO / config, [*overrides, "monitor.progress=false"], run_dir=str(run_dir))
     validate_for_world_size(config, world_size)
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-                  fault_plan=None if fault_plan is None else str(fault_plan))
+                  fault_plan=None if fault_plan is None else str(fault_plan), fault_plan_opt_in=opt_in_of(fault_plan))
     ctx = DistContext(env, "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size)
     return build_trainer(config, ctx)
 

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.comm import flight
+from ringtrain.comm.errors import PeerDataError
 from ringtrain.comm.groups import global_rank, group_rank, group_size, group_timeout_s, host_id
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.comm.shm_board import FlagBoard, encode_call, header_bytes, require_tso
-from ringtrain.comm.shm_segment import Segment, segment_name, sweep_dead, sweep_stale, unlink
+from ringtrain.comm.shm_segment import Segment, peer_segment_name, sweep_dead, sweep_stale, unlink
 from ringtrain.testing import faults
 
 __all__ = [
@@ -360,8 +361,11 @@ class ShmGroup:
         machines share) is reported on all ranks in one line instead of leaving some waiting.
         """
         infos = all_gather_json([os.getpid(), os.urandom(6).hex()], group=self.group)
-        leader_pid, token = infos[self.local[0]]
-        name = segment_name(leader_pid, f"{token}-{_name_scope}{purpose}")
+        leader = global_rank(self.group, self.local[0])
+        try:  # a peer's values become a path in /dev/shm: a pid and 12 hex digits, nothing else
+            name = peer_segment_name(infos[self.local[0]], f"{_name_scope}{purpose}", leader)
+        except ValueError as err:
+            raise PeerDataError(f"shm set-up failed: {err}", peer=leader) from None
         segment = None
         try:
             status = "ok"

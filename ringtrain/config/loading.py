@@ -86,6 +86,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:  # TOML is UTF-8: a binary file, or text saved in another encoding
+        line = err.object.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path} is not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at line {line}); "
+                          "save the config as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
 
 
 def _set_nested(raw: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:

@@ -55,6 +55,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import comm
+from ringtrain.comm.errors import PeerDataError
+from ringtrain.comm.objects import all_gather_bytes, all_gather_json
 from ringtrain.errors import ConfigError
 from ringtrain.group.init import DistContext
 from ringtrain.monitor.comm_timer import CommTimer
@@ -590,13 +592,13 @@ class PipelineStrategy(ReplicatedStrategy):
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank: each pipeline rank's stages, gathered over the pipeline (as
-        pickled CPU tensors: a model that fits one process's memory, as the full checkpoint does anyway)."""
+        CPU tensors, never pickled: ``_all_gather_tensors``; a model that fits one process's memory, as the full
+        checkpoint does anyway)."""
         mine = {}
         for module in self.modules:  # (FSDP2's shards gathered over the replicas: every rank calls this)
             mine.update({name: self._natural(name, _full(value)).detach().cpu()
                          for name, value in module.state_dict().items()})
-        parts: list[dict] = [None] * self.pp
-        dist.all_gather_object(parts, mine, group=self.pp_group)
+        parts = _all_gather_tensors(mine, self.pp_group)
         merged = {name: value for part in parts for name, value in part.items()}
         if self._tied:
             merged["head.weight"] = merged["token_embedding.weight"]  # one weight, stored twice as torch does
@@ -620,8 +622,7 @@ class PipelineStrategy(ReplicatedStrategy):
                                             if _is_moment(value, params[int(i)]) else _full(value)
                                             for key, value in entry.items()}
                 for i, entry in local["state"].items() if params[int(i)] is not self._clone}
-        parts: list[dict] = [None] * self.pp
-        dist.all_gather_object(parts, _to_cpu(mine), group=self.pp_group)
+        parts = _all_gather_tensors(_to_cpu(mine), self.pp_group)
         by_name = {name: entry for part in parts for name, entry in part.items()}
         index = {name: i for i, name in enumerate(n for group in self._groups for n in group)}
         groups = []
@@ -802,6 +803,66 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     return value
+
+
+_TENSOR = "\u0000tensor"
+"""The one key of the JSON object that stands for a tensor in ``_all_gather_tensors``'s structure."""
+_GATHER_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def _all_gather_tensors(value: dict[str, Any], group: dist.ProcessGroup) -> list[dict[str, Any]]:
+    """Every rank's ``value`` (dicts with string keys; leaves CPU tensors or JSON values) in rank order of
+    ``group``, without pickle (architecture.md: no object collective): the structure travels as JSON
+    (``comm/objects.py``), each tensor as its dtype, shape and place in one buffer of raw bytes, rebuilt on
+    arrival; anything else a peer sends is ``PeerDataError``."""
+    blob = bytearray()
+
+    def encode(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            flat = item.detach().cpu().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            entry = {_TENSOR: [str(flat.dtype).removeprefix("torch."), list(item.shape), len(blob), len(raw)]}
+            blob.extend(raw)
+            return entry
+        if isinstance(item, dict):
+            if not all(isinstance(key, str) for key in item):
+                raise TypeError(f"pipeline state gather: keys must be strings, got {sorted(map(repr, item))[:4]}")
+            return {key: encode(inner) for key, inner in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [encode(inner) for inner in item]
+        return item
+
+    structure = encode(value)
+    structures = all_gather_json(structure, group=group)
+    blobs = all_gather_bytes(bytes(blob), group=group)
+    return [_decode_tensors(tree, data, dist.get_global_rank(group, rank))
+            for rank, (tree, data) in enumerate(zip(structures, blobs))]
+
+
+def _decode_tensors(tree: Any, data: bytes, rank: int) -> Any:
+    """``_all_gather_tensors``'s structure from ``rank`` with its tensors rebuilt from ``data``."""
+    if isinstance(tree, list):
+        return [_decode_tensors(inner, data, rank) for inner in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if _TENSOR not in tree:
+        return {key: _decode_tensors(inner, data, rank) for key, inner in tree.items()}
+    entry = tree[_TENSOR]
+    dtype_name, shape, offset, length = entry if isinstance(entry, list) and len(entry) == 4 else (None,) * 4
+    dtype = _GATHER_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    good_shape = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+    if (len(tree) != 1 or dtype is None or not good_shape or type(offset) is not int or type(length) is not int
+            or not 0 <= offset <= offset + length <= len(data)
+            or length != math.prod(shape) * torch.empty((), dtype=dtype).element_size()):
+        shown = repr(entry)
+        raise PeerDataError(f"rank {rank} sent a tensor entry {shown[:80]}{'...' * (len(shown) > 80)} that its "
+                            f"{len(data)} bytes do not hold; refused", peer=rank)
+    if not length:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.frombuffer(bytearray(data[offset:offset + length]), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
 
 
 def pipeline_mesh_context(ctx: DistContext, pp: int, tp: int = 1, tp_algorithm: str = "torch") -> tuple[DistContext, Any]:

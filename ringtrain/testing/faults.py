@@ -16,19 +16,30 @@ tens of microseconds at least. A test arms a *plan*: a JSON file it writes with 
 out of its own environment, so nothing it starts inherits it, and ``ringtrain join`` takes it out too, so a
 joiner is never armed. No config field, function name or inherited environment arms a point.
 
+A plan's path alone arms nothing: a test opts in explicitly beside it. ``write_plan`` puts a fresh random
+``opt_in`` in the plan (``i-am-a-test-`` and 32 hex digits: 128 bits, made for this plan only), and the harness
+hands the same value to the job in a second variable, ``RINGTRAIN_FAULT_PLAN_ARMED`` (``tests/faults.py``
+``Plan.env``; in-process, ``arm(path, opt_in=...)``). ``arm`` arms only when the value it is given has that form
+and equals the plan's own: ``RINGTRAIN_FAULT_PLAN`` left in a production shell, a CI runner's environment or a
+container image (a variable a user's environment can hold by accident) is ignored with one warning line, and
+a stale opt-in from another test never matches a new plan. Armed, a process says so on stderr:
+``ringtrain: fault plan PATH armed (test facility)``.
+
 A fault matches a point's name and, where it gives them, the process's ``rank`` (its rank now), ``member``
 (the rank it was launched as: its member id under --heal), ``generation``, ``step`` (the optimizer step being
 trained, counted from 1 as in metrics.jsonl; 0 before this process's first one) and ``hit`` (the point's n-th
 reach within that step; unset: its first matching reach). The trainer says where it is with
 ``context(step=..., rank=...)`` once per step; a point may add its own (``point("checkpoint.save.commit",
 step=step)``). Actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP: the test sends SIGCONT), ``exit``
-(``os._exit(code)``), ``raise`` (``error``, a class by its dotted name such as ``"torch.OutOfMemoryError"``,
-with ``message``), ``observe`` (record only: once per process, and it keeps the point armed), ``flip`` (at a
-point a value passes, ``data = faults.through(name, data)``: byte ``offset`` inverted, a corrupted wire),
-``delay`` (sleep ``seconds`` at every matching reach: it paces a job, so that a test's joiner, a process that
-takes seconds to start, meets a job whose steps take milliseconds; recorded once per process). Any
-other fault fires at most once per job: a marker beside the plan, created with O_EXCL, so a worker its agent
-restarted does not fire it again.
+(``os._exit(code)``), ``raise`` (``error``, by its dotted name from an allow-list, ``raisable_errors()``:
+ringtrain's own error types of ``ringtrain/errors.py`` and ``ringtrain/comm/errors.py``, ``InjectedFault``,
+and ``torch.OutOfMemoryError``, the one foreign error the trainer handles; nothing else is looked up, no module
+is imported by a name a plan gives; with ``message``), ``observe`` (record only: once per process, and it
+keeps the point armed), ``flip`` (at a point a value passes, ``data = faults.through(name, data)``: byte
+``offset`` inverted, a corrupted wire), ``delay`` (sleep ``seconds`` at every matching reach: it paces a job,
+so that a test's joiner, a process that takes seconds to start, meets a job whose steps take milliseconds;
+recorded once per process). Any other fault fires at most once per job: a marker beside the plan, created
+with O_EXCL, so a worker its agent restarted does not fire it again.
 
 Beside the plan the armed processes append ``<plan>.reached.jsonl`` (each point's first reach per process:
 point, rank, member, generation, step, hit, pid) and ``<plan>.fired.jsonl`` (every fault fired, before its
@@ -48,9 +59,10 @@ undeclared point is refused when written and when armed, and an armed process re
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
+import re
+import secrets
 import signal
 import sys
 import threading
@@ -61,8 +73,8 @@ from typing import Any
 
 from ringtrain.errors import RingtrainError
 
-__all__ = ["POINTS", "ACTIONS", "Fault", "FaultPlanError", "point", "through", "context", "armed_at", "arm", "disarm",
-           "write_plan", "reached", "fired"]
+__all__ = ["POINTS", "ACTIONS", "Fault", "FaultPlanError", "InjectedFault", "OPT_IN_PREFIX", "point", "through", "context",
+           "armed_at", "arm", "disarm", "write_plan", "plan_opt_in", "reached", "fired", "raisable_errors"]
 
 POINTS: dict[str, str] = {
     "ring.step": "comm/ring.py RingPeers.run_step: one step of ringtrain's ring done (its send to the right and "
@@ -112,6 +124,15 @@ class FaultPlanError(RingtrainError):
     """A fault plan names a point, an action or an error that does not exist."""
 
 
+class InjectedFault(RuntimeError):
+    """A ``raise`` fault's error when a test needs one that no product code catches."""
+
+
+OPT_IN_PREFIX = "i-am-a-test-"
+"""A plan's ``opt_in`` (and the value that must be handed to ``arm`` beside it): this, then 32 hex digits."""
+_OPT_IN = re.compile(re.escape(OPT_IN_PREFIX) + r"[0-9a-f]{32}")
+
+
 @dataclass(frozen=True)
 class Fault:
     """One fault of a plan: at ``point``, in the process and step the other fields name (None: any), do
@@ -126,7 +147,7 @@ class Fault:
     hit: int | None = None
     """The point's n-th reach within the step (from 1); None: its first reach where the rest matches."""
     error: str | None = None
-    """``raise``: the exception class, by its dotted name (``"torch.OutOfMemoryError"``)."""
+    """``raise``: the exception class, by its dotted name from ``raisable_errors()`` (``"torch.OutOfMemoryError"``)."""
     message: str = ""
     """``raise``: the exception's message."""
     code: int = 1
@@ -159,16 +180,32 @@ class Fault:
         return hit is None or self.hit is None or self.hit == hit
 
 
+def raisable_errors() -> dict[str, type[BaseException]]:
+    """The errors a ``raise`` fault may name, by dotted name: every exception class defined in
+    ``ringtrain/errors.py`` and ``ringtrain/comm/errors.py``, ``InjectedFault``, and ``torch.OutOfMemoryError``
+    (what an out-of-memory test injects). Fixed modules, imported here by their own names: a plan only picks
+    from this table."""
+    import torch
+
+    from ringtrain import errors
+    from ringtrain.comm import errors as comm_errors
+
+    table: dict[str, type[BaseException]] = {}
+    for module in (errors, comm_errors):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module.__name__:
+                table[f"{module.__name__}.{value.__name__}"] = value
+    table[f"{__name__}.InjectedFault"] = InjectedFault
+    table["torch.OutOfMemoryError"] = torch.OutOfMemoryError
+    return table
+
+
 def _error_class(name: str, where: str) -> type[BaseException]:
-    module, _, attribute = name.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), attribute) if module else None
-    except (ImportError, AttributeError):
-        found = None
-    if not isinstance(found, type) or not issubclass(found, BaseException):
-        raise FaultPlanError(f"{where}: error {name!r} is not an exception class (write it as module.Class, "
-                             "e.g. torch.OutOfMemoryError)")
-    return found
+    table = raisable_errors()
+    if name not in table:
+        shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}..."
+        raise FaultPlanError(f"{where}: error {shown} is not one a fault may raise; use one of {', '.join(sorted(table))}")
+    return table[name]
 
 
 # --- in the product code: one global check while nothing is armed ------------------------------------------
@@ -211,19 +248,40 @@ def armed_at(name: str) -> bool:
 # --- arming: the test harness's plan ------------------------------------------------------------------------
 
 def write_plan(path: str | Path, faults: list[Fault]) -> Path:
-    """Write the plan ``faults`` to ``path`` (checked first: an unknown point or action is one line here)."""
+    """Write the plan ``faults`` to ``path`` (checked first: an unknown point or action is one line here), with
+    a fresh ``opt_in`` (``plan_opt_in``) that whoever arms it must hand to ``arm`` too."""
     path = Path(path)
     for index, fault in enumerate(faults):
         fault.check(f"fault {index} of {path}")
-    path.write_text(json.dumps({"faults": [asdict(fault) for fault in faults]}, indent=1) + "\n")
+    opt_in = OPT_IN_PREFIX + secrets.token_hex(16)
+    path.write_text(json.dumps({"opt_in": opt_in, "faults": [asdict(fault) for fault in faults]}, indent=1) + "\n")
     return path
 
 
-def arm(path: str | Path, **where: int) -> list[Fault]:
+def plan_opt_in(path: str | Path) -> str:
+    """The ``opt_in`` of the plan ``write_plan`` wrote at ``path``: what the test harness hands to ``arm``
+    beside the path (for a launched job: in ``RINGTRAIN_FAULT_PLAN_ARMED``)."""
+    return json.loads(Path(path).read_text())["opt_in"]
+
+
+_ignored: set[str] = set()
+"""Plans this process already warned about (a trainer built again by a heal warns once)."""
+
+
+def arm(path: str | Path, *, opt_in: str | None, **where: int) -> list[Fault]:
     """Arm this process with the plan at ``path`` (the worker: ``train/build.py``; in-process tests: the
-    harness), at ``where`` (rank, member, generation). Returns the plan's faults."""
+    harness), at ``where`` (rank, member, generation), if ``opt_in`` is the plan's own (``write_plan``):
+    then one line on stderr says so, and the plan's faults are returned. Without it the plan is ignored with
+    one warning line, and nothing is armed (an empty list)."""
     global _armed
     path = Path(path)
+    if not isinstance(opt_in, str) or not _OPT_IN.fullmatch(opt_in) or _read_opt_in(path) != opt_in:
+        if str(path) not in _ignored:
+            _ignored.add(str(path))
+            print(f"ringtrain: warning: fault plan {path} ignored: RINGTRAIN_FAULT_PLAN is a test facility and is armed "
+                  "only beside its test's opt-in (RINGTRAIN_FAULT_PLAN_ARMED, equal to the plan's opt_in); unset "
+                  "RINGTRAIN_FAULT_PLAN", file=sys.stderr, flush=True)
+        return []
     try:
         entries = json.loads(path.read_text())["faults"]
         faults = [Fault(**entry) for entry in entries]
@@ -233,7 +291,20 @@ def arm(path: str | Path, **where: int) -> list[Fault]:
     for index, fault in enumerate(faults):
         fault.check(f"fault {index} of {path}")
     _armed = _Armed(path, faults, where)
+    print(f"ringtrain: fault plan {path} armed (test facility)", file=sys.stderr, flush=True)
     return faults
+
+
+def _read_opt_in(path: Path) -> str | None:
+    """The plan's ``opt_in``, None when it has none (or is no plan): read only after the given opt-in passed
+    its own check, so a production run never opens the file a stray variable names."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 20)
+        value = json.loads(text).get("opt_in")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def is_armed() -> bool:

@@ -135,10 +135,12 @@ def build_trainer(
 
 def arm_fault_plan(ctx: DistContext, healing: NoHealing | None) -> None:
     """Arm the test's fault plan (ringtrain/testing/faults.py) in this worker, once, before anything is built
-    (shm picks its path by it), as the rank it was launched as (its member id); then drop it from the
+    (shm picks its path by it), as the rank it was launched as (its member id), if the test opted in beside
+    it (``ctx.env.fault_plan_opt_in``: a plan alone is ignored with a warning); then drop both from the
     environment, so that no process this worker starts is armed."""
     where = healing.where() if healing is not None else {}
-    faults.arm(ctx.env.fault_plan, **{"rank": ctx.rank, "member": ctx.rank, "generation": 0, **where})
+    faults.arm(ctx.env.fault_plan, opt_in=ctx.env.fault_plan_opt_in,
+               **{"rank": ctx.rank, "member": ctx.rank, "generation": 0, **where})
     forget_fault_plan()
 
 

@@ -10,7 +10,8 @@ sample ledger. Also: a plan naming an unknown point stops a launched job's worke
 
 from __future__ import annotations
 
-from ringtrain.testing.faults import POINTS
+from ringtrain.group.env import FAULT_PLAN_ARMED_VAR, FAULT_PLAN_VAR
+from ringtrain.testing.faults import OPT_IN_PREFIX, POINTS
 from tests.conftest import REPO, run_cli, run_clis
 from tests.faults import Fault, fault_plan
 
@@ -47,15 +48,31 @@ def test_every_declared_fault_point_is_reached_by_a_ring_and_an_shm_job(tmp_path
 
 def test_a_plan_naming_an_unknown_point_stops_the_worker_in_one_line(tmp_path):
     plan = tmp_path / "faults.json"
-    plan.write_text('{"faults": [{"point": "ring.run_step", "action": "kill"}]}\n')  # a point renamed since
+    opt_in = OPT_IN_PREFIX + "5" * 32  # written by hand: the test's opt-in with it, as write_plan would
+    plan.write_text(f'{{"opt_in": "{opt_in}", "faults": [{{"point": "ring.run_step", "action": "kill"}}]}}\n')  # renamed
     result = run_cli("train", "configs/debug_mlp.toml", "--nproc", "1", "--run-dir", str(tmp_path / "run"),
-                     env={"RINGTRAIN_FAULT_PLAN": str(plan)})
+                     env={FAULT_PLAN_VAR: str(plan), FAULT_PLAN_ARMED_VAR: opt_in})
     # A usage error of every worker: the launcher prints the worker's line once, exit code 2; no traceback;
     # nothing trained.
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: error:")]
     assert len(errors) == 1 and "unknown fault point 'ring.run_step'" in errors[0], result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run" / "metrics.jsonl").exists(), result.stderr
+
+
+def test_a_plan_a_production_run_inherits_without_the_tests_opt_in_arms_nothing(tmp_path):
+    """Issue 39, row 10: RINGTRAIN_FAULT_PLAN alone in a run's environment (a CI runner's, a shell's) used to end
+    the job at the named point; now the run trains to its end, with one warning line. (The same plan beside its
+    opt-in, plan.env, arms the job: the test above, and every chaos test.)"""
+    plan = fault_plan(tmp_path, Fault("train.evaluate", action="exit", code=3))
+    result = run_cli("train", "configs/debug_mlp.toml", "--nproc", "1", "--set", "train.max_steps=2",
+                     "--run-dir", str(tmp_path / "run"), env={FAULT_PLAN_VAR: str(plan.path)})
+    assert result.returncode == 0, result.stderr
+    assert plan.fired() == [] and plan.reached() == []
+    warnings = [line for line in result.stderr.splitlines() if "fault plan" in line]
+    assert warnings == [f"ringtrain: warning: fault plan {plan.path} ignored: RINGTRAIN_FAULT_PLAN is a test facility "
+                        "and is armed only beside its test's opt-in (RINGTRAIN_FAULT_PLAN_ARMED, equal to the plan's "
+                        "opt_in); unset RINGTRAIN_FAULT_PLAN"], result.stderr
 
 
 def test_the_points_only_a_heal_reaches_are_placed_by_a_test_that_asserts_they_fired():
