@@ -1,6 +1,6 @@
 """A sharded checkpoint's ``.metadata``, read as ringtrain writes it and nothing more: before any shard file
-is opened, the file is unpickled with an allow-list of the classes ringtrain's saves put in it, and what
-comes out is checked entry by entry.
+is opened, the file's opcodes are checked against an allow-list (nothing unpickled yet), then it is unpickled
+with the same allow-list, and what comes out is checked entry by entry.
 
 Why both: DCP reads ``.metadata`` with ``pickle.load`` (any class, any code), and an entry of kind
 ``BytesStorageMetadata`` makes DCP read its bytes with ``torch.load(weights_only=False)`` (again any code).
@@ -13,26 +13,38 @@ The classes a real save pickles (DDP, zero1, zero3 and FSDP runs, torch 2.14): `
 ``MetadataIndex``, ``StorageMeta``, ``filesystem._StorageInfo``, ``torch.Size``, torch dtypes,
 ``torch.serialization._get_layout`` and ``pathlib.PosixPath`` (``StorageMeta.checkpoint_id``).
 
-    metadata = read_metadata(raw_bytes, folder, listed=set(manifest["files"]))   # or UnsafeCheckpoint
+An allow-list of classes (``find_class``) is not enough: pickle's opcodes do more with an admitted class than
+make an instance of it. ``BUILD`` on the class itself sets class attributes (``PosixPath.__fspath__`` set to
+``_get_layout``, whose ``cache`` attribute another ``BUILD`` fills with the attacker's paths: every later
+``open(path)`` of the process goes where the pickle said, ``ringtrain export`` included); ``SETITEMS`` on
+something that is not a dict, ``REDUCE`` on something that is not an admitted class, with arguments that are
+objects, reach further. So before unpickling, ``decode_limits.check_pickle`` walks the opcodes with ``ALLOW``
+and admits only what a real save writes: ``NEWOBJ``/``REDUCE`` of an admitted class (or ``_get_layout``) with
+plain values, each new instance ``BUILD`` at most once with a dict of that class's dataclass fields
+(``TensorProperties``: its ``__setstate__`` tuple), ``SETITEMS`` into dicts and ``APPEND`` into lists, classes
+and functions never used as values; within ``decode_limits``' bounds on nesting, size and memo slots. Checking
+the stream, rather than overriding the C unpickler's ``BUILD`` (which only the slower pure-Python unpickler
+allows), refuses a hostile file before any of it has run.
+
+    metadata = read_metadata(raw_bytes, folder, listed=manifest["files"])       # or UnsafeCheckpoint
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
-import re
 from pathlib import Path, PosixPath
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import filesystem, metadata as md
 
+from ringtrain.checkpoint.sharded import SHARD_FILE
+from ringtrain.decode_limits import MAX_PICKLE_BYTES, AllowList, Refused, check_pickle
 from ringtrain.errors import CorruptCheckpoint, UnsafeCheckpoint
 
-__all__ = ["read_metadata", "check_metadata", "ALLOWED_CLASSES"]
-
-SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-"""The only files a storage entry may point at: DCP's ``__RANK_INDEX.distcp``, a plain name in the folder."""
+__all__ = ["read_metadata", "check_metadata", "ALLOWED_CLASSES", "ALLOW", "SHARD_FILE"]
 
 
 class _BytesEntry:
@@ -56,19 +68,48 @@ ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
 _METADATA_FIELDS = {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}
 
 
+def _is_dtype(module: str, name: str) -> bool:
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _state_rule(cls: Any) -> frozenset[str] | str | None:
+    """What BUILD may do to a new instance of ``cls``: set its dataclass fields, or hand ``__setstate__`` a tuple."""
+    if "__setstate__" in vars(cls):
+        return "setstate"
+    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+
+
+ALLOW = AllowList(
+    classes={**{key: _state_rule(cls) for key, cls in ALLOWED_CLASSES.items() if dataclasses.is_dataclass(cls)},
+             (md.__name__, "BytesStorageMetadata"): frozenset(),
+             (md.__name__, "_MEM_FORMAT_ENCODING"): None, ("torch", "Size"): None, ("pathlib", "PosixPath"): None},
+    functions=frozenset({("torch.serialization", "_get_layout")}),
+    values=_is_dtype,
+)
+"""The opcode check's allow-list: the classes above, each with what BUILD may set on a new instance (None: no
+BUILD: an enum, a tuple, a path), ``_get_layout`` called with a name, dtypes as values."""
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = ALLOWED_CLASSES.get((module, name))
         if found is not None:
             return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if _is_dtype(module, name):
             return getattr(torch, name)
         raise UnsafeCheckpoint(f"checkpoint metadata refers to {module}.{name}, which ringtrain's metadata never holds; "
                                "it was not loaded (refusing to run code from a checkpoint)")
 
 
-def read_metadata(raw: bytes, folder: Path, listed: set[str] | None = None) -> md.Metadata:
-    """``raw`` (the bytes of ``folder/.metadata``) as DCP metadata, checked by ``check_metadata``."""
+def read_metadata(raw: bytes, folder: Path, listed: Any = None) -> md.Metadata:
+    """``raw`` (the bytes of ``folder/.metadata``) as DCP metadata: its opcodes checked (``ALLOW``), unpickled
+    with the same allow-list, then checked by ``check_metadata``. ``listed``: the manifest's file names."""
+    try:
+        check_pickle(raw, allow=ALLOW, max_bytes=MAX_PICKLE_BYTES)
+    except Refused as err:
+        kind = CorruptCheckpoint if err.corrupt else UnsafeCheckpoint
+        raise kind(f"checkpoint metadata {folder.name}/.metadata {err}; refused before anything was unpickled (not "
+                   "written by ringtrain, or tampered with)") from None
     try:
         metadata = _Unpickler(io.BytesIO(raw)).load()
     except UnsafeCheckpoint as err:
@@ -79,7 +120,7 @@ def read_metadata(raw: bytes, folder: Path, listed: set[str] | None = None) -> m
     return metadata
 
 
-def check_metadata(metadata: Any, folder: Path, listed: set[str] | None = None) -> None:
+def check_metadata(metadata: Any, folder: Path, listed: Any = None) -> None:
     """Raise UnsafeCheckpoint, naming the entry, unless ``metadata`` is what ringtrain writes: tensor entries
     only, each stretch of storage inside a ``__R_I.distcp`` file of ``folder`` (one the manifest ``listed``,
     when given). Only ``stat``s files: nothing is read."""
@@ -95,7 +136,7 @@ def check_metadata(metadata: Any, folder: Path, listed: set[str] | None = None) 
         refuse(f"lacks a field ({err})")
 
 
-def _check(metadata: Any, folder: Path, listed: set[str] | None, refuse) -> None:
+def _check(metadata: Any, folder: Path, listed: Any, refuse) -> None:
     if type(metadata) is not md.Metadata:
         refuse(f"holds a {type(metadata).__name__}, not DCP metadata")
     if set(vars(metadata)) - _METADATA_FIELDS:

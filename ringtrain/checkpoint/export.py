@@ -20,7 +20,7 @@ from safetensors.torch import save
 from ringtrain.checkpoint.manager import CheckpointManager, load_checkpoint_file
 from ringtrain.checkpoint.manifest import write_atomic
 from ringtrain.checkpoint.dcp_io import SafeFileSystemReader
-from ringtrain.checkpoint.sharded import ShardedCheckpointer, checkpoint_step_of, committed, verify
+from ringtrain.checkpoint.sharded import ShardedCheckpointer, checkpoint_step_of, committed, one_line_errors, verify
 from ringtrain.errors import CheckpointError, CorruptCheckpoint
 
 __all__ = ["export_model"]
@@ -74,8 +74,7 @@ def gather_sharded(path: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    verify(path)
-    reader = SafeFileSystemReader(path)
+    reader = SafeFileSystemReader(path, listed=verify(path)["files"])
     metadata = reader.read_metadata()
     model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
@@ -83,6 +82,7 @@ def gather_sharded(path: Path) -> dict:
     if not model:
         raise CheckpointError(f"checkpoint {path.name} holds no model tensors")
     state = {"model": model}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with one_line_errors():
+        dcp.load(state, storage_reader=reader, no_dist=True)
     extra = ShardedCheckpointer.load_extra(path)
     return {"model": state["model"], "train_state": extra.get("train_state", {}), "config_digest": extra.get("config_digest", "")}

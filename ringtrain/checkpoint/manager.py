@@ -5,20 +5,19 @@ trainer. A save writes ``step_XXXXXXXX.pt`` atomically (temp file, fsync, rename
 fsynced in its parent when created), then its sha256 manifest, the commit marker (``manifest.py``). A crash
 at any moment leaves the previous checkpoints intact and the new one either committed or visibly uncommitted.
 
-Loading checks the manifest first, then unpickles with ``weights_only=True``: tensors and plain
-containers only (ringtrain stores nothing else, so its allow-list adds no classes). There is no fallback
-to unsafe loading. Asked for "the latest", the manager skips broken newer checkpoints with a warning that
+Loading checks the manifest first (the file opened as a regular file, its size compared before reading), then
+bounds the pickle (``decode_limits``: nesting, size, memo slots; a hostile one would crash the process before
+any exception), then unpickles with ``weights_only=True``: tensors and plain containers only (ringtrain stores
+nothing else, so its allow-list adds no classes). There is no fallback to unsafe loading. Asked for "the latest", the manager skips broken newer checkpoints with a warning that
 names each one and the checkpoint used instead.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from ringtrain.checkpoint.manifest import (
     write_atomic,
     write_manifest,
 )
+from ringtrain.decode_limits import Refused, load_weights_only
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 from ringtrain.testing import faults
 
@@ -154,10 +154,11 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} not found")
     payload = read_verified(path)
     try:
-        # torch warns about pickle protocols it cannot vouch for; the refusal below says it better.
-        with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        # Bounded first (nesting, size, memo: decode_limits), then torch's weights-only unpickler.
+        with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
+            state = load_weights_only(payload)
+    except Refused as err:
+        raise refused_pickle(err, f"checkpoint {path}") from None
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpoint(
             f"checkpoint {path} holds {forbidden_global(err)}, which ringtrain never stores; refusing to "
@@ -200,6 +201,15 @@ def _pid_alive(pid: int) -> bool:
 
 def _step_of(path: Path) -> int:
     return int(_NAME.match(path.name).group(1))
+
+
+def refused_pickle(err: Refused, where: str) -> CheckpointError:
+    """``decode_limits``' refusal of ``where``'s pickle as one line: CorruptCheckpoint for bytes that are no
+    torch.save at all, UnsafeCheckpoint for a well-formed pickle past the bounds (planted: never skipped)."""
+    if err.corrupt:
+        return CorruptCheckpoint(f"{where} matches its manifest but cannot be read: it {err}")
+    return UnsafeCheckpoint(f"{where} {err}; refused before unpickling anything (ringtrain never writes such a "
+                            "pickle: not written by ringtrain, or tampered with)")
 
 
 def forbidden_global(err: Exception) -> str:

@@ -15,12 +15,15 @@ memory and writes from a thread) commits from that thread while training goes on
 run on a Gloo group of their own, beside the training's.
 
 Loading verifies the manifest first (size and sha256 of every file: corruption, not tampering, since
-whoever can write the folder can rewrite the manifest), then reads ``.metadata`` with an unpickler that
-admits the classes ringtrain's saves write and checks every entry (tensor storage in the folder's
-``__R_I.distcp`` files only; ``checkpoint/dcp_metadata.py``) before DCP opens any shard; the reader and
-planner refuse a read of a pickled object (``dcp_io``), and ``extra.pt`` is read weights-only, so nothing
-in a checkpoint can run code. DCP reshards on load: a state saved by N ranks loads into M ranks' layout
-(DTensors of another mesh, or plain full tensors).
+whoever can write the folder can rewrite the manifest; the manifest a JSON map of the files a save writes,
+every file a regular one, every size compared before any byte is read), then reads ``.metadata`` (only as the
+manifest lists it) with its opcodes checked against an allow-list and an unpickler that admits the classes
+ringtrain's saves write, and checks every entry (tensor storage in the folder's ``__R_I.distcp`` files only;
+``checkpoint/dcp_metadata.py``) before DCP opens any shard; the reader and planner refuse a read of a
+pickled object (``dcp_io``), each tensor's stretch and ``extra.pt`` are bounded (``decode_limits``) and read
+weights-only, so nothing in a checkpoint can run code, crash the process or stall it; what fails is one line.
+DCP reshards on load: a state saved by N ranks loads into M ranks' layout (DTensors of another mesh, or plain
+full tensors).
 
     ckpt = ShardedCheckpointer(run_dir / "checkpoints", rank, world_size)
     pending = ckpt.save(40, {"model": model_sd, "optim": optim_sd}, async_save=True)   # returns at once
@@ -38,9 +41,9 @@ import re
 import shutil
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,9 +51,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint.manager import forbidden_global
-from ringtrain.checkpoint.manifest import FORMAT, fsync_dir, make_dirs, write_atomic
-from ringtrain.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
+from ringtrain.checkpoint.manager import forbidden_global, refused_pickle
+from ringtrain.checkpoint.manifest import (
+    FORMAT,
+    file_entry_problem,
+    fsync_dir,
+    make_dirs,
+    open_regular,
+    read_json,
+    read_regular,
+    write_atomic,
+)
+from ringtrain.decode_limits import MAX_PICKLE_BYTES, Refused, load_weights_only
+from ringtrain.errors import CheckpointError, CorruptCheckpoint, RingtrainError, UnsafeCheckpoint
 from ringtrain.testing import faults
 
 __all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "check_loadable", "SafeFileSystemReader", "checkpoint_step_of", "committed"]
@@ -58,7 +71,10 @@ __all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "check_
 _NAME = re.compile(r"^step_(\d{8})\.dcp$")
 _DONE = ".done-rank-{rank}.json"
 EXTRA_FILE = "extra.pt"
+METADATA_FILE = ".metadata"
 MANIFEST_SUFFIX = ".manifest.json"
+SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+"""DCP's shard files ``__RANK_INDEX.distcp``: with ``.metadata`` and ``extra.pt``, all a manifest may list."""
 
 
 @dataclass
@@ -233,10 +249,11 @@ class ShardedCheckpointer:
         path = Path(path)
         manifest = verify(path)  # corruption (torn, truncated, bit rot); not tampering: see dcp_metadata
         dcp, dcp_io = _dcp()
-        reader = dcp_io.SafeFileSystemReader(path, listed=set(manifest["files"]))
+        reader = dcp_io.SafeFileSystemReader(path, listed=manifest["files"])
         reader.read_metadata()  # UnsafeCheckpoint here, in one line, before DCP opens any shard
         target = _only_tensors(state)
-        dcp.load(target, storage_reader=reader, planner=dcp_io.TensorsOnlyLoadPlanner(), process_group=self.group)
+        with one_line_errors():
+            dcp.load(target, storage_reader=reader, planner=dcp_io.TensorsOnlyLoadPlanner(), process_group=self.group)
         _copy_back(target, state)
         return manifest
 
@@ -244,8 +261,7 @@ class ShardedCheckpointer:
     def load_extra(path: str | Path) -> dict[str, Any]:
         """Rank 0's ``extra`` of a verified checkpoint (weights-only: no object can be unpickled)."""
         path = Path(path)
-        verify(path)
-        return _read_extra(path)
+        return _read_extra(path, verify(path))
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -260,19 +276,42 @@ def check_loadable(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     manifest = verify(path)
     _, dcp_io = _dcp()
-    dcp_io.SafeFileSystemReader(path, listed=set(manifest["files"])).read_metadata()
+    dcp_io.SafeFileSystemReader(path, listed=manifest["files"]).read_metadata()
     if EXTRA_FILE in manifest["files"]:
-        _read_extra(path)
+        _read_extra(path, manifest)
     return manifest
 
 
-def _read_extra(path: Path) -> dict[str, Any]:
+@contextmanager
+def one_line_errors():
+    """Around ``dcp.load``: DCP wraps every rank's exception in a CheckpointException whose text is each rank's
+    traceback; when each of them is ringtrain's own one-line refusal (the reader's), that refusal is raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
-        with warnings.catch_warnings():  # torch's warning about foreign pickles: the refusal says it better
-            warnings.simplefilter("ignore")
-            extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
+        yield
+    except CheckpointException as err:
+        failures = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+        if failures and all(isinstance(failure, RingtrainError) for failure in failures):
+            raise type(failures[0])(str(failures[0])) from None
+        raise
+
+
+def _read_extra(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """``extra.pt`` of a verified checkpoint: listed by its manifest, a regular file of the size listed, its pickle
+    bounded (``decode_limits``), then read weights-only."""
+    where = f"checkpoint {path.name}/{EXTRA_FILE}"
+    if EXTRA_FILE not in manifest["files"]:
+        raise CorruptCheckpoint(f"checkpoint {path.name} has no {EXTRA_FILE} in its manifest")
+    try:
+        payload = read_regular(path / EXTRA_FILE, size=manifest["files"][EXTRA_FILE]["bytes"])
+        extra = load_weights_only(payload)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"checkpoint {path.name} has no {EXTRA_FILE}") from None
+    except Refused as err:
+        raise refused_pickle(err, where) from None
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpoint(f"checkpoint {path.name}/{EXTRA_FILE} holds {forbidden_global(err)}, which ringtrain "
                                "never stores; it was not loaded (not written by ringtrain, or tampered with)") from None
@@ -308,24 +347,46 @@ def verify(path: str | Path) -> dict[str, Any]:
     """The manifest of a committed sharded checkpoint, after checking every file's size and sha256."""
     path = Path(path)
     try:
-        manifest = json.loads(manifest_of(path).read_text())
+        manifest = read_json(manifest_of(path))
     except FileNotFoundError:
         raise CorruptCheckpoint(f"checkpoint {path} has no manifest {manifest_of(path).name} (a save that never finished?)") from None
-    except (OSError, ValueError) as err:
-        raise CorruptCheckpoint(f"checkpoint manifest {manifest_of(path)} is unreadable ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("kind") != "sharded":
         raise CorruptCheckpoint(f"checkpoint manifest {manifest_of(path)} is not a sharded {FORMAT} manifest")
-    for name, want in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CorruptCheckpoint(f"checkpoint {path.name}: shard file {name} is missing (its manifest lists it)")
-        sha, size = _digest(file)
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CorruptCheckpoint(f"checkpoint manifest {manifest_of(path)} lists its files as a {type(files).__name__}, "
+                                "not a map of names to sizes and sha256s")
+    for name, want in files.items():
+        if not (SHARD_FILE.match(name) or name in (METADATA_FILE, EXTRA_FILE)):
+            raise UnsafeCheckpoint(f"checkpoint manifest {manifest_of(path)} lists {name!r}, not a file a ringtrain save "
+                                   f"writes (__R_I.distcp, {METADATA_FILE}, {EXTRA_FILE}); refused")
+        problem = file_entry_problem(want)
+        if problem:
+            raise CorruptCheckpoint(f"checkpoint manifest {manifest_of(path)}: {name} {problem}")
+    # Every size first (a stat each): a file that is no regular file, or not the size listed, is refused before
+    # any byte of any file is read; .metadata and extra.pt are bounded besides (they are read whole).
+    for name, want in files.items():
+        size = _size(path, name)
         if size != want["bytes"]:
             raise CorruptCheckpoint(f"checkpoint {path.name}: {name} is {size} bytes but the manifest says "
                                     f"{want['bytes']} (truncated?)")
+        if name in (METADATA_FILE, EXTRA_FILE) and size > MAX_PICKLE_BYTES:
+            raise UnsafeCheckpoint(f"checkpoint {path.name}: {name} is {size} bytes, more than the {MAX_PICKLE_BYTES} "
+                                   "a ringtrain save writes there; refused before reading it")
+    for name, want in files.items():
+        sha, _ = _digest(path / name, want["bytes"])
         if sha != want["sha256"]:
             raise CorruptCheckpoint(f"checkpoint {path.name}: {name} does not match the sha256 in its manifest (altered on disk)")
     return manifest
+
+
+def _size(path: Path, name: str) -> int:
+    try:
+        file, size = open_regular(path / name)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"checkpoint {path.name}: shard file {name} is missing (its manifest lists it)") from None
+    file.close()
+    return size
 
 
 def _dcp():
@@ -347,14 +408,24 @@ def __getattr__(name: str) -> Any:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
-def _digest(path: Path) -> tuple[str, int]:
+def _digest(path: Path, expected: int | None = None) -> tuple[str, int]:
+    """sha256 and size of the regular file ``path`` (``open_regular``); with ``expected``, its size is compared
+    before reading, and no more than that is read."""
+    try:
+        f, size = open_regular(path)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"checkpoint {path.parent.name}: shard file {path.name} is missing (its manifest lists "
+                                "it)") from None
     sha = hashlib.sha256()
-    size = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
+    read = 0
+    with f:
+        if expected is not None and size != expected:
+            raise CorruptCheckpoint(f"checkpoint {path.parent.name}: {path.name} is {size} bytes but the manifest says "
+                                    f"{expected} (truncated?)")
+        while read < size and (chunk := f.read(min(1 << 20, size - read))):
             sha.update(chunk)
-            size += len(chunk)
-    return sha.hexdigest(), size
+            read += len(chunk)
+    return sha.hexdigest(), read
 
 
 def _written_by(name: str, rank: int) -> bool:

@@ -8,7 +8,9 @@ These move bytes instead and decode them as JSON (``*_json``), as fixed-width in
 a weights-only ``torch.save`` (``gather_weights_only``: tensors and plain containers), or leave the decoding
 to the caller (``*_bytes``: e.g. a ``torch.save`` read back with ``torch.load(weights_only=True)`` after its
 sha256 is checked). Anything else a peer sends is refused with
-``PeerDataError``, one line naming the rank.
+``PeerDataError``, one line naming the rank. Before decoding, the bytes are bounded (``decode_limits``): JSON
+nesting (``json.loads`` would raise RecursionError at a few thousand ``[``), and a torch.save's pickle
+(nesting, size, memo slots: a hostile one crashes the receiving process with SIGSEGV before any exception).
 
 The wire is torch's own for these collectives (one int64 length per rank, then the bytes as uint8, padded
 to the longest), on the device torch picks for them (CPU under Gloo, the current GPU under NCCL): a rank
@@ -24,7 +26,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-import warnings
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.comm.errors import PeerDataError
+from ringtrain.decode_limits import Refused, check_json, load_weights_only
 
 __all__ = ["all_gather_bytes", "gather_bytes", "broadcast_bytes", "all_gather_json", "gather_json", "gather_ints",
            "gather_weights_only", "decode_json"]
@@ -120,6 +122,11 @@ def gather_weights_only(value: Any, dst: int = 0, group: dist.ProcessGroup | Non
 def decode_json(data: bytes, rank: int) -> Any:
     """``rank``'s bytes as JSON, or PeerDataError naming the rank (never anything but plain values)."""
     try:
+        check_json(data)
+    except Refused as err:
+        raise PeerDataError(f"rank {rank} sent {len(data)} bytes of JSON that {err}; refused without decoding",
+                            peer=rank) from None
+    try:
         return json.loads(data.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
         raise PeerDataError(f"rank {rank} sent {len(data)} bytes that are not JSON ({data[:16]!r}...): not a ringtrain "
@@ -133,9 +140,10 @@ def _encode(value: Any) -> bytes:
 
 def _weights_only(data: bytes, rank: int) -> Any:
     try:
-        with warnings.catch_warnings():  # torch's warning about foreign pickles: the refusal says it better
-            warnings.simplefilter("ignore")
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return load_weights_only(data)  # bounded (decode_limits), then torch.load(weights_only=True)
+    except Refused as err:
+        raise PeerDataError(f"rank {rank} sent {len(data)} bytes that are not a weights-only torch.save within bounds "
+                            f"(it {err}); refused without unpickling", peer=rank) from None
     except Exception as err:  # noqa: BLE001 - UnpicklingError for objects, others for bytes that are not torch.save's
         raise PeerDataError(f"rank {rank} sent {len(data)} bytes that are not a weights-only torch.save "
                             f"({type(err).__name__}); refused without unpickling an object", peer=rank) from None

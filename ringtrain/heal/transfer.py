@@ -10,8 +10,8 @@ optimizer, sampler, train state, precision, micro-batch plan, progress).
 Nothing received is unpickled before it is checked: positions and digests travel as JSON
 (``comm/objects.py``); the state travels as ``torch.save`` bytes beside its sha256, each receiver compares the sha256
 first and only then reads the bytes with ``torch.load(weights_only=True)`` (tensors and plain containers,
-never an object). A copy that does not match is refused and sent again (every rank learns it from one
-all-reduce), up to ``SEND_ATTEMPTS`` times.
+never an object), its pickle bounded before (``decode_limits``: nesting, size, memo slots). A copy that does
+not match is refused and sent again (every rank learns it from one all-reduce), up to ``SEND_ATTEMPTS`` times.
 
     source = agree_on_state(position, digest, save=trainer.transfer_state, load=trainer.load_transfer_state)
 """
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ringtrain.comm.errors import PeerDataError
 from ringtrain.comm.objects import all_gather_json, broadcast_bytes
+from ringtrain.decode_limits import Refused, load_weights_only
 from ringtrain.heal.membership import HealFailed
 from ringtrain.testing import faults
 
@@ -87,7 +88,9 @@ def agree_on_state(position: tuple[int, int], digest: bytes, save: Callable[[], 
 def _weights_only(data: bytes, source: int) -> dict[str, Any]:
     """The state a peer sent, read weights-only: tensors and plain containers, never an object."""
     try:
-        state = torch.load(io.BytesIO(data), weights_only=True)
+        state = load_weights_only(data, map_location=None)  # bounded first: decode_limits
+    except Refused as err:
+        raise PeerDataError(f"rank {source} sent a state that {err}; refused without unpickling it") from None
     except Exception as err:  # noqa: BLE001 - pickle.UnpicklingError for objects, others for junk
         raise PeerDataError(f"rank {source} sent a state that is not tensors and plain values "
                             f"({type(err).__name__}); refused") from None

@@ -271,14 +271,22 @@ def test_a_ledger_holding_a_pickle_or_junk_is_refused_in_one_line(tmp_path, mark
     ('{"rdzv_endpoint": 5}', "rdzv_endpoint is 5, not a str"),
     ('{"heal": "yes"}', "heal is 'yes', not a bool"),
     ('{"program": {"args": ["-c", 1]}}', "program is not {args: [strings]"),
+    ('{"program": {"args": ["-c", "import os"]}}', "not sealed with the job's secret (no seal)"),
 ])
 def test_a_job_file_holding_a_pickle_or_junk_is_refused_in_one_line(tmp_path, marker, content, complaint):
-    from ringtrain.elastic import JOB_FILE, JobSpec
+    """Junk, and (sealed with the job's secret, as if the launcher had gone wrong) fields of the wrong type; an
+    unsealed one is refused before its fields are looked at (tests/unit/test_job_secret.py)."""
+    from ringtrain.elastic import JOB_FILE, JobSpec, _canonical
+    from ringtrain.group.auth import load_job_secret
     from tests.conftest import run_main
 
     path = tmp_path / JOB_FILE
     if content is None:
         path.write_bytes(pickle.dumps(Payload(marker)))
+    elif content.startswith("{") and "import os" not in content:
+        values = json.loads(content)
+        secret = load_job_secret(os.environ)  # the suite's (tests/conftest.py)
+        path.write_text(json.dumps({**values, "seal": secret.tag(JOB_FILE, _canonical(values)).hex()}))
     else:
         path.write_text(content)
     with pytest.raises(LaunchError) as err:
