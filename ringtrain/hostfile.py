@@ -11,8 +11,16 @@ pid % 20000: as a SLURM job id gives its port, launches from one machine at the 
 For each host this process runs, with the same Python and working directory as here (``--remote-python``,
 ``--remote-cwd`` say otherwise)::
 
-    ssh -o BatchMode=yes -T HOST 'cd CWD && exec [env VAR=...] PYTHON -m ringtrain.hostfile train CONFIG
+    ssh -T -o BatchMode=yes -- HOST 'cd CWD && exec [env VAR=...] PYTHON -m ringtrain.hostfile train CONFIG
         --nproc N --nnodes H --node-rank i --rdzv-endpoint FIRST:PORT --local-addr HOST ...your flags'
+
+A host is ``[USER@]NAME``, NAME a hostname (RFC 1123) or an IP address; anything else (a host starting with
+``-``, which ssh would read as an option such as ``-oProxyCommand=...``; spaces, shell characters) is refused in
+one line naming the file and the line, and ``--`` stands before the host in ssh's argv all the same.
+
+The job's secret (``RINGTRAIN_JOB_SECRET``, hex) never rides on a command line, which every user of both
+machines can read: the first line this process writes on each ssh's stdin is ``secret HEX`` (or ``nosecret``),
+and the host's end reads that line before anything else and puts the secret in its launcher's environment.
 
 relays each host's stdout and stderr line by line as ``[HOST] line``, waits for every host and returns the
 first failure's exit code with one line naming the host (ssh's own failure, 255, with ssh's last line; the
@@ -33,7 +41,8 @@ How it compares with DeepSpeed (``deepspeed/launcher/runner.py`` ``fetch_hostfil
 differ in slots, ringtrain refuses (every node runs ``--nproc`` workers) and says so in one line. DeepSpeed
 fans out with pdsh and ``cd CWD; python -m deepspeed.launcher.launch --node_rank=%n``, exporting the
 ``NCCL*``/``PYTHON*``/... variables and ``.deepspeed_env``; here plain ssh per host (no pdsh needed), the
-same Python, ``PYTHONPATH``, ``OMP_NUM_THREADS`` and ``RINGTRAIN_*`` variables (``group/env.remote_environ``).
+same Python, ``PYTHONPATH``, ``OMP_NUM_THREADS`` and ``RINGTRAIN_*`` variables (``group/env.remote_environ``;
+the secret excepted: stdin carries it).
 DeepSpeed stops on Ctrl-C with SIGINT/SIGTERM to pdsh plus a second pdsh running ``pkill -f`` on every host
 (which may hit other jobs' processes); here stdin's end stops exactly the processes this launch started.
 """
@@ -41,8 +50,10 @@ DeepSpeed stops on Ctrl-C with SIGINT/SIGTERM to pdsh plus a second pdsh running
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -55,15 +66,25 @@ from dataclasses import dataclass
 
 from ringtrain.cluster import SLURM_BASE_PORT, SLURM_PORT_SPAN, FilledFlags, LaunchFlags
 from ringtrain.errors import LaunchError
+from ringtrain.group.auth import SECRET_VAR
 
-__all__ = ["Hostfile", "parse_hostfile", "read_hostfile", "hostfile_flags", "add_hostfile_arguments", "node_argv",
-           "remote_command", "ssh_command", "launch_hosts", "serve_node", "STOP_GRACE_S"]
+__all__ = ["Hostfile", "parse_hostfile", "read_hostfile", "check_host", "host_address", "hostfile_flags",
+           "add_hostfile_arguments", "node_argv", "remote_command", "ssh_command", "first_line", "launch_hosts",
+           "read_first_line", "serve_node", "STOP_GRACE_S"]
 
 STOP_GRACE_S = 60.0
 """After stdin closes, how long the remote launcher has to save and exit after SIGTERM before SIGKILL."""
 SSH_EXIT = 255
 """ssh's own failure (no connection, no key accepted): anything else is the remote command's code."""
+FIRST_LINE_TIMEOUT_S = 60.0
+"""How long a host's end waits for the launching machine's first line (the job secret) before it gives up."""
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")
+_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+"""One label of a hostname (RFC 1123): letters, digits, inner hyphens, 63 at most."""
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+_SCOPE = re.compile(r"^[A-Za-z0-9_.-]+$")
+"""An IPv6 zone (fe80::1%eth0): an interface's name or number."""
+_HEX = re.compile(r"^[0-9a-fA-F]+$")
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,34 @@ class Hostfile:
     """In the file's order: node i is hosts[i], hosts[0] holds the rendezvous."""
     slots: int
     """Workers per host (the same on every host)."""
+
+
+def check_host(host: str) -> str | None:
+    """None for a host ssh may be given: ``[USER@]NAME``, NAME a hostname (RFC 1123 labels: ``node01``,
+    ``gpu-3.cluster.local``) or an IPv4 / IPv6 address; else what is wrong with it. Nothing that starts with
+    ``-`` (ssh would read it as an option: ``-oProxyCommand=...`` runs a command) and nothing a shell reads."""
+    if host.startswith("-"):
+        return "starts with '-' (ssh would take it for an option)"
+    user, at, name = host.rpartition("@")
+    if at and not _USER.match(user):
+        return f"has the user name {user!r} (letters, digits, '_', '.', '-'; not first '-')"
+    address, percent, scope = name.partition("%")
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        pass
+    else:
+        if percent and (":" not in address or not _SCOPE.match(scope)):
+            return f"has the zone {scope!r} (an IPv6 address's interface: letters, digits, '_', '.', '-')"
+        return None
+    if percent or len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
+        return "is neither a hostname (letters, digits and inner '-' between dots) nor an IP address"
+    return None
+
+
+def host_address(host: str) -> str:
+    """The address part of a hostfile host (``alice@node01`` -> ``node01``): what the other hosts reach."""
+    return host.rpartition("@")[2]
 
 
 def parse_hostfile(text: str, path: str = "hostfile") -> Hostfile:
@@ -90,6 +139,10 @@ def parse_hostfile(text: str, path: str = "hostfile") -> Hostfile:
         if not match:
             raise LaunchError(f"{path}:{number}: {raw.strip()!r} is not 'HOST slots=N' (e.g. 'node01 slots=4')")
         host, slots = match.group(1), int(match.group(2))
+        wrong = check_host(host)
+        if wrong:
+            raise LaunchError(f"{path}:{number}: host {host!r} {wrong}; write a hostname or an IP address, "
+                              "optionally USER@ before it (e.g. 'node01 slots=4', 'alice@10.0.0.2 slots=4')")
         if slots < 1:
             raise LaunchError(f"{path}:{number}: {host} has slots={slots}; every host needs slots=1 or more")
         if host in hosts:
@@ -134,7 +187,8 @@ def hostfile_flags(hostfile: Hostfile, given: LaunchFlags, local_addr: str | Non
     port = default_rdzv_port(pid) if rdzv_port is None else rdzv_port
     if not 0 < port < 65536:
         raise LaunchError(f"--rdzv-port {port} is not a port (1-65535)")
-    first = f"[{hostfile.hosts[0]}]" if ":" in hostfile.hosts[0] else hostfile.hosts[0]
+    address = host_address(hostfile.hosts[0])
+    first = f"[{address}]" if ":" in address else address
     flags = LaunchFlags(nproc=hostfile.slots, nnodes=str(len(hostfile.hosts)), node_rank=0,
                         rdzv_endpoint=f"{first}:{port}")
     workers = f"{hostfile.slots} worker{'s' * (hostfile.slots != 1)}"
@@ -189,7 +243,7 @@ def node_argv(args: argparse.Namespace, hostfile: Hostfile, node_rank: int, rdzv
         argv += ["--max-restarts", str(args.max_restarts)]
     argv += ["--resume"] * bool(args.resume) + ["--heal"] * bool(args.heal)
     argv += ["--nproc", str(hostfile.slots), "--nnodes", str(len(hostfile.hosts)), "--node-rank", str(node_rank),
-             "--rdzv-endpoint", rdzv_endpoint, "--local-addr", hostfile.hosts[node_rank]]
+             "--rdzv-endpoint", rdzv_endpoint, "--local-addr", host_address(hostfile.hosts[node_rank])]
     if args.command == "run" and args.script_args:
         argv += ["--", *args.script_args]
     return argv
@@ -209,25 +263,45 @@ def remote_command(argv: Sequence[str], python: str, cwd: str, env: Mapping[str,
 
 def ssh_command(host: str, command: str, port: int | None = None, options: Sequence[str] = ()) -> list[str]:
     """ssh's argv. The user's -o options come first: ssh keeps the first value it is given for an option.
-    ConnectTimeout: a host that does not answer at all fails in 15 s, not after the system's TCP timeout."""
+    ConnectTimeout: a host that does not answer at all fails in 15 s, not after the system's TCP timeout.
+    ``--`` before the host: whatever the host is, ssh never reads it as an option (parse_hostfile refuses
+    such hosts too; this is the second lock)."""
     argv = ["ssh", "-T"]
     for option in options:
         argv += ["-o", option]
     argv += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=15"]
     if port is not None:
         argv += ["-p", str(port)]
-    return [*argv, host, command]
+    return [*argv, "--", host, command]
+
+
+def first_line(environ: Mapping[str, str] | None = None) -> bytes:
+    """What the launching machine writes first on each host's ssh stdin: ``secret HEX`` when its environment
+    has the job's secret (SECRET_VAR), else ``nosecret``. Through stdin, not the command: a command line is
+    seen by every user of both machines (ps, /proc), and ssh may log it."""
+    secret = (os.environ if environ is None else environ).get(SECRET_VAR)
+    if not secret:
+        return b"nosecret\n"
+    if not _HEX.match(secret):
+        raise LaunchError(f"{SECRET_VAR} is not a hex string; unset it (the launcher makes one) or set it to hex "
+                          "digits, e.g. python -c 'import secrets; print(secrets.token_hex(32))'")
+    return f"secret {secret}\n".encode()
 
 
 # --- this machine: one ssh per host ----------------------------------------------------------------------
 class _Host:
     """One host's ssh client: its output relayed with the host's name, its last line kept for the report."""
 
-    def __init__(self, host: str, argv: list[str]):
+    def __init__(self, host: str, argv: list[str], first: bytes):
         self.host, self.last_line = host, ""
         # Its own session: a terminal's Ctrl-C goes to the launcher, which stops the host through stdin.
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         start_new_session=True)
+        try:  # a few bytes into an empty pipe: never blocks; ssh hands them to serve_node once connected
+            self.process.stdin.write(first)
+            self.process.stdin.flush()
+        except OSError:
+            pass  # ssh already gone: its exit code and last line say why
         self.relays = [threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
                        threading.Thread(target=self._relay, args=(self.process.stderr, sys.stderr), daemon=True)]
         for relay in self.relays:
@@ -251,10 +325,14 @@ class _Host:
 def launch_hosts(hostfile: Hostfile, argvs: Sequence[list[str]], python: str, cwd: str, env: Mapping[str, str],
                  ssh_port: int | None = None, ssh_options: Sequence[str] = ()) -> int:
     """Run ``argvs[i]`` on ``hostfile.hosts[i]`` over ssh; wait for all. 0, or the first failure's exit code
-    (one line naming the host; the other hosts are stopped), or 128 + the signal that stopped this process."""
+    (one line naming the host; the other hosts are stopped), or 128 + the signal that stopped this process.
+    Each ssh's stdin gets ``first_line()`` (the job's secret, if this process has one), then stays open until
+    the host is to stop."""
+    env = {name: value for name, value in env.items() if not name.startswith(SECRET_VAR)}  # never in a command
     if shutil.which("ssh") is None:
         raise LaunchError("--hostfile starts each host's launcher with ssh, which is not installed here: install "
                           "the OpenSSH client (Debian: apt-get install openssh-client)")
+    first = first_line()
     hosts: list[_Host] = []
     stopped_by: list[int] = []
 
@@ -270,7 +348,8 @@ def launch_hosts(hostfile: Hostfile, argvs: Sequence[list[str]], python: str, cw
     failed: _Host | None = None
     try:
         for host, argv in zip(hostfile.hosts, argvs):
-            hosts.append(_Host(host, ssh_command(host, remote_command(argv, python, cwd, env), ssh_port, ssh_options)))
+            command = remote_command(argv, python, cwd, env)
+            hosts.append(_Host(host, ssh_command(host, command, ssh_port, ssh_options), first))
             if stopped_by:
                 hosts[-1].stop()
         running = list(hosts)
@@ -305,11 +384,45 @@ def launch_hosts(hostfile: Hostfile, argvs: Sequence[list[str]], python: str, cw
 
 
 # --- the host's end: python -m ringtrain.hostfile ARGS ----------------------------------------------------
-def serve_node(argv: Sequence[str], stdin_fd: int = 0) -> int:
-    """Run ``python -m ringtrain ARGV`` until it ends, or until ``stdin_fd`` reaches its end (the ssh channel
-    closed: the launching machine stopped the job, or its connection is gone); then SIGTERM, and SIGKILL
-    after STOP_GRACE_S. Signals this wrapper gets are passed on. Returns the launcher's exit code."""
-    child = subprocess.Popen([sys.executable, "-m", "ringtrain", *argv], stdin=subprocess.DEVNULL)
+def read_first_line(stdin_fd: int, timeout_s: float = FIRST_LINE_TIMEOUT_S) -> dict[str, str]:
+    """The launching machine's first line on ``stdin_fd`` (first_line()), read byte by byte so that nothing
+    after it is taken: the variables it gives the launcher (``{SECRET_VAR: HEX}``, or none). LaunchError when
+    the line is missing, late or not one of the two forms (a launching machine of another ringtrain version)."""
+    line = b""
+    deadline = time.monotonic() + timeout_s
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([stdin_fd], [], [], max(0.0, deadline - time.monotonic()))
+        byte = os.read(stdin_fd, 1) if ready else None
+        if not byte or len(line) > 4096:
+            why = ("no first line in {:g} s".format(timeout_s) if byte is None else
+                   "stdin closed before the first line" if not byte else "a first line over 4096 bytes")
+            raise LaunchError(f"ringtrain.hostfile: {why}: this is the host's end of `ringtrain ... --hostfile`, "
+                              "started over ssh by the same ringtrain version on the launching machine")
+        line += byte
+    text = line.decode("ascii", errors="replace").rstrip("\n")
+    if text == "nosecret":
+        return {}
+    word, _, secret = text.partition(" ")
+    if word != "secret" or not _HEX.match(secret):
+        raise LaunchError("ringtrain.hostfile: the first line on stdin is neither 'secret HEX' nor 'nosecret': "
+                          "start hosts with the same ringtrain version as the launching machine")
+    return {SECRET_VAR: secret}
+
+
+def serve_node(argv: Sequence[str], stdin_fd: int = 0, program: Sequence[str] | None = None) -> int:
+    """Run ``python -m ringtrain ARGV`` (``program``: another command, for tests) until it ends, or until
+    ``stdin_fd`` reaches its end (the ssh channel closed: the launching machine stopped the job, or its
+    connection is gone); then SIGTERM, and SIGKILL after STOP_GRACE_S. Signals this wrapper gets are passed on.
+    The first line on stdin is the launching machine's (read_first_line): the job's secret goes into the
+    launcher's environment, never its argv. Returns the launcher's exit code (2 with one line when the first
+    line is wrong: nothing is started)."""
+    try:
+        secret = read_first_line(stdin_fd)
+    except LaunchError as err:
+        print(f"ringtrain: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    command = [sys.executable, "-m", "ringtrain"] if program is None else list(program)
+    child = subprocess.Popen([*command, *argv], stdin=subprocess.DEVNULL, env={**os.environ, **secret})
 
     def stop() -> None:
         if child.poll() is None:

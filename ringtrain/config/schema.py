@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ringtrain.config.checks import check_workload
 from ringtrain.config.parallel import ParallelConfig, check_strategy_agrees
 from ringtrain.config.section import Section
+from ringtrain.redact import redact
 
 __all__ = [
     "CheckpointConfig",
@@ -641,7 +642,8 @@ class Config(Section):
 
     def to_toml(self) -> str:
         """The resolved config as TOML (unset optional fields, and the built-in name a factory replaces, are
-        left out: the file loads back as the same config)."""
+        left out: the file loads back as the same config), credentials redacted (ringtrain/redact.py: a URI's
+        ``user:token@``, fields named like tokens or keys): what goes to RUN_DIR/config.toml and checkpoints."""
         values = self.model_dump(exclude_none=True, by_alias=True)  # [checkpoint] async, a keyword in Python
         # A factory replaces the built-in model's or dataset's fields; only those that still apply stay.
         if self.model.factory is not None:
@@ -665,7 +667,7 @@ class Config(Section):
             train.pop("optimizer_args")
         if train["lr_schedule"] not in BUILTIN_SCHEDULES:
             train.pop("warmup_steps")
-        return tomli_w.dumps(values)
+        return tomli_w.dumps(redact(values))
 
     def digest(self) -> str:
         """sha256 of the resolved config; a checkpoint records it to detect a changed job."""

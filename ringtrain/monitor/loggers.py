@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ringtrain.config import Config, MonitorConfig
+from ringtrain.redact import redact
 
 __all__ = ["Logger", "NullLogger", "ConsoleLogger", "RunDirLogger", "MultiLogger", "build_logger"]
 
@@ -105,7 +106,8 @@ class ConsoleLogger(Logger):
 
 class RunDirLogger(Logger):
     """Writes the run directory's files: config.toml (given a config), metrics.jsonl (one record a line),
-    summary.json.
+    summary.json; each with its credentials redacted (ringtrain/redact.py: ``http://***@host``, ``api_key =
+    "***"``), as every file of the run directory may be read by others.
 
     Rank 0 writes, every other rank gets the null logger, and the loop calls both alike::
 
@@ -123,17 +125,17 @@ class RunDirLogger(Logger):
     def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.config is not None:
-            (self.run_dir / "config.toml").write_text(self.config.to_toml())
+            (self.run_dir / "config.toml").write_text(self.config.to_toml())  # credentials redacted
         # Appending keeps the history of a resumed run in one file.
         take_over(self.run_dir / "metrics.jsonl")
         self.metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.write(json.dumps(redact(record)) + "\n")
         self.metrics.flush()
 
     def finish(self, summary: dict[str, Any]) -> None:
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.run_dir / "summary.json").write_text(json.dumps(redact(summary), indent=2) + "\n")
         self.close()
 
     def close(self) -> None:
@@ -154,6 +156,9 @@ def take_over(path: Path) -> None:
 
 
 class MultiLogger(Logger):
+    """Every call to each of ``loggers`` in turn; records and the summary redacted once for all of them (the
+    console's lines, metrics.csv, the trackers)."""
+
     def __init__(self, *loggers: Logger):
         self.loggers = loggers
 
@@ -166,10 +171,12 @@ class MultiLogger(Logger):
             logger.on_step(step, epoch)
 
     def log(self, record: dict[str, Any]) -> None:
+        record = redact(record)
         for logger in self.loggers:
             logger.log(record)
 
     def finish(self, summary: dict[str, Any]) -> None:
+        summary = redact(summary)
         for logger in self.loggers:
             logger.finish(summary)
 

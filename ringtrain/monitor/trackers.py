@@ -10,8 +10,11 @@ Nothing here reaches the network: MLflow writes to ``sqlite:///RUN_DIR/mlflow.db
 sqlite:///RUN_DIR/mlflow.db``), with its telemetry off; W&B runs offline only (``WANDB_MODE=offline``) into
 ``RUN_DIR/wandb/offline-run-*`` (``wandb sync`` uploads it later, if you wish).
 
-A tracker is optional: one that cannot start (not installed, a bad URI) or fails later is one warning line,
-and training goes on without it (``Guarded``).
+A tracker is optional and never holds the training up: its calls run on a thread of its own behind a bounded
+queue; one that cannot start (not installed, a bad URI), fails later, or does not answer (a server that is down:
+the closing flush waits 10 s at most) is one warning line, and training goes on without it (``Guarded``).
+Credentials (``http://user:token@host``, fields named like tokens, keys, passwords) are redacted from what
+the trackers get, as from config.toml and the records (ringtrain/redact.py).
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ringtrain.config import Config
 from ringtrain.monitor.loggers import Logger
+from ringtrain.redact import redact
 
 __all__ = ["Guarded", "MlflowLogger", "WandbLogger", "build_trackers", "numbers_of", "flat_params", "step_breakdown"]
 
@@ -54,7 +60,7 @@ def flat_params(config: Config) -> dict[str, str]:
         else:
             flat[prefix[:-1]] = json.dumps(value) if not isinstance(value, str) else value
 
-    walk(config.model_dump(mode="json", by_alias=True), "")
+    walk(redact(config.model_dump(mode="json", by_alias=True)), "")
     return flat
 
 
@@ -80,21 +86,83 @@ def _flat_summary(summary: dict[str, Any], prefix: str = "summary/") -> dict[str
 
 
 class Guarded(Logger):
-    """Runs a tracker's calls; the first one that raises is one warning line, and the tracker is dropped."""
+    """A tracker that can neither block nor fail the training: its calls go through a bounded queue to one
+    daemon thread of its own, so a call here returns at once whatever the tracker does (a server that does not
+    answer, MLflow's HTTP retries). When the queue is full the call is dropped and counted. The first call that
+    raises is one warning line, and the tracker is dropped; the closing flush (``finish`` / ``close``) waits
+    at most ``flush_timeout_s``, then one warning line, and the run ends without it. What a tracker gets is
+    redacted first (ringtrain/redact.py). One warning line per tracker at most."""
 
-    def __init__(self, name: str, tracker: Logger):
+    def __init__(self, name: str, tracker: Logger, queue_size: int = 10_000, flush_timeout_s: float = 10.0):
         self.name, self.tracker = name, tracker
+        self.flush_timeout_s = flush_timeout_s
+        self.dropped = 0
+        """Calls not made because the queue was full (the tracker lagging behind)."""
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._doing: str | None = None
+        """The call the thread is in (for the warning when the flush times out)."""
+        self._closed = False
+        self._warned = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name=f"ringtrain-tracker-{name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if self._closed:  # the flush could not queue its last items: end once the rest is done
+                    return
+                continue
+            if item is _STOP:
+                return
+            method, args = item
+            if self.tracker is None:
+                continue  # dropped: the rest of its calls are skipped
+            self._doing = method
+            try:
+                getattr(self.tracker, method)(*args)
+            except Exception as err:  # an optional sink's failure never ends the training
+                self.tracker = None
+                first = (str(err).strip().splitlines() or [""])[0][:300]
+                self._warn(f"tracker {self.name!r} failed and is off for this run ({type(err).__name__}: {first}); "
+                           "training goes on")
+            self._doing = None
+
+    def _warn(self, line: str) -> None:
+        if self._warned.acquire(blocking=False):  # one line per tracker, whoever comes first
+            print(f"ringtrain: warning: {redact(line)}", file=sys.stderr, flush=True)
 
     def _call(self, method: str, *args) -> None:
-        if self.tracker is None:
+        if self._closed or self.tracker is None:
             return
         try:
-            getattr(self.tracker, method)(*args)
-        except Exception as err:  # an optional sink's failure never ends the training
+            self._queue.put_nowait((method, redact(args)))  # redact: a copy, and no credential leaves
+        except queue.Full:
+            self.dropped += 1
+
+    def _flush(self, last: tuple[str, tuple] | None) -> None:
+        """The closing flush: ``last`` (the finish) and the tracker's close, waited for at most flush_timeout_s."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + self.flush_timeout_s
+        for item in (last, ("close", ()), _STOP):
+            if item is None:
+                continue
+            try:
+                self._queue.put(item, timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                break
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        dropped = f"; {self.dropped} of its calls were dropped (its queue was full)" if self.dropped else ""
+        if self._thread.is_alive():
             self.tracker = None
-            first = (str(err).strip().splitlines() or [""])[0][:300]
-            print(f"ringtrain: warning: tracker {self.name!r} failed and is off for this run "
-                  f"({type(err).__name__}: {first}); training goes on", file=sys.stderr, flush=True)
+            doing = f"still in its {self._doing}" if self._doing else "still busy"
+            self._warn(f"tracker {self.name!r} did not finish within {self.flush_timeout_s:g} s ({doing}; a server "
+                       f"that does not answer?) and is left behind{dropped}; the run's own records are complete")
+        elif self.dropped:
+            self._warn(f"tracker {self.name!r} fell behind{dropped}; the run's own records are complete")
 
     def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
         self._call("start", total_steps, start_step, steps_per_epoch)
@@ -103,10 +171,14 @@ class Guarded(Logger):
         self._call("log", record)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        self._call("finish", summary)
+        self._flush(("finish", (redact(summary),)) if self.tracker is not None else None)
 
     def close(self) -> None:
-        self._call("close")
+        self._flush(None)
+
+
+_STOP = object()
+"""The last item of a tracker's queue: its thread ends."""
 
 
 class MlflowLogger(Logger):
@@ -190,9 +262,9 @@ class WandbLogger(Logger):
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         run_id = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:16]
+        config = redact(self.config.model_dump(mode="json", by_alias=True))
         self.run = wandb.init(project=self.config.monitor.wandb_project, dir=str(self.run_dir), id=run_id,
-                              name=self.run_dir.name, config=self.config.model_dump(mode="json", by_alias=True),
-                              mode="offline", resume="allow")
+                              name=self.run_dir.name, config=config, mode="offline", resume="allow")
 
     def log(self, record: dict[str, Any]) -> None:
         if "step" in record:

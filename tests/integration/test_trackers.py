@@ -3,8 +3,11 @@ metrics.jsonl has, from rank 0; a tracker that cannot start is one warning line 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
+import time
 
 import pytest
 
@@ -60,23 +63,44 @@ def test_mlflow_and_wandb_get_what_metrics_jsonl_has(tmp_path):
     assert json.dumps(train[-1]["loss"]).encode() in data and b"breakdown/step_s" in data
 
 
+def _closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (checked: a connection is refused)."""
+    for port in (9, *range(47001, 47100)):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == errno.ECONNREFUSED:
+                return port
+    raise AssertionError("no closed port on 127.0.0.1")
+
+
 def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path):
-    """MLflow at a store it cannot open, W&B not importable (a stand-in package that raises on import)."""
+    """MLflow at a server that does not answer (its URI holds a token), W&B not importable (a stand-in package
+    that raises on import): the run finishes promptly with one warning each, and the token is in no file of the
+    run directory and not in the output (issue 39, row 5)."""
     fake = tmp_path / "site"
     (fake / "wandb").mkdir(parents=True)
     (fake / "wandb" / "__init__.py").write_text("raise ImportError('No module named wandb (test stand-in)')\n")
     run_dir = tmp_path / "run"
+    token = "s3cretTOKEN"
+    uri = f"http://alice:{token}@127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
     done = run_cli("train", *JOB, "--run-dir", str(run_dir), "--set", 'monitor.trackers=["mlflow", "wandb"]',
-                   "--set", 'monitor.mlflow_tracking_uri="nosuchstore://nowhere"',
+                   "--set", f'monitor.mlflow_tracking_uri="{uri}"',
                    env={"PYTHONPATH": os.pathsep.join([str(fake), str(REPO)])})
+    took_s = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     warnings = [line for line in done.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 2, done.stderr
-    assert warnings[0].startswith("ringtrain: warning: tracker 'mlflow' failed and is off for this run (")
-    assert warnings[1].startswith("ringtrain: warning: tracker 'wandb' failed and is off for this run (ImportError: "
+    assert warnings[0].startswith("ringtrain: warning: tracker 'wandb' failed and is off for this run (ImportError: "
                                   "No module named wandb (test stand-in)); training goes on")
+    assert warnings[1].startswith("ringtrain: warning: tracker 'mlflow' did not finish within 10 s (still in its "
+                                  "start; a server that does not answer?) and is left behind"), warnings[1]
     assert "Traceback" not in done.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 23
+    assert took_s < 60, f"the run took {took_s:.0f} s: MLflow's retries held it up"
+    assert token not in done.stdout + done.stderr
+    leaked = [str(path) for path in run_dir.rglob("*") if path.is_file() and token.encode() in path.read_bytes()]
+    assert leaked == []
+    assert "http://***@127.0.0.1:" in (run_dir / "config.toml").read_text()
 
 
 def test_the_old_tensorboard_field_is_the_tensorboard_tracker(tmp_path):

@@ -132,10 +132,11 @@ def test_the_remote_command_is_one_shell_line_that_quotes_every_word():
 def test_ssh_runs_in_batch_mode_with_the_users_options_first():
     assert ssh_command("node01", "cmd", 2222, ["IdentityFile=/k", "BatchMode=no"]) == [
         "ssh", "-T", "-o", "IdentityFile=/k", "-o", "BatchMode=no", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15",
-        "-p", "2222", "node01", "cmd"]
+        "-p", "2222", "--", "node01", "cmd"]
 
 
 def test_the_hosts_get_the_users_variables_not_the_launchers_own():
     env = remote_environ({"PYTHONPATH": "/p", "OMP_NUM_THREADS": "1", "RINGTRAIN_CACHE_DIR": "/c", "HOME": "/root",
-                          "RINGTRAIN_FAULT_PLAN": "/plan", "RINGTRAIN_BIND_ADDR": "1.2.3.4", "SLURM_JOB_ID": "1"})
+                          "RINGTRAIN_FAULT_PLAN": "/plan", "RINGTRAIN_BIND_ADDR": "1.2.3.4", "SLURM_JOB_ID": "1",
+                          "RINGTRAIN_JOB_SECRET": "ab" * 16, "RINGTRAIN_JOB_SECRET_FILE": "/home/me/.secret"})
     assert env == {"PYTHONPATH": "/p", "OMP_NUM_THREADS": "1", "RINGTRAIN_CACHE_DIR": "/c"}
