@@ -227,3 +227,38 @@ def test_ringtrain_join_of_a_planted_job_file_runs_nothing(tmp_path, marker):
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and JOB_FILE in lines[0], result.stderr
         assert ("no secret for this job" if secret is None else "no seal") in lines[0]
+
+
+def test_the_workers_store_and_the_job_store_a_worker_connects_to_are_sealed(server):
+    """What a worker builds from its environment (group/init.py, group/jobstore.py): Gloo's address exchange and
+    ringtrain's job keys both go through an AuthStore when the launcher handed the worker a secret."""
+    from ringtrain.group.init import _new_store
+    from ringtrain.group.jobstore import connect_job_store
+
+    secret = JobSecret.new()
+    port = _free_port()
+    env = DistEnv(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, bind_addr="127.0.0.1",
+                  job_secret=secret, job_store=f"127.0.0.1:{server.port}", run_id="r")
+    workers = _new_store(env, timedelta(seconds=10))
+    workers.set("rank_1", b"198.18.0.9:1234")
+    assert _client_at(port).get("rank_1") != b"198.18.0.9:1234"  # sealed on the wire
+    _client_at(port).set("rank_1", b"198.18.0.9:4321")  # a stranger hands rank 0 an address
+    with pytest.raises(UnsealedValue, match=f"the workers' store at 127.0.0.1:{port}"):
+        workers.get("rank_1")
+    job = connect_job_store(env, is_writer=True)
+    job.set_host(1, "here")
+    _client(server).set("ringtrain/r//host/1", b"there")
+    with pytest.raises(UnsealedValue, match="the job store"):
+        job.hosts_of([1])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _client_at(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
