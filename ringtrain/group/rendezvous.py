@@ -26,6 +26,8 @@ from ringtrain.group.auth_store import AuthStore
 __all__ = ["BACKEND", "register", "SealedRendezvousBackend"]
 
 BACKEND = "ringtrain-c10d"
+"""The name the launcher asks torch's launcher for (bench/rendezvous_cost.py sets it to torch's "c10d" to compare)."""
+_SEALED = BACKEND
 
 
 class SealedRendezvousBackend(C10dRendezvousBackend):
@@ -39,7 +41,7 @@ class SealedRendezvousBackend(C10dRendezvousBackend):
 
     @property
     def name(self) -> str:
-        return BACKEND
+        return _SEALED
 
     def _call_store(self, store_op: str, *args, **kwargs):
         try:
@@ -73,4 +75,4 @@ def _sealed_client(params: RendezvousParameters, secret: JobSecret) -> AuthStore
 
 def register() -> None:
     """Make BACKEND a rendezvous backend name torch's launcher resolves (idempotent)."""
-    rendezvous_handler_registry.register(BACKEND, _create_handler)
+    rendezvous_handler_registry.register(_SEALED, _create_handler)
