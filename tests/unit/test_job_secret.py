@@ -9,7 +9,6 @@ import base64
 import json
 import os
 import pickle
-import shlex
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -26,21 +25,7 @@ from ringtrain.group.env import DistEnv
 from ringtrain.group.jobstore import JobStore
 from ringtrain.launch import LaunchOptions, Program, default_run_id, job_secret_for
 from tests.conftest import run_cli
-
-
-class Payload:
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {shlex.quote(self.marker)}",))
-
-
-@pytest.fixture
-def marker(tmp_path) -> Path:
-    path = tmp_path / "payload-ran"
-    yield path
-    assert not path.exists(), "the planted pickle ran"
+from tests.unit.test_hostile_files import Payload, marker  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
