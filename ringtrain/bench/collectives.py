@@ -53,10 +53,11 @@ from ringtrain.comm import shm
 from ringtrain.comm.shm_group import get_shm_group
 from ringtrain.config import DistConfig
 from ringtrain.group.addresses import RENDEZVOUS_WAIT_S, bind_address
+from ringtrain.group.auth import load_job_secret
 from ringtrain.group.env import DistEnv
 from ringtrain.group.init import init_distributed
 from ringtrain.errors import RingtrainError
-from ringtrain.launch import split_endpoint
+from ringtrain.launch import LaunchOptions, job_secret_for, split_endpoint
 
 __all__ = ["run_collectives_bench", "bus_bandwidth_factor"]
 
@@ -130,6 +131,9 @@ def _run_world(world_size: int, options: BenchOptions):
         bind = bind_address(options.local_addr, host, port, options.node_rank == 0, RENDEZVOUS_WAIT_S)
     else:
         host, port, bind = _LOOPBACK, 0, _LOOPBACK
+    # The workers' store is sealed with the job's secret, as a training job's is (group/auth.py): made here on one
+    # host (the spawned workers inherit it through the environment), the user's on several.
+    job_secret_for(LaunchOptions(nnodes=str(options.nnodes), rdzv_endpoint=options.rdzv_endpoint))
     store = None
     if options.node_rank == 0:
         # This process hosts the workers' store on a socket bound to one address; workers join as clients.
@@ -179,7 +183,8 @@ def _worker(rank: int, local_rank: int, placement: tuple, options: BenchOptions,
     world_size, local_world_size, host, port, bind, referee_port = placement
     try:
         env = DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
-                      master_addr=host, master_port=port, use_agent_store=True, bind_addr=bind)
+                      master_addr=host, master_port=port, use_agent_store=True, bind_addr=bind,
+                      job_secret=load_job_secret(os.environ))
         config = DistConfig(backend="gloo", timeout_s=options.timeout_s, pin_cpu=True, threads_per_worker=1)
         with init_distributed(env, config):
             turns = openmpi.Turns.connect(referee_port, rank) if referee_port else None
