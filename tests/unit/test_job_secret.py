@@ -199,9 +199,10 @@ def test_join_finds_the_secret_its_account_kept_for_the_run_id(tmp_path, monkeyp
         JobSpec.read(tmp_path)
 
 
-def test_ringtrain_join_of_a_planted_job_file_runs_nothing(tmp_path, marker):
-    """The issue's row 6: a planted job.json (heal, a store anyone can start, a command in args)."""
-    planted = {"rdzv_endpoint": "127.0.0.1:1", "run_id": "ringtrain-planted", "min_workers": 1, "max_workers": 2,
+def test_ringtrain_join_of_a_planted_job_file_runs_nothing(tmp_path, marker, server):
+    """The issue's row 6: a planted job.json (heal, a store anyone can start: ``server`` here, a command in args).
+    Before job files were sealed, join found the store answering and started the command."""
+    planted = {"rdzv_endpoint": f"127.0.0.1:{server.port}", "run_id": "ringtrain-planted", "min_workers": 1, "max_workers": 2,
                "max_restarts": 0, "rdzv_conf": "", "log_dir": str(tmp_path), "nproc": 1, "heal": True,
                "program": {"args": ["-c", f"import os; os.system('touch {marker}')"], "env": {}, "cwd": None}}
     (tmp_path / JOB_FILE).write_text(json.dumps(planted))
