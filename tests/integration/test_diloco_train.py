@@ -80,7 +80,8 @@ def test_h5_ranks_end_bit_identical_and_each_sent_ceil_steps_over_h_payloads(run
 
 def test_every_sample_once_in_the_ledger(runs):
     result = run_main("ledger", str(runs["h5"]))
-    assert result.returncode == 0 and "exactly once" in result.stdout, result.stdout + result.stderr
+    verdict = result.stdout.strip().splitlines()[-1]  # "NOT exactly once: ..." must not pass
+    assert result.returncode == 0 and verdict.startswith("every sample exactly once per epoch: "), result.stdout
 
 
 def test_a_checkpoint_inside_an_interval_resumes_bit_for_bit(runs, tmp_path):

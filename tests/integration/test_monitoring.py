@@ -58,7 +58,9 @@ def test_exposed_communication_is_zero_alone_and_positive_with_two(runs):
 def test_records_carry_memory_straggler_and_sinks(runs):
     record = train_records(runs[2])[-1]
     assert record["memory/peak_rss_mb"] > 50
-    assert record["straggler/rank"] in (0, 1) and record["straggler/lag_s"] >= 0
+    # Two ranks' busy times, measured apart, are never equal to the nanosecond: a lag of exactly 0.0 is the value
+    # the product writes at world size 1 (nothing measured), not a measurement.
+    assert record["straggler/rank"] in (0, 1) and record["straggler/lag_s"] > 0
     assert record["time/comm_s"] > 0
     with (runs[2] / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))

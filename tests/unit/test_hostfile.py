@@ -99,16 +99,17 @@ def test_ssh_flags_without_a_hostfile_are_refused_by_the_command(tmp_path):
 
 
 def test_each_host_runs_the_users_flags_with_its_own_node_flags():
-    hosts = Hostfile("h", ("a", "b"), 2)
+    # Three hosts of two slots: --nproc (the slots) and --nnodes (the hosts) differ, so neither stands for the other.
+    hosts = Hostfile("h", ("a", "b", "c"), 2)
     args = build_parser().parse_args(["train", "c.toml", "--hostfile", "h", "--set", "train.lr=0.1", "--run-dir", "r x",
                                       "--resume", "--max-restarts", "2", "--ssh-option", "Port=2"])
     assert node_argv(args, hosts, 1, "a:15000") == [
         "train", "c.toml", "--set", "train.lr=0.1", "--run-dir", "r x", "--max-restarts", "2", "--resume",
-        "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "a:15000", "--local-addr", "b"]
+        "--nproc", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-endpoint", "a:15000", "--local-addr", "b"]
     args = build_parser().parse_args(["run", "t.py", "--hostfile", "h", "--min-nproc", "1", "--heal"])
     args.script_args = ["--epochs", "3"]
     assert node_argv(args, hosts, 0, "a:1") == [
-        "run", "t.py", "--min-nproc", "1", "--heal", "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
+        "run", "t.py", "--min-nproc", "1", "--heal", "--nproc", "2", "--nnodes", "3", "--node-rank", "0",
         "--rdzv-endpoint", "a:1", "--local-addr", "a", "--", "--epochs", "3"]
 
 
