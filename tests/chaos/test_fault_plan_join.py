@@ -5,10 +5,15 @@ A --heal job of 3 workers runs armed with two kills: the launched rank 2 in step
 any worker whose member id is the first joiner's (1001) at its first micro-batch. `ringtrain join` starts with
 the plan's variable in its environment and is admitted after the heal. Were it armed, the second kill would
 fire in it; instead only the first fires, the joiner trains to the end, and no armed process ever had its id.
+
+The two survivors hold (SIGSTOP themselves, a ``stop`` fault) at step 6 until the joiner has asked to join, then
+the test lets them go on: the job cannot finish before a joiner that is slow to start (a busy machine) asks.
+Before, it raced the job's length and lost beside other work ("nothing to join").
 """
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from ringtrain.heal.membership import JOINER_BASE
@@ -23,23 +28,40 @@ SETS = ["train.global_batch_size=96", "train.local_batch_size=16", "train.epochs
         "monitor.log_every_steps=1", "dist.timeout_s=20", "checkpoint.every_steps=1000"]
 
 
+HOLD_STEP = 6
+
+
+def _held(job: Job) -> int:
+    """How many of the job's workers are stopped (held by their ``stop`` fault)."""
+    held = 0
+    for process in job.workers().values():
+        try:
+            held += process.status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            continue
+    return held
+
+
 def test_a_joiner_that_inherits_the_fault_plan_is_not_armed(tmp_path):
     run_dir = tmp_path / "run"
     joiner_id = JOINER_BASE + 1
     plan = fault_plan(tmp_path, Fault("step.micro_batch", member=2, step=3),
+                      *(Fault("step.micro_batch", member=m, step=HOLD_STEP, action="stop") for m in (0, 1)),
                       Fault("step.micro_batch", member=joiner_id))
     sets = [arg for value in SETS for arg in ("--set", value)]
     with Job("train", "configs/debug_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
              str(run_dir), *sets, env=plan.env) as job:
-        job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
+        job.wait_for(lambda: _held(job) == 2, what=f"the two survivors to hold at step {HOLD_STEP}")
         with Job("join", str(run_dir), env=plan.env) as joiner:  # the variable, as a shell would hand it on
             joiner.wait_for(lambda: f"asked to join as member {joiner_id}" in joiner.stderr, what="the join request")
+            for process in job.workers().values():
+                process.resume()
             code = job.finish()
             join_code = joiner.finish(timeout=60)
     logs = f"{job.stderr}\n[joiner]\n{joiner.stderr}"
     assert code == 0 and join_code == 0, logs
-    fired = [(f["point"], f["member"], f["step"]) for f in plan.fired()]
-    assert fired == [("step.micro_batch", 2, 3)], (fired, logs)
+    fired = sorted((f["point"], f["member"], f["step"]) for f in plan.fired())
+    assert fired == [("step.micro_batch", m, s) for m, s in ((0, HOLD_STEP), (1, HOLD_STEP), (2, 3))], (fired, logs)
     heals, joins = records(run_dir, "heal"), records(run_dir, "join")
     assert [h["lost_ranks"] for h in heals] == [[2]] and [j["joined_ranks"] for j in joins] == [[2]], logs
     # The joiner trained (the ledger's steps after its admission have 3 ranks) and was never armed.
