@@ -90,12 +90,18 @@ class Guarded(Logger):
     daemon thread of its own, so a call here returns at once whatever the tracker does (a server that does not
     answer, MLflow's HTTP retries). When the queue is full the call is dropped and counted. The first call that
     raises is one warning line, and the tracker is dropped; the closing flush (``finish`` / ``close``) waits
-    at most ``flush_timeout_s``, then one warning line, and the run ends without it. What a tracker gets is
-    redacted first (ringtrain/redact.py). One warning line per tracker at most."""
+    while the tracker makes progress, and gives up (one warning line, the run ends without it) once no call has
+    completed for ``stall_s``, or after ``flush_limit_s`` in all. Progress, not a clock: a healthy tracker on a
+    busy machine can take tens of seconds for one call (MLflow creating its database: over 10 s at load 10),
+    while one whose server does not answer completes nothing. What a tracker gets is redacted first
+    (ringtrain/redact.py). One warning line per tracker at most."""
 
-    def __init__(self, name: str, tracker: Logger, queue_size: int = 10_000, flush_timeout_s: float = 10.0):
+    def __init__(self, name: str, tracker: Logger, queue_size: int = 10_000, stall_s: float = 60.0,
+                 flush_limit_s: float = 300.0):
         self.name, self.tracker = name, tracker
-        self.flush_timeout_s = flush_timeout_s
+        self.stall_s, self.flush_limit_s = stall_s, flush_limit_s
+        self._completed = 0
+        """Calls the tracker's thread finished (made or failed): the flush's measure of progress."""
         self.dropped = 0
         """Calls not made because the queue was full (the tracker lagging behind)."""
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -128,6 +134,7 @@ class Guarded(Logger):
                 self._warn(f"tracker {self.name!r} failed and is off for this run ({type(err).__name__}: {first}); "
                            "training goes on")
             self._doing = None
+            self._completed += 1
 
     def _warn(self, line: str) -> None:
         if self._warned.acquire(blocking=False):  # one line per tracker, whoever comes first
@@ -142,25 +149,35 @@ class Guarded(Logger):
             self.dropped += 1
 
     def _flush(self, last: tuple[str, tuple] | None) -> None:
-        """The closing flush: ``last`` (the finish) and the tracker's close, waited for at most flush_timeout_s."""
+        """The closing flush: ``last`` (the finish) and the tracker's close, waited for while the tracker makes
+        progress (see the class)."""
         if self._closed:
             return
         self._closed = True
-        deadline = time.monotonic() + self.flush_timeout_s
-        for item in (last, ("close", ()), _STOP):
-            if item is None:
-                continue
-            try:
-                self._queue.put(item, timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Full:
+        started = time.monotonic()
+        progress, progress_at = self._completed, started
+        pending = [item for item in (last, ("close", ()), _STOP) if item is not None]
+        while self._thread.is_alive():
+            now = time.monotonic()
+            if self._completed != progress:
+                progress, progress_at = self._completed, now
+            if now - progress_at > self.stall_s or now - started > self.flush_limit_s:
                 break
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+            while pending:  # the last items, as the queue has room
+                try:
+                    self._queue.put_nowait(pending[0])
+                except queue.Full:
+                    break
+                pending.pop(0)
+            self._thread.join(0.1)
         dropped = f"; {self.dropped} of its calls were dropped (its queue was full)" if self.dropped else ""
         if self._thread.is_alive():
             self.tracker = None
             doing = f"still in its {self._doing}" if self._doing else "still busy"
-            self._warn(f"tracker {self.name!r} did not finish within {self.flush_timeout_s:g} s ({doing}; a server "
-                       f"that does not answer?) and is left behind{dropped}; the run's own records are complete")
+            why = (f"no call of it completed for {self.stall_s:g} s" if time.monotonic() - progress_at > self.stall_s
+                   else f"it was not done {self.flush_limit_s:g} s after the run")
+            self._warn(f"tracker {self.name!r} is left behind: {why} ({doing}; a server that does not answer?)"
+                       f"{dropped}; the run's own records are complete")
         elif self.dropped:
             self._warn(f"tracker {self.name!r} fell behind{dropped}; the run's own records are complete")
 

@@ -10,6 +10,7 @@ Chaos 11 (loopback-only sockets) rides along the default job (tests/integration)
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
@@ -58,13 +59,15 @@ def test_an_explicitly_requested_broken_checkpoint_fails_in_one_line_before_any_
 
 def test_join_without_a_running_job_fails_in_one_line(tmp_path, capsys):
     from ringtrain.cli import main
-    from ringtrain.elastic import JOB_FILE
+    from ringtrain.elastic import JOB_FILE, JobSpec
+    from ringtrain.group.auth import load_job_secret
+    from ringtrain.launch import Program
 
     assert main(["join", str(tmp_path)]) == 2
     assert f"{tmp_path / JOB_FILE} not found" in capsys.readouterr().err
-    spec = ('{"rdzv_endpoint": "127.0.0.1:1", "run_id": "gone", "min_workers": 1, "max_workers": 2, '
-            '"max_restarts": 0, "rdzv_conf": "", "program": {"args": []}, "log_dir": ""}')
-    (tmp_path / JOB_FILE).write_text(spec)
+    # The job's own (sealed) description, as its launcher left it: its store is gone.
+    spec = JobSpec("127.0.0.1:1", "gone", 1, 2, 0, "", Program(()), "")
+    (tmp_path / JOB_FILE).write_text(spec.to_json(load_job_secret(os.environ)))
     assert main(["join", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "no job is running at 127.0.0.1:1" in lines[0], lines

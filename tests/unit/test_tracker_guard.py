@@ -21,15 +21,16 @@ URI = f"http://alice:{TOKEN}@127.0.0.1:9"
 
 
 class Recording(Logger):
-    """A tracker that keeps what it is given; ``block`` holds its start until released (at most 5 s);
-    ``raise_on`` makes that call raise."""
+    """A tracker that keeps what it is given; ``block`` holds its start until released; ``raise_on`` makes that
+    call raise; ``delay_s``: each call takes that long (a slow but working server)."""
 
-    def __init__(self, block: threading.Event | None = None, raise_on: str | None = None):
+    def __init__(self, block: threading.Event | None = None, raise_on: str | None = None, delay_s: float = 0.0):
         self.calls: list[tuple] = []
-        self.block, self.raise_on = block, raise_on
+        self.block, self.raise_on, self.delay_s = block, raise_on, delay_s
         self.entered = threading.Event()
 
     def _record(self, method: str, *args) -> None:
+        time.sleep(self.delay_s)
         self.calls.append((method, *args))
         if method == self.raise_on:
             raise ConnectionError(f"cannot reach {URI}: Connection refused")
@@ -37,7 +38,7 @@ class Recording(Logger):
     def start(self, total_steps, start_step, steps_per_epoch):
         self.entered.set()
         if self.block is not None:
-            self.block.wait(timeout=5)
+            self.block.wait()
         self._record("start", total_steps)
 
     def log(self, record):
@@ -55,39 +56,50 @@ def _warnings(err: str) -> list[str]:
 
 
 def test_a_tracker_that_does_not_answer_never_holds_the_training_up(capsys):
+    """Its thread is stuck in start for good: every call still returns (a blocking call would hang this test),
+    the calls beyond the queue are dropped and counted, and the flush gives up once nothing completes."""
     release = threading.Event()
     tracker = Recording(block=release)
-    guarded = Guarded("slow", tracker, queue_size=4, flush_timeout_s=0.5)
+    guarded = Guarded("slow", tracker, queue_size=4, stall_s=0.5)
     try:
-        started = time.monotonic()
         guarded.start(100, 0, 10)
-        assert tracker.entered.wait(timeout=5)  # its thread is in start, which does not return
+        assert tracker.entered.wait(timeout=60)  # its thread is in start, which does not return
         for step in range(50):
             guarded.log({"type": "train", "step": step, "loss": 1.0})
-        assert time.monotonic() - started < 0.5  # every call returned at once
         assert guarded.dropped == 50 - 4  # the queue holds 4
-        started = time.monotonic()
-        guarded.finish({"steps": 50})
-        assert 0.4 < time.monotonic() - started < 2.0  # the closing flush's bound, not the tracker's 5 s
+        guarded.finish({"steps": 50})  # returns though the tracker never will
         guarded.close()
+        assert not release.is_set() and [call[0] for call in tracker.calls] == []
         assert [line for line in _warnings(capsys.readouterr().err)] == [
-            "ringtrain: warning: tracker 'slow' did not finish within 0.5 s (still in its start; a server that does "
-            "not answer?) and is left behind; 46 of its calls were dropped (its queue was full); the run's own "
+            "ringtrain: warning: tracker 'slow' is left behind: no call of it completed for 0.5 s (still in its start; "
+            "a server that does not answer?); 46 of its calls were dropped (its queue was full); the run's own "
             "records are complete"]
     finally:
         release.set()
 
 
+def test_a_slow_tracker_that_makes_progress_is_waited_for(capsys):
+    """Each call takes longer than the stall bound would allow for the whole flush, but calls complete: a
+    healthy tracker on a busy machine (MLflow creating its database) is not left behind."""
+    tracker = Recording(delay_s=0.2)
+    guarded = Guarded("busy", tracker, stall_s=1.0)
+    guarded.start(10, 0, 10)
+    for step in range(8):  # 8 x 0.2 s: longer than the stall bound in all, never stalled
+        guarded.log({"type": "train", "step": step})
+    guarded.finish({"steps": 8})
+    guarded.close()
+    assert [call[0] for call in tracker.calls] == ["start", *["log"] * 8, "finish", "close"]
+    assert capsys.readouterr().err == ""
+
+
 def test_a_tracker_that_raises_is_one_warning_and_is_dropped(capsys):
     tracker = Recording(raise_on="log")
-    guarded = Guarded("flaky", tracker, flush_timeout_s=5)
+    guarded = Guarded("flaky", tracker)
     guarded.start(10, 0, 10)
     for step in range(3):
         guarded.log({"type": "train", "step": step, "loss": 1.0})
-    started = time.monotonic()
     guarded.finish({"steps": 3})
     guarded.close()
-    assert time.monotonic() - started < 1
     assert [call[0] for call in tracker.calls] == ["start", "log"]  # dropped after the first failure
     assert _warnings(capsys.readouterr().err) == [
         "ringtrain: warning: tracker 'flaky' failed and is off for this run (ConnectionError: cannot reach "
@@ -96,7 +108,7 @@ def test_a_tracker_that_raises_is_one_warning_and_is_dropped(capsys):
 
 def test_a_tracker_that_keeps_up_gets_every_call_in_order_and_no_warning(capsys):
     tracker = Recording()
-    guarded = Guarded("fine", tracker, queue_size=4, flush_timeout_s=5)
+    guarded = Guarded("fine", tracker, queue_size=4)
     guarded.start(10, 0, 10)
     for step in range(3):
         guarded.log({"type": "train", "step": step})
