@@ -42,6 +42,7 @@ from ringtrain.comm.ring import RingPeers
 
 __all__ = [
     "shard_sequence", "unshard_sequence", "sequence_positions", "ring_attention", "ContextCommTimer",
+    "apply_context_parallel",
 ]
 
 
@@ -398,3 +399,50 @@ def ring_attention(
         raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, resolve_group(group), scale, timer, timeout_s)
+
+
+# --- the built-in transformer ------------------------------------------------------------------------------------
+
+
+def apply_context_parallel(
+    model: nn.Module, cp_group: dist.ProcessGroup | None, *, timer: ContextCommTimer | None = None
+) -> nn.Module:
+    """Split the built-in ``TransformerLM`` over the ranks of ``cp_group`` along the sequence, in place.
+
+    Each rank then calls ``model(shard_sequence(tokens, 1, cp_rank, cp))`` and gets the logits of its part:
+    every attention runs ``ring_attention`` over the group, and the position embeddings see the part's global
+    positions (``sequence_positions``, unless the call passes ``positions``). The loss is the caller's: each rank
+    sums its part's token losses; the whole batch's mean is the sum over the group divided by the group's token
+    count, and the parameters' gradients are summed over the group (with data parallelism: over dp x cp). The
+    ring's waits and bytes go to ``timer`` (made if not given), kept as ``model.cp_comm_timer``.
+    """
+    from ringtrain.models.transformer import CausalSelfAttention, TransformerLM
+
+    if not isinstance(model, TransformerLM):
+        raise ValueError(f"apply_context_parallel splits ringtrain's TransformerLM; got {type(model).__name__} "
+                         "(call ring_attention from your model's attention instead)")
+    if getattr(model, "cp_comm_timer", None) is not None:
+        raise ValueError("apply_context_parallel was applied to this model already")
+    attentions = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    if any(m.dropout for m in attentions):
+        raise ValueError(f"ring attention has no attention dropout; the model's is {attentions[0].dropout}: "
+                         "build it with dropout = 0")
+    group = resolve_group(cp_group)
+    cp_rank, cp_size = group_rank(group), group_size(group)
+    timer = ContextCommTimer() if timer is None else timer
+    for module in attentions:
+        module.attention = partial(ring_attention, group=group, timer=timer)
+    model.cp_comm_timer = timer
+
+    def global_positions(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if kwargs.get("positions") is None and len(args) < 2:
+            tokens = args[0] if args else kwargs["tokens"]
+            seq_len = tokens.shape[1] * cp_size  # every rank holds an equal part
+            if seq_len > module.seq_len:
+                raise ValueError(f"sequence of {seq_len} tokens (cp {cp_size} x {tokens.shape[1]}) is longer than "
+                                 f"the model's seq_len ({module.seq_len})")
+            kwargs = {**kwargs, "positions": sequence_positions(seq_len, cp_rank, cp_size, device=tokens.device)}
+        return args, kwargs
+
+    model.register_forward_pre_hook(global_positions, with_kwargs=True)
+    return model
