@@ -3,6 +3,7 @@ one process. Each rank gets the whole inputs, keeps its load-balanced part (shar
 of the output and of the q, k, v gradients (under a random upstream gradient, not a sum's ones); the parent cuts
 the oracle's the same way and compares. cp 1 to 4 (odd sizes catch ring-order bugs), sequences of 2·cp·k tokens
 for k = 1 (chunks of one token: the diagonal is a single key), 2, 3, fp64, fp32, bf16 and grouped-query attention.
+Then the built-in transformer split by apply_context_parallel against the unsplit one: the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ringtrain.models.transformer import TransformerLM
 from ringtrain.parallel.context import (
-    ContextCommTimer, ring_attention, sequence_positions, shard_sequence, unshard_sequence,
+    ContextCommTimer, apply_context_parallel, ring_attention, sequence_positions, shard_sequence, unshard_sequence,
 )
 from tests.distributed import run_distributed
 
@@ -152,3 +154,54 @@ def test_the_timer_hands_each_wait_and_byte_over_once():
     assert timer.take_s() == 0.75 and timer.take_s() == 0.0
     timer.record("backward", 0.125, 0)
     assert timer.take_split_s() == {"forward": 0.0, "backward": 0.125} and timer.take_s() == 0.0
+
+
+LM = dict(vocab_size=64, seq_len=24, n_layers=2, n_heads=4, d_model=32)
+IGNORE = -100
+
+
+def _context_parallel_step(rank: int, world_size: int, state: dict, tokens: torch.Tensor, targets: torch.Tensor) -> dict:
+    model = TransformerLM(**LM).double()
+    model.load_state_dict(state)
+    group = dist.group.WORLD
+    apply_context_parallel(model, group)
+    local_targets = shard_sequence(targets, 1, rank, world_size)
+    logits = model(shard_sequence(tokens, 1, rank, world_size))
+    # The mean over all the batch's target tokens: each rank sums its own tokens' losses, and divides by the
+    # group's count (all-reduced: padding falls unevenly on the parts), so the ranks' gradients add up to the
+    # mean's; the loss itself is the all-reduced sum over the same count.
+    loss_sum = F.cross_entropy(logits.flatten(0, 1), local_targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    items = (local_targets != IGNORE).sum()
+    dist.all_reduce(items, group=group)
+    (loss_sum / items).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad, group=group)  # the parameters' gradients: summed over the cp ranks
+        grads[name] = param.grad
+    loss = loss_sum.detach().clone()
+    dist.all_reduce(loss, group=group)
+    return {"loss": loss / items, "grads": grads, "bytes": model.cp_comm_timer.take_bytes()}
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_two_block_transformer_split_over_cp_has_the_unsplit_loss_and_gradients(cp):
+    torch.manual_seed(0)
+    model = TransformerLM(**LM).double()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, LM["vocab_size"], (2, LM["seq_len"]), generator=generator)
+    targets = torch.randint(0, LM["vocab_size"], (2, LM["seq_len"]), generator=generator)
+    targets[1, -5:] = IGNORE  # padding: the last part holds fewer target tokens than the others
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    loss.backward()
+    for got in run_distributed(_context_parallel_step, cp, state, tokens, targets, timeout_s=120):
+        torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-10, atol=1e-12)
+        assert set(got["grads"]) == {name for name, _ in model.named_parameters()}
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-8, atol=1e-12, msg=name)
+        assert got["bytes"] > 0
+
+
+def test_apply_context_parallel_refuses_attention_dropout_in_one_line():
+    with pytest.raises(ValueError, match="ring attention has no attention dropout; the model's is 0.1"):
+        apply_context_parallel(TransformerLM(**LM, dropout=0.1), None)
