@@ -23,6 +23,10 @@ __all__ = ["TransformerLM"]
 
 
 class CausalSelfAttention(nn.Module):
+    attention = None
+    """A function (q, k, v) -> y of [batch, heads, time, head_dim] tensors in place of causal SDPA, if set:
+    ring attention under context parallelism (parallel/context.py's apply_context_parallel)."""
+
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
         self.n_heads = n_heads
@@ -39,9 +43,12 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)
         heads = qkv.shape[-1] // (3 * self.head_dim)
         q, k, v = qkv.view(batch, time, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.attention is not None:
+            y = self.attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, heads * self.head_dim)))
 
 
@@ -104,11 +111,14 @@ class TransformerLM(nn.Module):
             for proj in (block.attn.proj, block.ff.down):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layers))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the tokens' positions in their sequence (default 0, 1, ...; under context parallelism
+        this rank's part's global ones)."""
         time = tokens.shape[1]
         if time > self.seq_len:
             raise ValueError(f"sequence of {time} tokens is longer than the model's seq_len ({self.seq_len})")
-        positions = torch.arange(time, device=tokens.device)
+        if positions is None:
+            positions = torch.arange(time, device=tokens.device)
         x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
