@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.checkpoint.manifest import write_atomic
 from ringtrain.config import Config, load_config_dict, validate_for_world_size
-from ringtrain.config.parallel import resolve_degrees
+from ringtrain.config.parallel import resolve_layout
 from ringtrain.group.env import DistEnv
 from ringtrain.group.init import init_distributed
 from ringtrain.group.lifetime import exit_with_parent
@@ -129,10 +129,10 @@ def fit(
         if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
             return FitResult(run_joined_training(resolved, env, user=parts))
         validate_for_world_size(resolved, env.world_size)
-        if tp_plan is not None and resolve_degrees(resolved.parallel, resolved.comm.strategy, env.world_size)["tp"] == 1:
+        if tp_plan is not None and resolve_layout(resolved.parallel, resolved.comm.strategy, env.world_size).tp == 1:
             raise ConfigError("fit(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1 "
                               "here; pass config={'parallel': {'tp': 2}} (or more), or leave tp_plan out")
-        if pp_split is not None and resolve_degrees(resolved.parallel, resolved.comm.strategy, env.world_size)["pp"] == 1:
+        if pp_split is not None and resolve_layout(resolved.parallel, resolved.comm.strategy, env.world_size).pp == 1:
             raise ConfigError("fit(pp_split=...) cuts the model into pipeline stages, but parallel.pp is 1 here; pass "
                               "config={'parallel': {'pp': 2}} (or more), or leave pp_split out")
         plan = plan_resume(env, resume, resolved, words)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ringtrain.strategies import strategy_spec
 from ringtrain.bench.plan import Link, Topology, Workload, PlanError, predict_step, ring_time
 
 __all__ = ["ModelShape", "Cluster", "Layout", "DATA_STRATEGIES", "activation_bytes", "enumerate_layouts", "layout_memory",
@@ -224,13 +225,12 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, mi
 
 
 def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str) -> bool:
-    """The compositions ringtrain builds (config/parallel.py): pp (with or without tp inside its stages) beside
-    ddp or FSDP2, tp alone beside FSDP2 only."""
-    if pp > 1:
-        return dp == 1 or data in ("ddp", "fsdp")
-    if tp > 1 and dp > 1:
-        return data == "fsdp"
-    return True
+    """The compositions ringtrain builds: a split model (tp, pp) beside data-parallel ranks runs where the data
+    strategy's spec (``ringtrain/strategies.py``) says it composes with that dimension."""
+    beside = strategy_spec(data).beside
+    if dp == 1:
+        return True
+    return (tp == 1 or "tp" in beside) and (pp == 1 or "pp" in beside)
 
 
 def plan_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, act_bytes: float = 2.0,

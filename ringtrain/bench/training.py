@@ -34,7 +34,7 @@ from ringtrain.launch import LOOPBACK
 __all__ = ["TrainCase", "parse_strategies", "run_train_bench", "LAYOUTS"]
 
 # Phases of the step breakdown, as the loop books them (time/<phase>_s).
-_PHASES = ("data", "forward_backward", "tp_comm", "pipeline_wait", "comm_exposed", "optimizer", "monitor")
+_PHASES = ("data", "forward_backward", "tp_comm", "cp_comm", "pipeline_wait", "comm_exposed", "optimizer", "monitor")
 
 
 @dataclass(frozen=True)

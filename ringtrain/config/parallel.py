@@ -13,8 +13,11 @@ inside the pipeline's stages, with the pipeline's data-parallel replicas or FSDP
 rest (issue 23) in one line naming the numbers; the
 checks of the layout's own numbers run first, so a config that will not fit is told why before "not yet".
 
-    >>> resolve_degrees(ParallelConfig(), "fsdp", world_size=4)
-    {'dp_replicate': 1, 'dp_shard': 4, 'tp': 1, 'pp': 1}
+    >>> resolve_layout(ParallelConfig(), "fsdp", world_size=4).degrees
+    {'dp_replicate': 1, 'dp_shard': 4, 'cp': 1, 'tp': 1, 'pp': 1}
+
+The layout itself (``ringtrain/layout.py``) is the one place degrees are resolved and the mesh is built; what a
+strategy runs beside is its spec's (``ringtrain/strategies.py``).
 """
 
 from __future__ import annotations
@@ -26,18 +29,17 @@ from pydantic import Field, model_validator
 
 from ringtrain.config.section import Section
 from ringtrain.errors import ConfigError
+from ringtrain.layout import Layout
+from ringtrain.strategies import strategy_spec
 
 if TYPE_CHECKING:
     from ringtrain.config.schema import Config
 
 __all__ = ["DEGREES", "ParallelConfig", "check_parallel", "check_pipeline_parallel", "check_strategy_agrees",
-           "check_tensor_parallel", "resolve_degrees"]
+           "check_tensor_parallel", "resolve_layout"]
 
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 """The mesh's dimensions, outermost first (torchtitan's order)."""
-REPLICATED = ("ddp", "manual", "diloco")
-"""Every rank holds the whole model (diloco: each its own copy between its outer steps)."""
-SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -50,6 +52,12 @@ class ParallelConfig(Section):
     dp_shard: int | None = None
     """Data-parallel ranks the model's state is sharded over: -1 takes the ranks the other degrees leave.
     Unset: what comm.strategy implies (zero1-3, fsdp: -1; ddp, manual, diloco: 1)."""
+
+    cp: int = 1
+    """Context-parallel degree (-1: the rest): the built-in transformer's sequence split over cp ranks, each
+    holding two load-balanced chunks of every sequence (activations inside the model: 1/cp), attention by ring
+    attention over them (``parallel/context.py``); the cp ranks read the same samples, beside data-parallel ranks
+    of any strategy but DiLoCo. Needs model.dropout = 0."""
 
     tp: int = 1
     """Tensor-parallel degree (-1: the rest): the built-in transformer's attention and MLP split over tp ranks,
@@ -118,38 +126,24 @@ class ParallelConfig(Section):
 def check_strategy_agrees(parallel: ParallelConfig, strategy: str) -> None:
     """The data-parallel degrees against comm.strategy (no world size needed): ValueError naming both."""
     shard, replicate = parallel.dp_shard, parallel.dp_replicate
-    if strategy in REPLICATED and shard not in (None, 1):
+    spec = strategy_spec(strategy)
+    if spec.owner == "dp_replicate" and shard not in (None, 1):
         raise ValueError(
             f"[parallel] dp_shard = {shard} shards the model's state, but comm.strategy = '{strategy}' keeps a "
             f"whole copy on every rank; set comm.strategy = 'fsdp' (or 'zero1', 'zero2', 'zero3') to shard, or "
             "dp_shard = 1 (or leave it unset)")
-    if strategy in SHARDED and strategy != "fsdp" and replicate not in (None, 1):
+    if spec.owner == "dp_shard" and "hsdp" not in spec.beside and replicate not in (None, 1):
         raise ValueError(
             f"[parallel] dp_replicate = {replicate} with comm.strategy = '{strategy}': replicas of a sharded model "
             "(HSDP) are built on FSDP2 only; set comm.strategy = 'fsdp', dp_replicate = 1 (or leave it unset), or "
             "comm.strategy = 'ddp' to replicate")
 
 
-def resolve_degrees(parallel: ParallelConfig, strategy: str, world_size: int) -> dict[str, int]:
-    """Every degree as a number at ``world_size``: unset ones from the strategy, -1 as the rest. ConfigError
-    when they cannot multiply to ``world_size``, naming every degree."""
-    own = "dp_replicate" if strategy in REPLICATED else "dp_shard"
+def resolve_layout(parallel: ParallelConfig, strategy: str, world_size: int) -> Layout:
+    """The layout at ``world_size``: unset data-parallel degrees from the strategy (its own dimension takes the
+    rest), -1 as the rest. ConfigError when they cannot multiply to ``world_size``, naming every degree."""
     given = {name: getattr(parallel, name) for name in DEGREES}
-    someone_takes_rest = -1 in given.values()
-    degrees = {name: (value if value is not None else -1 if name == own and not someone_takes_rest else 1)
-               for name, value in given.items()}
-    rest = [name for name, value in degrees.items() if value == -1]
-    known = math.prod(value for value in degrees.values() if value != -1)
-    named = " x ".join(f"{name} ({'-1: the rest' if value == -1 else value})" for name, value in degrees.items())
-    if rest:
-        if world_size % known:
-            raise ConfigError(f"[parallel] {named}: {known} does not divide world_size ({world_size}), so "
-                              f"{rest[0]} cannot take the rest; change the degrees or the number of workers")
-        degrees[rest[0]] = world_size // known
-    elif known != world_size:
-        raise ConfigError(f"[parallel] {named} = {known}, but world_size is {world_size}: the degrees must multiply "
-                          "to the number of workers; change one, or set one to -1 (the rest)")
-    return degrees
+    return Layout.resolve(given, owner=strategy_spec(strategy).owner, world_size=world_size)
 
 
 def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
@@ -165,16 +159,17 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     if model.factory is None and model.n_heads % tp:
         raise ConfigError(f"{where} does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
-    if degrees["dp_replicate"] > 1 and strategy not in ("ddp", "fsdp"):
+    spec = strategy_spec(strategy)
+    if degrees["dp_replicate"] > 1 and "tp" not in spec.beside:
         raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} (comm.strategy = '{strategy}'): "
                           "replicas beside tensor parallelism are FSDP2's (its replicate dimension); set "
                           "comm.strategy = 'ddp' (whole replicas) or 'fsdp' (sharded ones), or tp = -1")
-    if degrees["dp_shard"] > 1 and strategy != "fsdp":
+    if degrees["dp_shard"] > 1 and "tp" not in spec.beside:
         raise ConfigError(f"{where} with dp_shard = {degrees['dp_shard']} under comm.strategy = '{strategy}': only "
                           "FSDP2 shards beside tensor parallelism so far (issue 23); set comm.strategy = 'fsdp'")
-    if strategy == "diloco":
-        raise ConfigError(f"{where} with comm.strategy = 'diloco': DiLoCo replicas of a split model are not built "
-                          "yet (issue 23); set tp = 1, or comm.strategy = 'fsdp'")
+    if "tp" not in spec.beside:
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}' ({spec.summary}): it is not composed with tensor "
+                          "parallelism yet (issue 40); set comm.strategy = 'fsdp' or 'ddp', or tp = 1")
     if config.train.auto_micro_batch:
         raise ConfigError(f"{where} with train.auto_micro_batch: shrinking needs a step without collectives until "
                           "its end, and a tensor-parallel forward all-reduces in every block; set "
@@ -229,16 +224,17 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where}: pipeline parallelism cuts the built-in transformer (model.name = 'transformer') "
                           f"or a model of your own that is an nn.Sequential (model.factory, fit) into stages, not "
                           f"model.name = '{model.name}'; set pp = 1")
-    if strategy == "fsdp" and degrees["dp_replicate"] > 1:
+    spec = strategy_spec(strategy)
+    if spec.owner == "dp_shard" and degrees["dp_replicate"] > 1:
         raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} and comm.strategy = 'fsdp': replicas "
                           "of sharded pipeline stages (HSDP beside a pipeline) are not built yet (issue 23); set "
                           "dp_replicate = 1 (FSDP2 over every pipeline) or comm.strategy = 'ddp'")
-    if strategy not in ("ddp", "manual", "fsdp"):
+    if "pp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
                           "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "
                           "'manual') or shard its stages (FSDP2, 'fsdp'); zero1/2/3 and 'diloco' beside a pipeline are "
                           "not built yet (issue 23); set comm.strategy = 'ddp' or 'fsdp'")
-    if strategy == "fsdp" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
+    if spec.owner == "dp_shard" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
         raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first "
                           "and last stages on one rank, where they share the tied embedding, which FSDP2 cannot shard "
                           "in two modules; use '1f1b' or 'interleaved_1f1b', or comm.strategy = 'ddp'")
@@ -256,11 +252,44 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
                           "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
 
 
-def check_parallel(config: Config, world_size: int) -> dict[str, int]:
+def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
+    """What context parallelism (``parallel/context_split.py``) runs with: the built-in transformer without
+    dropout, beside data-parallel ranks of a strategy whose spec composes with cp, no tp or pp yet, no heal."""
+    cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
+    where = f"[parallel] cp = {cp}"
+    if model.factory is not None or model.name != "transformer":
+        raise ConfigError(f"{where}: context parallelism splits the built-in transformer's sequence (model.name = "
+                          f"'transformer'), not {'a model of your own' if model.factory else repr(model.name)}; "
+                          "set cp = 1")
+    if model.dropout:
+        raise ConfigError(f"{where} with model.dropout = {model.dropout}: ring attention has no attention dropout; set "
+                          "model.dropout = 0, or cp = 1")
+    if degrees["tp"] > 1 or degrees["pp"] > 1:
+        raise ConfigError(f"{where} with tp = {degrees['tp']}, pp = {degrees['pp']}: context parallelism is not "
+                          "composed with tensor or pipeline parallelism yet (issue 40); set tp = 1 and pp = 1, or cp = 1")
+    spec = strategy_spec(strategy)
+    if "cp" not in spec.beside:
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}': the ranks of a context-parallel group hold one "
+                          f"replica's parts and sum their gradients, which {spec.summary} does not (its workers step "
+                          "on their own); use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1")
+    if degrees["dp_replicate"] > 1 and spec.owner == "dp_shard":
+        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} (HSDP): replicas of shard groups "
+                          "beside context parallelism are not composed yet (issue 40); set dp_replicate = 1")
+    if config.train.auto_micro_batch:
+        raise ConfigError(f"{where} with train.auto_micro_batch: shrinking needs a step without collectives until its "
+                          "end, and ring attention exchanges keys and values in every layer; set "
+                          "train.auto_micro_batch = false")
+    if config.dist.heal:
+        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 40); leave out --heal "
+                          "(a lost worker ends the job; --resume goes on from the last checkpoint)")
+
+
+def check_parallel(config: Config, world_size: int) -> Layout:
     """The mesh at ``world_size``: the product, the pipeline's layout, then what is not built yet; one
-    ConfigError line naming the numbers. Returns the resolved degrees."""
+    ConfigError line naming the numbers. Returns the resolved layout."""
     parallel = config.parallel
-    degrees = resolve_degrees(parallel, config.comm.strategy, world_size)
+    layout = resolve_layout(parallel, config.comm.strategy, world_size)
+    degrees = layout.degrees
     pp, tp = degrees["pp"], degrees["tp"]
     if pp > 1:
         stages = pp * parallel.stages_per_rank
@@ -284,6 +313,8 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
         raise ConfigError("[parallel] sequence_parallel = true: sequence parallelism is built for the built-in "
                           "transformer (model.name = 'transformer'); a model of your own trains with tp and its plan, "
                           "without it: leave sequence_parallel unset")
+    if degrees["cp"] > 1:
+        check_context_parallel(config, degrees)
     if parallel.loss_parallel:
         check_loss_parallel(config, degrees)
     if tp > 1 and pp > 1:
@@ -292,4 +323,4 @@ def check_parallel(config: Config, world_size: int) -> dict[str, int]:
         check_tensor_parallel(config, degrees)
     if pp > 1:
         check_pipeline_parallel(config, degrees)
-    return degrees
+    return layout

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ringtrain.config.checks import check_workload
 from ringtrain.config.parallel import ParallelConfig, check_strategy_agrees
 from ringtrain.config.section import Section
+from ringtrain.strategies import HEALABLE_ALGORITHMS, strategy_spec
 from ringtrain.redact import redact
 
 __all__ = [
@@ -259,13 +260,6 @@ class TrainConfig(Section):
         return self
 
 
-HEALABLE_STRATEGIES = ("ddp", "manual", "diloco")
-"""Strategies dist.heal supports: every worker holds the whole model, so any survivor can hand it on."""
-RELOADED_STRATEGIES = ("zero1", "zero2", "zero3")
-"""Sharded strategies dist.heal heals by reloading every shard from the newest sharded checkpoint (the lost
-worker held the only copy of its shards; train/heal_reload.py): needs checkpoint.sharded = true."""
-HEALABLE_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "fp16", "bf16")
-"""Gradient algorithms dist.heal supports: no state beyond what a new group rebuilds (shm: a fresh workspace)."""
 
 
 class DistConfig(Section):
@@ -379,25 +373,25 @@ class CommConfig(Section):
 
     @model_validator(mode="after")
     def _strategy_has_algorithm(self) -> CommConfig:
-        own_collectives = ("manual", "zero1", "zero2", "zero3", "diloco")
-        if self.strategy in own_collectives and self.algorithm in ("fp16", "bf16", "powersgd"):
-            raise ValueError(
-                f"algorithm '{self.algorithm}' is one of torch's DDP hooks; use strategy = 'ddp' with it, "
-                f"or algorithm 'torch', 'ring', 'ring_chunked' or 'shm' with strategy '{self.strategy}'"
-            )
-        if self.strategy == "fsdp" and self.algorithm != "torch":
+        spec = strategy_spec(self.strategy)
+        if self.algorithm in spec.algorithms:
+            return self
+        if spec.algorithms == ("torch",):
             raise ValueError(
                 f"strategy 'fsdp' runs PyTorch's FSDP2 on the backend's own collectives, not algorithm "
                 f"'{self.algorithm}'; leave algorithm = 'torch', or use strategy 'zero3' for ringtrain's"
             )
-        return self
+        raise ValueError(
+            f"algorithm '{self.algorithm}' is one of torch's DDP hooks; use strategy = 'ddp' with it, "
+            f"or algorithm {', '.join(repr(a) for a in spec.algorithms)} with strategy '{self.strategy}'"
+        )
 
     @property
     def resolved_bucket_mb(self) -> float:
         """``bucket_mb``, or the strategy's default when unset."""
         if self.bucket_mb is not None:
             return self.bucket_mb
-        return 4.0 if self.strategy in ("zero1", "zero2") else 25.0
+        return strategy_spec(self.strategy).default_bucket_mb
 
 
 class DiLoCoConfig(Section):
@@ -570,7 +564,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _sharding_fits(self) -> Config:
         strategy = self.comm.strategy
-        if strategy in ("zero3", "fsdp") and self.train.auto_micro_batch:
+        if strategy_spec(strategy).gathers_in_forward and self.train.auto_micro_batch:
             raise ValueError(
                 f"train.auto_micro_batch needs a step without collectives until its end, but comm.strategy = "
                 f"'{strategy}' gathers parameters in every forward; set train.auto_micro_batch = false or use "
@@ -589,7 +583,7 @@ class Config(Section):
             raise ValueError("dist.heal = true (--heal) with diloco.inner = 'host' is not built yet (a lost worker "
                              "would leave its host's replica out of step); set diloco.inner = 'worker' (or 'auto', "
                              "which --heal resolves to 'worker'), or leave out --heal")
-        if self.checkpoint.sharded or self.checkpoint.async_:
+        if not strategy_spec(self.comm.strategy).sharded_checkpoints and (self.checkpoint.sharded or self.checkpoint.async_):
             raise ValueError("comm.strategy = 'diloco' writes full checkpoints only (each worker's own parameters "
                              "and the outer state); set checkpoint.sharded = false and checkpoint.async = false")
         return self
@@ -599,14 +593,15 @@ class Config(Section):
         if not self.dist.heal:
             return self
         strategy, algorithm = self.comm.strategy, self.comm.algorithm
-        if strategy in RELOADED_STRATEGIES:
+        spec = strategy_spec(strategy)
+        if spec.reloads:
             if not (self.checkpoint.sharded or self.checkpoint.async_):
                 raise ValueError(
                     f"dist.heal = true with comm.strategy = '{strategy}' reloads the lost worker's shards from the "
                     "newest sharded checkpoint: set checkpoint.sharded = true (or checkpoint.async = true, saved in "
                     "the background), or use strategy 'ddp' or 'manual' (healed without a reload)"
                 )
-        elif strategy not in HEALABLE_STRATEGIES:
+        elif not spec.heals:
             raise ValueError(
                 f"dist.heal = true needs every worker to hold the whole model, but comm.strategy = '{strategy}' "
                 "holds the only copy of each shard on one worker; use strategy 'ddp' or 'manual', or set "
@@ -618,7 +613,7 @@ class Config(Section):
                 f"feedback that a new group cannot rebuild); use {', '.join(repr(a) for a in HEALABLE_ALGORITHMS)}, "
                 "or set dist.heal = false"
             )
-        if strategy not in RELOADED_STRATEGIES and (self.checkpoint.sharded or self.checkpoint.async_):
+        if not spec.reloads and (self.checkpoint.sharded or self.checkpoint.async_):
             raise ValueError(
                 "dist.heal = true writes full checkpoints (each rank's shard would be bound to a group that healing "
                 "replaces); set checkpoint.sharded = false and checkpoint.async = false, or dist.heal = false"

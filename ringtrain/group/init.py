@@ -11,8 +11,10 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import psutil
 import torch
@@ -23,9 +25,10 @@ from ringtrain.config import DistConfig
 from ringtrain.group.auth_store import AuthStore
 from ringtrain.group.env import DistEnv
 from ringtrain.group.sockets import forget_group_sockets, recording_group_sockets
-from ringtrain.errors import LaunchError
+from ringtrain.errors import ConfigError, LaunchError
 from ringtrain.host.allocator import keep_freed_memory
 from ringtrain.host.pinning import cores_for_worker, host_placement, pin_compute_threads, warn
+from ringtrain.layout import MODEL_DIMS, Layout
 
 __all__ = ["DistContext", "init_distributed", "prepare_process", "leave_default_group", "resolve_backend",
            "interface_for_address", "bind_gloo_groups"]
@@ -41,9 +44,14 @@ class DistContext:
     host_rank: int
     """Index of this worker among the workers on its host (equals local_rank with one agent per host)."""
     host_world_size: int
+    layout: Layout | None = None
+    """How the ranks divide the work (``on_layout``); None: every rank is a data rank of its own."""
+    mesh: Any = None
+    """The job's device mesh (``Layout.build_mesh``), None when the layout needs none."""
     dp: tuple[int, int] | None = None
-    """(rank, size) in the data-parallel dimension when the model is split across ranks (tensor parallelism:
-    the ranks of one tensor-parallel group read the same samples). None: every rank is a data rank of its own."""
+    """(rank, size) in the data-parallel dimension when the model is split across ranks (the ranks of one
+    tensor-, context- or pipeline-parallel group read the same samples). None: every rank is a data rank of its
+    own."""
     dp_group: dist.ProcessGroup | None = None
     """The ranks that read different samples and share this rank's place in the model (data sums, the sample
     ledger and token counts run over it); None: the whole group."""
@@ -68,10 +76,42 @@ class DistContext:
         return self.env.world_size if self.dp is None else self.dp[1]
 
     @property
+    def gradient_ranks(self) -> int:
+        """The ranks the data-parallel strategy averages a gradient over: the data-parallel ranks, and with
+        context parallelism their cp groups too (each cp rank holds its tokens' share of the gradient, so the
+        step scales its loss by this, not dp_size, and the average over dp x cp is the sum over cp)."""
+        return self.dp_size * (self.layout.cp if self.layout is not None else 1)
+
+    @property
     def data_leader(self) -> bool:
-        """This rank speaks for its samples in sums over ranks (the first rank of its tensor-parallel group: its
-        peers hold the same samples and count nothing, so nothing is counted twice)."""
-        return self.dp is None or self.env.rank % (self.env.world_size // self.dp[1]) == 0
+        """This rank speaks for its samples in sums over ranks (the first rank of its model-parallel group, by
+        its mesh coordinates: its peers hold the same samples and count nothing, so nothing is counted twice)."""
+        if self.dp is None:
+            return True
+        names = self.mesh.mesh_dim_names
+        return all(self.mesh.get_local_rank(name) == 0 for name in MODEL_DIMS if name in names)
+
+    def on_layout(self, layout: Layout, tp_algorithm: str = "torch") -> DistContext:
+        """This context with ``layout``'s mesh built (every rank calls it, once) and this rank's data-parallel
+        coordinates read from it. ``tp_algorithm = 'shm'``: the ``tp`` dimension's groups are ringtrain's
+        shared-memory backend (``comm/c10d_backend.py``; CPU workers), so DTensor's all-reduces run there."""
+        if layout.world_size != self.world_size:
+            raise ConfigError(f"the layout {layout.describe()} has {layout.world_size} ranks, but this group has "
+                              f"{self.world_size}; resolve it at this world size")
+        tp_backend = None
+        if tp_algorithm == "shm" and layout.tp > 1:
+            if self.device.type != "cpu":
+                raise ConfigError(f"[parallel] tp_algorithm = 'shm' needs CPU workers, but this worker trains on "
+                                  f"{self.device}; set tp_algorithm = 'torch'")
+            from ringtrain.comm.c10d_backend import BACKEND
+
+            tp_backend = BACKEND
+        mesh = layout.build_mesh(self.device.type, tp_backend)
+        if mesh is None or layout.model_parallel == 1:  # every rank reads samples of its own
+            return dataclasses.replace(self, layout=layout, mesh=mesh, dp=None, dp_group=None)
+        dp_mesh = mesh["dp"]
+        return dataclasses.replace(self, layout=layout, mesh=mesh, dp=(dp_mesh.get_local_rank(), layout.dp),
+                                   dp_group=dp_mesh.get_group())
 
 
 def resolve_backend(requested: str) -> str:

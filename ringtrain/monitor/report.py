@@ -22,11 +22,12 @@ from ringtrain.monitor.run_history import Attempt, RunTotals, split_attempts
 __all__ = ["RunMetrics", "load_run", "write_report", "PHASES"]
 
 # Step phases in the order they happen, as the loop books them (metric key: time/<phase>_s).
-PHASES = ("data", "forward_backward", "tp_comm", "pipeline_wait", "comm_exposed", "optimizer", "monitor", "eval", "checkpoint")
+PHASES = ("data", "forward_backward", "tp_comm", "cp_comm", "pipeline_wait", "comm_exposed", "optimizer", "monitor", "eval", "checkpoint")
 _PHASE_LABELS = {
     "data": "data wait",
     "forward_backward": "forward+backward",
     "tp_comm": "tensor-parallel communication (the split layers' all-reduces waited for)",
+    "cp_comm": "context-parallel communication (ring attention's key/value blocks waited for)",
     "pipeline_wait": "pipeline wait (bubble and activation transfers)",
     "comm_exposed": "exposed communication",
     "optimizer": "optimizer",

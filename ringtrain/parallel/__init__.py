@@ -14,15 +14,20 @@ pp`` (``pipeline.py``: torch's pipeline schedules over the built-in transformer'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from ringtrain.config import CommConfig, DiLoCoConfig
-from ringtrain.config.parallel import ParallelConfig
+from ringtrain.config import CommConfig, Config, DiLoCoConfig
+from ringtrain.config.parallel import ParallelConfig, resolve_layout
+from ringtrain.group.init import DistContext
+from ringtrain.layout import Layout
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.errors import ConfigError
+from ringtrain.parallel.activation_checkpoint import apply_ac
 from ringtrain.parallel.base import ReplicatedStrategy
+from ringtrain.parallel.context_split import split_context
 from ringtrain.parallel.ddp import DDPStrategy
 from ringtrain.parallel.diloco import DiLoCoStrategy
 from ringtrain.parallel.fsdp import FSDPStrategy
@@ -30,9 +35,12 @@ from ringtrain.parallel.manual import ManualStrategy
 from ringtrain.parallel.pipeline import PipelineStrategy
 from ringtrain.parallel.tensor import TensorParallelStrategy
 from ringtrain.parallel.zero import ZeroStrategy
+from ringtrain.strategies import strategy_spec
+from ringtrain.testing import faults
 
 __all__ = ["Strategy", "ReplicatedStrategy", "DDPStrategy", "ManualStrategy", "ZeroStrategy", "FSDPStrategy",
-           "DiLoCoStrategy", "TensorParallelStrategy", "PipelineStrategy", "build_strategy"]
+           "DiLoCoStrategy", "TensorParallelStrategy", "PipelineStrategy", "Parallel", "build_strategy",
+           "build_parallel"]
 
 
 class Strategy(Protocol):
@@ -80,56 +88,63 @@ class Strategy(Protocol):
 
 def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None,
                    heal: bool = False, mesh=None, parallel: ParallelConfig | None = None,
-                   tp_plan: Mapping[str, Any] | None = None, pp_split: Callable | None = None) -> Strategy:
-    """The strategy ``config.strategy`` names (``diloco``: the [diloco] section, its defaults when None).
-    ``heal``: a --heal job, whose DiLoCo replicas are single workers (``diloco.inner = 'auto'`` resolves so).
-    ``mesh``: a (dp_replicate, dp_shard) mesh (``fsdp.hsdp_mesh``): FSDP2's HSDP; a (dp, tp) or (dp_replicate,
-    dp_shard, tp) device mesh with tp > 1 (``tensor.mesh_context``): tensor parallelism, under FSDP2 on
-    dp when dp > 1 (the config checks refused every other data-parallel strategy beside it), split by
-    ``tp_plan`` (None: the model's own plan); a (dp, pp) or (dp, pp, tp) mesh
-    (``pipeline.pipeline_mesh_context``): pipeline parallelism with ``parallel``'s schedule (its stages split
-    over tp when the mesh has it; a user's model cut by ``pp_split``), its replicas averaged over dp (ddp or manual: one all-reduce of
-    ``config.algorithm`` after the schedule) or its stages sharded over dp (fsdp)."""
-    if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
-        parallel = parallel or ParallelConfig()
+                   tp_plan: Mapping[str, Any] | None = None, pp_split: Callable | None = None,
+                   layout: Layout | None = None) -> Strategy:
+    """The strategy of ``config.strategy`` on ``layout`` (None: every rank a data rank of its own), its
+    spec's builder from the registry (``ringtrain/strategies.py``; ``diloco``: the [diloco] section, its
+    defaults when None; ``heal``: a --heal job). ``mesh``: the layout's device mesh (``Layout.build_mesh``,
+    carried by the DistContext): with pp > 1 the pipeline over its stages (``parallel``'s schedule, its stages
+    split over tp when the mesh has it, a user's model cut by ``pp_split``), with tp > 1 tensor parallelism (split
+    by ``tp_plan``; None: the model's own plan), each with the data-parallel strategy over the mesh's ``dp``
+    ranks; else the data-parallel strategy alone (FSDP2 on the 2-D mesh of HSDP). The config's checks refused
+    every combination the strategy's spec does not run beside."""
+    spec = strategy_spec(config.strategy)
+    parallel = parallel or ParallelConfig()
+    layout = layout or Layout(owner=spec.owner)
+    if layout.pp > 1:
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
-                                stages_per_rank=parallel.stages_per_rank, shard=config.strategy == "fsdp",
+                                stages_per_rank=parallel.stages_per_rank, shard=spec.owner == "dp_shard",
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
                                 sequence_parallel=parallel.sequence_parallel, split=pp_split)
-    if mesh is not None and "tp" not in (mesh.mesh_dim_names or ()):  # (dp_replicate, dp_shard): HSDP
-        return FSDPStrategy(device, mesh=mesh)
-    if mesh is not None:
-        return TensorParallelStrategy(device, mesh, plan=tp_plan,
-                                      sequence_parallel=bool(parallel and parallel.sequence_parallel),
-                                      loss_parallel=bool(parallel and parallel.loss_parallel))
+    if layout.tp > 1:
+        return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,
+                                      loss_parallel=parallel.loss_parallel)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(
             f"comm.algorithm = 'shm' needs CPU workers but this worker trains on {device}; "
             "use comm.algorithm = 'ring' or 'torch', or dist.backend = 'gloo'"
         )
-    if config.strategy == "ddp":
-        return DDPStrategy(
-            device,
-            bucket_mb=config.resolved_bucket_mb,
-            algorithm=config.algorithm,
-            chunk_kb=config.chunk_kb,
-            powersgd_rank=config.powersgd_rank,
-            powersgd_start_iter=config.powersgd_start_iter,
-        )
-    if config.strategy == "manual":
-        return ManualStrategy(device, bucket_mb=config.resolved_bucket_mb, algorithm=config.algorithm, chunk_kb=config.chunk_kb)
-    if config.strategy in ("zero1", "zero2", "zero3"):
-        return ZeroStrategy(device, stage=int(config.strategy[-1]), bucket_mb=config.resolved_bucket_mb,
-                            algorithm=config.algorithm, chunk_kb=config.chunk_kb, prefetch=config.prefetch)
-    if config.strategy == "fsdp":
-        return FSDPStrategy(device)
-    if config.strategy == "diloco":
-        diloco = diloco or DiLoCoConfig()
-        return DiLoCoStrategy(device, sync_every=diloco.sync_every, outer_lr=diloco.outer_lr,
-                              outer_momentum=diloco.outer_momentum, nesterov=diloco.nesterov,
-                              algorithm=config.algorithm, chunk_kb=config.chunk_kb, fragments=diloco.fragments,
-                              delay=diloco.delay, dtype=diloco.dtype,
-                              inner="worker" if heal and diloco.inner == "auto" else diloco.inner,
-                              bucket_mb=config.resolved_bucket_mb)
-    raise ValueError(f"unknown strategy {config.strategy!r}")  # unreachable: the config validates the name
+    return spec.build(config, device, diloco=diloco, heal=heal, mesh=mesh if layout.hsdp else None)
+
+
+def build_parallel(config: Config, ctx: DistContext, model: torch.nn.Module, *, tp_plan: Mapping[str, Any] | None = None,
+                   pp_split: Callable | None = None, wrap: bool = True) -> Parallel:
+    """The one way in to parallelism, for every way in (built-in workloads, factories, ``fit``, the Session):
+    ``config``'s layout resolved at ``ctx``'s world size and its mesh built (``ctx.on_layout``), then, in a fixed
+    order on that mesh, the context-parallel split (cp > 1: ``context_split.py``), activation checkpointing of
+    ``model``'s blocks (before any wrapper, so DDP, the zero units and FSDP's fully_shard see checkpointed
+    blocks) and the strategy (tensor and pipeline splits with one data-parallel strategy over the ``dp`` ranks), which wraps the model unless ``wrap`` is false (a --heal
+    joiner, wrapped when it has the running workers' state). Every rank calls it."""
+    layout = resolve_layout(config.parallel, config.comm.strategy, ctx.world_size)
+    ctx = ctx.on_layout(layout, config.parallel.tp_algorithm)
+    if layout.cp > 1:  # the sequence split: ring attention in every block, the logits gathered back
+        split_context(model, ctx.mesh["cp"].get_group())
+    checkpointed = apply_ac(model, config.train.activation_checkpointing)
+    strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=ctx.mesh,
+                              parallel=config.parallel, tp_plan=tp_plan, pp_split=pp_split, layout=layout)
+    if wrap:
+        faults.point("train.wrap")
+    return Parallel(ctx, strategy, strategy.wrap(model) if wrap else model, len(checkpointed))
+
+
+@dataclass
+class Parallel:
+    """What ``build_parallel`` made: the context on the layout (its mesh, this rank's data-parallel
+    coordinates), the strategy, the model it wrapped (the module itself when not wrapped) and how many blocks
+    activation checkpointing wrapped."""
+
+    ctx: DistContext
+    strategy: Strategy
+    model: torch.nn.Module
+    checkpointed_blocks: int

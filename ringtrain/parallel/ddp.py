@@ -17,7 +17,7 @@ from ringtrain.comm.hooks import comm_hook
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy
 
-__all__ = ["DDPStrategy"]
+__all__ = ["from_config", "DDPStrategy"]
 
 
 class DDPStrategy(ReplicatedStrategy):
@@ -140,3 +140,9 @@ class DDPStrategy(ReplicatedStrategy):
 
 def _to_cpu(tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     return {int(k): v.detach().cpu().clone() for k, v in tensors.items()}
+
+
+def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DDPStrategy:
+    """``comm.strategy = 'ddp'`` (the registry's builder, ``ringtrain/strategies.py``)."""
+    return DDPStrategy(device, bucket_mb=comm.resolved_bucket_mb, algorithm=comm.algorithm, chunk_kb=comm.chunk_kb,
+                       powersgd_rank=comm.powersgd_rank, powersgd_start_iter=comm.powersgd_start_iter)

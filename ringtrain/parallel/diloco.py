@@ -72,7 +72,7 @@ from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 from ringtrain.parallel.ddp import DDPStrategy
 
-__all__ = ["DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "INNER"]
+__all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "INNER"]
 
 INNER = ("auto", "worker", "host")
 """What one DiLoCo replica is (module docstring)."""
@@ -608,3 +608,17 @@ class OuterState:
         for fragment, synced in zip(s.fragments, state.get("synced_steps") or [0] * len(s.fragments)):
             fragment.synced_step = int(synced)
         s._dropped = {int(index) for index in state.get("dropped", [])}
+
+
+def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DiLoCoStrategy:
+    """``comm.strategy = 'diloco'`` with the [diloco] section (its defaults when None); ``heal``: a --heal job,
+    whose replicas are single workers (``diloco.inner = 'auto'`` resolves so)."""
+    from ringtrain.config import DiLoCoConfig
+
+    diloco = diloco or DiLoCoConfig()
+    return DiLoCoStrategy(device, sync_every=diloco.sync_every, outer_lr=diloco.outer_lr,
+                          outer_momentum=diloco.outer_momentum, nesterov=diloco.nesterov,
+                          algorithm=comm.algorithm, chunk_kb=comm.chunk_kb, fragments=diloco.fragments,
+                          delay=diloco.delay, dtype=diloco.dtype,
+                          inner="worker" if heal and diloco.inner == "auto" else diloco.inner,
+                          bucket_mb=comm.resolved_bucket_mb)

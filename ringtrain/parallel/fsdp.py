@@ -26,7 +26,7 @@ from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.units import block_units
 
-__all__ = ["FSDPStrategy", "hsdp_mesh"]
+__all__ = ["from_config", "FSDPStrategy"]
 
 
 class FSDPStrategy(ReplicatedStrategy):
@@ -132,10 +132,6 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def hsdp_mesh(device: torch.device, replicate: int) -> Any:
-    """The (dp_replicate, dp_shard) mesh of the world for HSDP: ``replicate`` groups of consecutive ranks, each
-    sharding the model's state (FSDP2's 2-D mesh; one host's ranks in one shard group when they fit)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    return init_device_mesh(device.type, (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> FSDPStrategy:
+    """``comm.strategy = 'fsdp'`` (the registry's builder): over ``mesh`` (HSDP's 2-D one) or the world."""
+    return FSDPStrategy(device, mesh=mesh)

@@ -52,7 +52,7 @@ from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy
 from ringtrain.parallel.buckets import broadcast_from_rank0, bucket_parameters, live_group
 
-__all__ = ["ManualStrategy", "BucketedDataParallel"]
+__all__ = ["from_config", "ManualStrategy", "BucketedDataParallel"]
 
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """module -> weakref to the BucketedDataParallel whose hooks are on its parameters (one at a time)."""
@@ -253,3 +253,8 @@ class ManualStrategy(ReplicatedStrategy):
         if release:
             model.release()
         return model.module
+
+
+def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> ManualStrategy:
+    """``comm.strategy = 'manual'`` (the registry's builder, ``ringtrain/strategies.py``)."""
+    return ManualStrategy(device, bucket_mb=comm.resolved_bucket_mb, algorithm=comm.algorithm, chunk_kb=comm.chunk_kb)

@@ -64,7 +64,7 @@ from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.fsdp import _broadcast_from_rank0, _full, _local, _shard_like
 from ringtrain.parallel.tensor import _FUSED, CollectiveWaits, _fused_entries, _recut, _to_natural, _to_ranks
 
-__all__ = ["PipelineStrategy", "TransformerStage", "UserStage", "stage_indices", "pipeline_mesh_context", "SCHEDULES"]
+__all__ = ["PipelineStrategy", "TransformerStage", "UserStage", "stage_indices", "SCHEDULES"]
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -863,22 +863,3 @@ def _decode_tensors(tree: Any, data: bytes, rank: int) -> Any:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(bytearray(data[offset:offset + length]), dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
-
-
-def pipeline_mesh_context(ctx: DistContext, pp: int, tp: int = 1, tp_algorithm: str = "torch") -> tuple[DistContext, Any]:
-    """The 2-D mesh (dp = world / pp, pp), or with ``tp`` > 1 the 3-D mesh (dp = world / (pp tp), pp, tp): tp
-    innermost (a tensor-parallel group is consecutive ranks, one host), then the pipeline, the data-parallel
-    replicas outermost. ``ctx`` gets this rank's data-parallel coordinates (the ranks of one pipeline, and of
-    its stages' tensor-parallel groups, read the same samples); ``tp_algorithm = 'shm'`` puts the tp groups on
-    ringtrain's shared memory (``tensor.mesh_context``). Every rank calls it."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ringtrain.parallel.tensor import tp_backend_override
-
-    dp = ctx.world_size // (pp * tp)
-    if tp > 1:
-        mesh = init_device_mesh(ctx.device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"),
-                                backend_override=tp_backend_override(ctx, tp_algorithm))
-    else:
-        mesh = init_device_mesh(ctx.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    return dataclasses.replace(ctx, dp=(mesh.get_local_rank("dp"), dp), dp_group=mesh.get_group("dp")), mesh

@@ -43,7 +43,7 @@ from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
 from ringtrain.parallel.units import block_units
 
 __all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "apply_plan", "gpt2_plan", "huggingface_plan",
-           "mesh_context", "parallelize_stage", "parallelize_transformer", "user_plan", "vocabulary_split_output"]
+           "parallelize_stage", "parallelize_transformer", "user_plan", "vocabulary_split_output"]
 
 _FUSED = {"attn.qkv.weight": 0, "attn.qkv.bias": 0}
 """Parameters (by name suffix) whose rows are q | k | v, and the dimension that is: put in rank order at wrap,
@@ -602,39 +602,3 @@ def _to_natural(ranked: torch.Tensor, tp: int, dim: int = 0) -> torch.Tensor:
     """The inverse of ``_to_ranks``."""
     rows = ranked.movedim(dim, 0)
     return rows.reshape(tp, 3, -1, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape).movedim(0, dim).contiguous()
-
-
-
-def mesh_context(ctx: DistContext, tp: int, algorithm: str = "torch", replicate: int = 1) -> tuple[DistContext, Any]:
-    """The 2-D mesh (dp = world / tp, tp) over the whole group, and ``ctx`` with this rank's data-parallel
-    coordinates: its index along ``dp`` (the samples it reads, the same for its tensor-parallel peers), the
-    ``dp`` size, and its ``dp`` group (the ranks whose data sums and ids are gathered). ``algorithm = 'shm'``:
-    the ``tp`` dimension's groups are ringtrain's shared-memory backend (``comm/c10d_backend.py``), so DTensor's
-    all-reduces run there. ``replicate`` > 1: the 3-D mesh (dp_replicate, dp_shard = dp / replicate, tp), FSDP2's
-    HSDP over the first two (whole replicas when dp_shard is 1), the data-parallel coordinates over both. Every
-    rank calls it."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp = ctx.world_size // tp
-    override = tp_backend_override(ctx, algorithm)
-    if replicate == 1:
-        mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"), backend_override=override)
-        dp_mesh = mesh["dp"]
-    else:  # replicas of FSDP2 shard groups (a shard group of 1: whole replicas, DDP beside tp)
-        mesh = init_device_mesh(ctx.device.type, (replicate, dp // replicate, tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"), backend_override=override)
-        dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    return dataclasses.replace(ctx, dp=(dp_mesh.get_local_rank(), dp), dp_group=dp_mesh.get_group()), mesh
-
-
-def tp_backend_override(ctx: DistContext, algorithm: str) -> dict[str, str] | None:
-    """``init_device_mesh``'s ``backend_override`` for the ``tp`` dimension: ringtrain's shared-memory backend
-    for ``algorithm = 'shm'`` (CPU workers only), the default group's backend otherwise."""
-    if algorithm != "shm":
-        return None
-    if ctx.device.type != "cpu":
-        raise ConfigError(f"[parallel] tp_algorithm = 'shm' needs CPU workers, but this worker trains on "
-                          f"{ctx.device}; set tp_algorithm = 'torch'")
-    from ringtrain.comm.c10d_backend import BACKEND
-
-    return {"tp": BACKEND}

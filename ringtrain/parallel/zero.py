@@ -53,7 +53,7 @@ from ringtrain.parallel.zero_gather import Gatherer
 from ringtrain.parallel.zero_flat import FlatUnit, full_optimizer_state, shard_optimizer, sharded_optimizer_state
 from ringtrain.parallel.zero_state import materialize_optimizer_state, settle_empty_runs, zero_checkpoint_state
 
-__all__ = ["ZeroStrategy", "ZeroDataParallel"]
+__all__ = ["from_config", "ZeroStrategy", "ZeroDataParallel"]
 
 
 class ZeroDataParallel(nn.Module):
@@ -465,3 +465,9 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
     return [t for t in (getattr(value, "logits", None),) if isinstance(t, torch.Tensor)]
+
+
+def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> ZeroStrategy:
+    """``comm.strategy = 'zero1' | 'zero2' | 'zero3'`` (the registry's builder; the stage is the spec's)."""
+    return ZeroStrategy(device, stage=spec.options["stage"], bucket_mb=comm.resolved_bucket_mb,
+                        algorithm=comm.algorithm, chunk_kb=comm.chunk_kb, prefetch=comm.prefetch)

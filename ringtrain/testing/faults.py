@@ -92,7 +92,7 @@ POINTS: dict[str, str] = {
     "checkpoint.sharded.enter": "checkpoint/sharded.py ShardedCheckpointer.save: a sharded save starts, on every rank",
     "checkpoint.sharded.commit": "checkpoint/sharded.py ShardedCheckpointer._commit: rank 0, every rank's files "
                                  "done, before the manifest that commits them (a background save: in its thread)",
-    "train.wrap": "train/build.py build_trainer: the model built, before the strategy wraps it (DDP's first "
+    "train.wrap": "parallel/__init__.py build_parallel: the model built, before the strategy wraps it (DDP's first "
                   "collectives: a worker lost here is lost while the group starts)",
     "train.resume": "train/loop_checkpoints.py Trainer.resume: before every rank agrees which checkpoint to "
                     "continue from (its collectives), on every start",

@@ -8,18 +8,13 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.config import Config, validate_for_backend
-from ringtrain.config.parallel import resolve_degrees
 from ringtrain.data import ResumableSampler, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
 from ringtrain.group.env import forget_fault_plan
 from ringtrain.group.init import DistContext
 from ringtrain.group.jobstore import NullJobStore
 from ringtrain.monitor.loggers import build_logger
-from ringtrain.parallel import build_strategy
-from ringtrain.parallel.activation_checkpoint import apply_ac
-from ringtrain.parallel.fsdp import hsdp_mesh
-from ringtrain.parallel.pipeline import pipeline_mesh_context
-from ringtrain.parallel.tensor import mesh_context
+from ringtrain.parallel import build_parallel
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.healing_hooks import NoHealing
 from ringtrain.train.loop import TrainParts, Trainer
@@ -53,23 +48,10 @@ def build_trainer(
         # state the running workers send it: they run no broadcast here).
         broadcast_from_rank0(model)
     task = parts.task
-    # Before the strategy wraps the model: DDP, the zero units and FSDP's fully_shard see checkpointed blocks.
-    checkpointed = apply_ac(model, train_cfg.activation_checkpointing)
-    mesh = None
-    degrees = resolve_degrees(config.parallel, config.comm.strategy, ctx.world_size)
-    # The model split over tp (or pp) ranks: they read the same samples (ctx's data-parallel coordinates).
-    if degrees["pp"] > 1:  # with tp > 1: a 3-D mesh, tensor parallelism inside the stages
-        ctx, mesh = pipeline_mesh_context(ctx, degrees["pp"], degrees["tp"], config.parallel.tp_algorithm)
-    elif degrees["tp"] > 1:  # with dp_replicate > 1: FSDP2's replicas of shard groups beside tp
-        ctx, mesh = mesh_context(ctx, degrees["tp"], config.parallel.tp_algorithm, degrees["dp_replicate"])
-    elif degrees["dp_replicate"] > 1 and config.comm.strategy == "fsdp":  # HSDP: every rank is a data-parallel one
-        mesh = hsdp_mesh(ctx.device, degrees["dp_replicate"])
-    strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=mesh,
-                              parallel=config.parallel, tp_plan=parts.tp_plan,
-                              pp_split=parts.pp_split)
-    if not joining:
-        faults.point("train.wrap")
-    wrapped = model if joining else strategy.wrap(model)
+    # The layout's mesh, then tensor/pipeline splits and one data-parallel strategy over its dp ranks; the model
+    # split over tp (or pp) ranks: they read the same samples (ctx's data-parallel coordinates).
+    parallel = build_parallel(config, ctx, model, tp_plan=parts.tp_plan, pp_split=parts.pp_split, wrap=not joining)
+    ctx, strategy, wrapped = parallel.ctx, parallel.strategy, parallel.model
     if parts.optimizer is not None:
         optimizer = parts.optimizer(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -124,7 +106,7 @@ def build_trainer(
                              count=getattr(strategy, "microbatches", None),
                              count_multiple=getattr(strategy, "microbatch_multiple", 1)),
         data_stats=data.stats,
-        checkpointed_blocks=len(checkpointed),
+        checkpointed_blocks=parallel.checkpointed_blocks,
         loaders=loaders,
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), healing)

@@ -32,7 +32,7 @@ class GroupSeams:
         self.model = parts.model
         self.comm_timer = parts.strategy.comm_timer
         self.batcher = parts.batcher
-        self.gradient = GradientStep(parts, self.clock, ctx.dp_size, ctx.device)
+        self.gradient = GradientStep(parts, self.clock, ctx.gradient_ranks, ctx.device)
         dump = flight_dumper(config.run_dir, ctx.rank, ctx.world_size) if config.dist.flight_recorder else None
         self.dump_flight = self.healing.wrap_dump(dump)
         self.watch = CollectiveWatch(parts.job_store, ctx.rank, ctx.world_size, config.dist.timeout_s,

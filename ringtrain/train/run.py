@@ -25,7 +25,7 @@ from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
 from ringtrain.comm.objects import all_gather_json
-from ringtrain.config.schema import HEALABLE_STRATEGIES, RELOADED_STRATEGIES
+from ringtrain.strategies import strategy_spec
 from ringtrain.group.env import DistEnv
 from ringtrain.group.init import DistContext, leave_default_group, prepare_process
 from ringtrain.group.jobstore import NullJobStore, connect_job_store
@@ -220,10 +220,10 @@ def _trained_model(trainer, parts: UserParts) -> nn.Module | None:
     every rank) into a new module from the user's factory, as do the strategies that split the model (tensor
     and pipeline parallelism)."""
     split = trainer.parts.strategy.splits_model
-    if trainer.config.comm.strategy in HEALABLE_STRATEGIES and not split:
-        trainer.leave_group()  # DDP's or the manual strategy's hooks and buckets go
-        return trainer.module
-    if trainer.config.comm.strategy in ("zero1", "zero2") and not split:
+    spec = strategy_spec(trainer.config.comm.strategy)
+    if spec.module_is_users and not split:
+        if spec.leaves_group:
+            trainer.leave_group()  # DDP's or the manual strategy's hooks and buckets go
         return trainer.module
     state = trainer.parts.strategy.model_state_dict(trainer.model)
     if isinstance(parts.model, nn.Module):
@@ -249,14 +249,14 @@ def _supervisor(config: Config, env: DistEnv, job_store: NullJobStore, parts: Us
                 membership: Membership) -> Supervisor:
     supervisor = Supervisor(membership, env.heal_min_workers or 1, env.heal_max_workers,
                             rebuild=lambda ctx: build_trainer(config, ctx, job_store, parts, healing=supervisor),
-                            reloads=config.comm.strategy in RELOADED_STRATEGIES)
+                            reloads=strategy_spec(config.comm.strategy).reloads)
     return supervisor
 
 
 def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = None) -> dict[str, Any]:
     """``ringtrain join`` of a --heal job: ask to be admitted, meet the running workers in a new group at
     their next step boundary, receive their state (no checkpoint read), train with them."""
-    if config.comm.strategy in RELOADED_STRATEGIES:
+    if strategy_spec(config.comm.strategy).reloads:
         raise ConfigError(
             f"ringtrain join: this --heal job runs comm.strategy = '{config.comm.strategy}', healed by reloading "
             "shards from its checkpoints; admitting a worker into it is not supported: it goes on with the workers "

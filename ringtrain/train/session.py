@@ -52,7 +52,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.checkpoint.front import CheckpointFront
 from ringtrain.config import validate_for_world_size
-from ringtrain.config.parallel import resolve_degrees
+from ringtrain.config.parallel import resolve_layout
 from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch, build_eval_loader, build_train_loader
 from ringtrain.data.sampler import ResumableSampler
@@ -64,9 +64,7 @@ from ringtrain.group.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbe
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock
-from ringtrain.parallel import build_strategy
-from ringtrain.parallel.fsdp import hsdp_mesh
-from ringtrain.parallel.activation_checkpoint import apply_ac
+from ringtrain.parallel import build_parallel
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.testing import faults
 from ringtrain.train.build import arm_fault_plan, broadcast_from_rank0
@@ -99,8 +97,8 @@ class Session:
         try:
             self.config = resolve_config(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
-            degrees = resolve_degrees(self.config.parallel, self.config.comm.strategy, env.world_size)
-            if degrees["tp"] > 1 or degrees["pp"] > 1:
+            layout = resolve_layout(self.config.parallel, self.config.comm.strategy, env.world_size)
+            if layout.model_parallel > 1:
                 raise ConfigError("[parallel] tp or pp > 1 in a Session: model parallelism runs under ringtrain "
                                   "train so far (issue 23); set tp = 1 and pp = 1 here")
             self.plan = resume_plan(resume, env, self.config)
@@ -170,12 +168,9 @@ class Session:
         # For the record (config.toml): what this run trains.
         self.config = self.config.model_copy(update={
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
-        apply_ac(module, self.config.train.activation_checkpointing)  # before the strategy wraps it
-        degrees = resolve_degrees(self.config.parallel, self.config.comm.strategy, self.world_size)
-        hsdp = degrees["dp_replicate"] > 1 and self.config.comm.strategy == "fsdp"  # FSDP2's replicas of shard groups
-        self.strategy = build_strategy(self.config.comm, self.device, self.config.diloco, heal=self.config.dist.heal,
-                                       mesh=hsdp_mesh(self.device, degrees["dp_replicate"]) if hsdp else None)
-        self.module, self.model = module, self.strategy.wrap(module)
+        parallel = build_parallel(self.config, self.ctx, module)  # the layout's mesh, checkpointing, the strategy
+        self.ctx, self.strategy = parallel.ctx, parallel.strategy
+        self.module, self.model = module, parallel.model
         made = self._made_optimizer = optimizer is None
         optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer
         self.optimizer = self.strategy.shard_optimizer(optimizer)

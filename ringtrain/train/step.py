@@ -43,7 +43,10 @@ class GradientStep:
         self.module = parts.module
         self.clock = clock
         self.world_size = world_size
+        """The ranks the strategy averages the gradient over (``DistContext.gradient_ranks``): the loss's scale."""
         self.device = device
+        self.cp_timer = getattr(parts.module, "cp_comm_timer", None)
+        """Context parallelism's ring (``parallel/context.py``): its waits are the step's ``cp_comm`` phase."""
 
     # The parts are read when used, so a part swapped after building (a test's task) takes effect.
     @property
@@ -90,6 +93,8 @@ class GradientStep:
                 loss_sum = self._accumulate(plan, self.model, step, before_sync)
             if waits is not None:  # tensor parallelism: the split layers' all-reduces inside the passes
                 self.clock.move("forward_backward", "tp_comm", waits())
+            if self.cp_timer is not None:  # context parallelism: the ring's key/value exchanges waited for
+                self.clock.move("forward_backward", "cp_comm", self.cp_timer.take_s())
             self._book_exposed_communication()
             return loss_sum, plan.global_items
         buffers = BufferSnapshot(self.module)

@@ -6,11 +6,19 @@ from __future__ import annotations
 import pytest
 
 from ringtrain.config import load_config_dict, validate_for_world_sizes
-from ringtrain.config.parallel import check_parallel, resolve_degrees
+from ringtrain.config.parallel import check_parallel, resolve_layout
 from ringtrain.errors import ConfigError
 from tests.conftest import run_main
 
 LM = {"model": {"name": "transformer", "n_layers": 4}, "data": {"dataset": "text"}}
+
+
+def degrees_of(config, world_size: int) -> dict[str, int]:
+    """``check_parallel``'s layout as the degrees these tests name (cp left out while it is 1)."""
+    degrees = check_parallel(config, world_size).degrees
+    if degrees["cp"] == 1:
+        del degrees["cp"]
+    return degrees
 
 
 def config(parallel: dict, strategy: str = "ddp", **sections):
@@ -25,11 +33,12 @@ def config(parallel: dict, strategy: str = "ddp", **sections):
     ("fsdp", 2, {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}),
 ])
 def test_the_existing_strategies_are_the_one_dimensional_meshes(strategy, world_size, expected):
-    assert check_parallel(config({}, strategy), world_size) == expected
+    degrees = {**expected, "cp": 1}
+    assert check_parallel(config({}, strategy), world_size).degrees == degrees
     # Spelled out, the same mesh; and -1 takes the rest.
-    assert check_parallel(config(expected, strategy), world_size) == expected
+    assert check_parallel(config(expected, strategy), world_size).degrees == degrees
     own = "dp_replicate" if expected["dp_replicate"] > 1 else "dp_shard"
-    assert check_parallel(config({own: -1}, strategy), world_size) == expected
+    assert check_parallel(config({own: -1}, strategy), world_size).degrees == degrees
 
 
 def test_the_product_must_be_the_world_size_in_one_line_naming_every_degree():
@@ -51,23 +60,23 @@ def test_an_elastic_job_is_checked_at_every_size_and_says_so():
 
 
 def test_pipeline_parallelism_alone_and_with_replicas_passes_the_checks():
-    assert check_parallel(config({"pp": 2}), 2) == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2}
-    assert check_parallel(config({"dp_replicate": 2, "pp": -1}), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 1,
+    assert degrees_of(config({"pp": 2}), 2) == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2}
+    assert degrees_of(config({"dp_replicate": 2, "pp": -1}), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 1,
                                                                         "pp": 2}
-    assert check_parallel(config({"pp": 2, "stages_per_rank": 2, "pp_schedule": "zbv_zero_bubble"}), 2)["pp"] == 2
-    assert check_parallel(config({"pp": 2}, checkpoint={"sharded": True, "async": True}), 2)["pp"] == 2
-    assert check_parallel(config({"pp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
+    assert degrees_of(config({"pp": 2, "stages_per_rank": 2, "pp_schedule": "zbv_zero_bubble"}), 2)["pp"] == 2
+    assert degrees_of(config({"pp": 2}, checkpoint={"sharded": True, "async": True}), 2)["pp"] == 2
+    assert degrees_of(config({"pp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
 
 
 def test_tp_algorithm_without_tensor_parallelism_is_one_line():
-    assert check_parallel(config({"tp": 2, "tp_algorithm": "shm"}, "fsdp"), 4)["tp"] == 2
+    assert degrees_of(config({"tp": 2, "tp_algorithm": "shm"}, "fsdp"), 4)["tp"] == 2
     with pytest.raises(ConfigError, match=r"^\[parallel\] tp_algorithm = 'shm' with tp = 1: there are no"):
         check_parallel(config({"tp_algorithm": "shm"}), 2)
 
 
 def test_sequence_parallel_needs_tensor_parallelism_and_the_built_in_transformer():
-    assert check_parallel(config({"tp": 2, "sequence_parallel": True}, "fsdp"), 4)["tp"] == 2
-    assert check_parallel(config({"tp": 2, "pp": 2, "sequence_parallel": True}), 4)["pp"] == 2  # inside the stages
+    assert degrees_of(config({"tp": 2, "sequence_parallel": True}, "fsdp"), 4)["tp"] == 2
+    assert degrees_of(config({"tp": 2, "pp": 2, "sequence_parallel": True}), 4)["pp"] == 2  # inside the stages
     with pytest.raises(ConfigError, match=r"^\[parallel\] sequence_parallel = true with tp = 1: the sequence is split"):
         check_parallel(config({"sequence_parallel": True}), 2)
     own = load_config_dict({"model": {"factory": "tests.fit.tp_code:Mixer"}, "data": {"dataset": "text"},
@@ -77,10 +86,10 @@ def test_sequence_parallel_needs_tensor_parallelism_and_the_built_in_transformer
 
 
 def test_replicas_of_shard_groups_are_fsdp2s_hsdp_beside_tp_or_alone():
-    assert check_parallel(config({"dp_replicate": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 4, "tp": 1, "pp": 1}
-    assert check_parallel(config({"dp_replicate": 2, "tp": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 2,
+    assert degrees_of(config({"dp_replicate": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 4, "tp": 1, "pp": 1}
+    assert degrees_of(config({"dp_replicate": 2, "tp": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 2,
                                                                               "tp": 2, "pp": 1}
-    assert check_parallel(config({"tp": 2}, "ddp"), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
+    assert degrees_of(config({"tp": 2}, "ddp"), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
     with pytest.raises(ConfigError, match=r"pp = 2 with dp_replicate = 2 and comm.strategy = 'fsdp': replicas of "
                                           r"sharded pipeline stages \(HSDP beside a pipeline\) are not built yet"):
         check_parallel(config({"dp_replicate": 2, "pp": 2}, "fsdp"), 8)
@@ -96,14 +105,14 @@ def test_loss_parallel_needs_tp_a_users_own_output_layer_and_the_cross_entropy()
         check_parallel(config({"tp": 2, "pp": 2, "loss_parallel": True}), 4)
     own = {"model": {"factory": "tests.fit.tp_code:llama"}, "data": {"dataset": "text"}, "comm": {"strategy": "fsdp"},
            "parallel": {"tp": 2, "loss_parallel": True}}
-    assert check_parallel(load_config_dict(own), 2)["tp"] == 2
+    assert degrees_of(load_config_dict(own), 2)["tp"] == 2
     with pytest.raises(ConfigError, match=r"loss_parallel = true with task.loss = 'mse': torch's loss_parallel"):
         check_parallel(load_config_dict({**own, "task": {"loss": "mse"}}), 2)
 
 
 def test_tensor_parallelism_takes_sharded_checkpoints():
     sharded = {"sharded": True, "async": True}
-    assert check_parallel(config({"tp": 2}, "fsdp", checkpoint=sharded), 4) == {"dp_replicate": 1, "dp_shard": 2,
+    assert degrees_of(config({"tp": 2}, "fsdp", checkpoint=sharded), 4) == {"dp_replicate": 1, "dp_shard": 2,
                                                                                  "tp": 2, "pp": 1}
 
 
@@ -133,8 +142,8 @@ def test_what_pipeline_parallelism_cannot_run_with_is_one_line(parallel, strateg
 
 
 def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
-    assert check_parallel(config({"tp": -1}), 2) == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1}
-    assert check_parallel(config({"tp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
+    assert degrees_of(config({"tp": -1}), 2) == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1}
+    assert degrees_of(config({"tp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
@@ -187,16 +196,39 @@ def test_the_launcher_refuses_before_any_worker_with_exit_2_and_one_line(tmp_pat
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
-def test_every_strategy_is_one_of_the_one_dimensional_meshes():
+def test_every_strategy_is_registered_with_its_data_parallel_dimension():
     from typing import get_args
 
     from ringtrain.config import CommConfig
-    from ringtrain.config.parallel import REPLICATED, SHARDED
+    from ringtrain.strategies import strategy_specs
 
     strategies = set(get_args(CommConfig.model_fields["strategy"].annotation))
-    assert strategies == set(REPLICATED) | set(SHARDED) and not set(REPLICATED) & set(SHARDED)
+    specs = {spec.name: spec for spec in strategy_specs()}
+    assert strategies == set(specs)
+    assert {name for name, spec in specs.items() if spec.owner == "dp_replicate"} == {"ddp", "manual", "diloco"}
+    assert {name for name, spec in specs.items() if spec.owner == "dp_shard"} == {"zero1", "zero2", "zero3", "fsdp"}
 
 
-def test_resolve_degrees_on_its_own():
-    assert resolve_degrees(config({"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": -1}).parallel, "ddp", 6) == {
-        "dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 3}
+def test_resolve_layout_on_its_own():
+    layout = resolve_layout(config({"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": -1}).parallel, "ddp", 6)
+    assert layout.degrees == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 3}
+    assert (layout.world_size, layout.dp, layout.model_parallel) == (6, 2, 3)
+
+
+@pytest.mark.parametrize("parallel, strategy, sections, world, says", [
+    ({"cp": 2, "tp": 2}, "fsdp", {}, 4, "not composed with tensor or pipeline parallelism yet"),
+    ({"cp": 2}, "diloco", {}, 2, "use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1"),
+    ({"cp": 2, "dp_replicate": 2}, "fsdp", {}, 8, "replicas of shard groups beside context parallelism"),
+    ({"cp": 2}, "ddp", {"model": {"name": "transformer", "n_layers": 4, "dropout": 0.1}}, 2, "set model.dropout = 0"),
+    ({"cp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2, "splits the built-in transformer's"),
+])
+def test_context_parallelism_refuses_what_it_does_not_run_with_in_one_line(parallel, strategy, sections, world, says):
+    with pytest.raises(ConfigError) as caught:
+        check_parallel(config(parallel, strategy, **sections), world)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_context_parallel_ranks_are_a_model_dimension_of_the_layout():
+    layout = check_parallel(config({"cp": 2}, "zero2"), 4)
+    assert layout.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1, "pp": 1}
+    assert (layout.dp, layout.model_parallel, layout.mesh_shape()) == (2, 2, (("dp", "cp"), (2, 2)))

@@ -77,7 +77,9 @@ def test_layouts_are_those_ringtrain_composes_and_a_tight_memory_rules_some_out(
     assert {(2, 2, 2, "ddp"), (2, 2, 2, "fsdp"), (1, 4, 2, "ddp")} <= shapes
     assert all(l.sp for l in found if l.tp > 1)
     assert not any(l.pp > 1 and l.data not in ("ddp", "fsdp") for l in found)
-    assert not any(l.tp > 1 and l.pp == 1 and l.dp > 1 and l.data != "fsdp" for l in found)
+    # tp beside data-parallel ranks: FSDP2 (its shard dimension) or whole replicas (ddp); zero1/2 are not composed.
+    assert not any(l.tp > 1 and l.pp == 1 and l.dp > 1 and l.data not in ("ddp", "fsdp") for l in found)
+    assert (2, 4, 1, "ddp") in shapes
     assert not any(l.tp > 4 for l in found)  # a tp group stays inside a host
     assert all(16 // l.dp % l.microbatches == 0 for l in found)
     rows = plan_layouts(SHAPE, cluster, global_batch=16)

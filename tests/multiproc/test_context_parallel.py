@@ -1,0 +1,105 @@
+"""Context parallelism through the trainer (``[parallel] cp``, ringtrain/parallel/context_split.py) on the
+in-process harness: the built-in transformer's sequence split over cp ranks trains as one worker does on the same
+batches (fp32: every step's loss rtol 1e-5, every parameter 1e-5), alone (cp 2, and cp 3, whose sequences are
+padded to a multiple of 2 cp) and beside data-parallel ranks of ddp, zero2 and FSDP2 (cp 2 x dp 2); the cp ranks
+read the same samples (the ledger holds each sample once per step), the ring's waits are the step's cp_comm
+phase, and a checkpoint saved at cp 2 x dp 2 resumes at one worker on the uninterrupted run's parameters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringtrain.data.ledger import check_ledger
+from tests.distributed import run_distributed
+from ringtrain.train.resume import ResumePlan
+from tests.trainers import build_test_trainer, params_of, train_run
+
+CONFIG = "configs/debug_lm.toml"
+STEPS = 4
+BASE = [f"train.max_steps={STEPS}", "train.precision='fp32'", "train.auto_micro_batch=false", "model.dropout=0.0",
+        "monitor.log_every_steps=1", "data.ledger=true"]
+
+
+def train(rank: int, world_size: int, overrides: list[str], run_dir: str):
+    trainer = build_test_trainer(rank, world_size, CONFIG, [*BASE, *overrides], run_dir)
+    trainer.fit()
+    full = trainer.parts.strategy.full_named_parameters(trainer.model)
+    return {name: value.detach().numpy().copy() for name, value in full.items()}
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir) if r.get("type") == "train"]
+
+
+SGD = ["train.optimizer='sgd'", "train.momentum=0.0", "train.lr=0.5", "train.grad_clip_norm=1e9"]
+"""Plain SGD without clipping: the update is linear in the gradient, so a gradient off by the cp degree (the
+sum over the cp ranks taken as their average) shows; AdamW's update hardly changes with the gradient's scale."""
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    """The one-worker reference run of each optimizer, made when first asked for."""
+    made = {}
+
+    def reference(optimizer: list[str]):
+        key = tuple(optimizer)
+        if key not in made:
+            run_dir = tmp_path_factory.mktemp("one")
+            params = run_distributed(train, 1, optimizer, str(run_dir), timeout_s=300)[0]
+            made[key] = losses(run_dir), params
+        return made[key]
+
+    return reference
+
+
+CASES = {
+    "cp2-sgd": (2, ["parallel.cp=2", *SGD]),
+    "cp3-padded": (3, ["parallel.cp=3"]),
+    "ddp2-cp2-sgd": (4, ["parallel.cp=2", *SGD]),
+    "zero2-cp2": (4, ["parallel.cp=2", "comm.strategy='zero2'"]),
+    "fsdp2-cp2-sgd": (4, ["parallel.cp=2", "comm.strategy='fsdp'", *SGD]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_sequence_split_over_cp_ranks_trains_as_one_worker(case, one_worker, tmp_path):
+    world_size, overrides = CASES[case]
+    results = run_distributed(train, world_size, overrides, str(tmp_path), timeout_s=600)
+    reference_losses, reference = one_worker([o for o in overrides if o in SGD])
+    assert len(losses(tmp_path)) == STEPS
+    np.testing.assert_allclose(losses(tmp_path), reference_losses, rtol=1e-5)
+    for params in results:  # every rank ends on the one worker's parameters
+        for name, value in reference.items():
+            np.testing.assert_allclose(params[name], value, atol=1e-5, err_msg=name)
+    check_ledger(tmp_path / "ledger.jsonl")  # the cp peers' shared samples counted once
+    steps = [r for r in records(tmp_path) if r.get("type") == "train"]
+    assert all(r["time/cp_comm_s"] > 0 for r in steps), steps[0]
+
+
+def resume_at_one_worker(rank: int, world_size: int, overrides: list[str], run_dir: str):
+    trainer = build_test_trainer(rank, world_size, CONFIG, overrides, run_dir)
+    trainer.resume(ResumePlan(resume=True, required=True))
+    start = trainer.state.step
+    trainer.fit()
+    return start, params_of(trainer)
+
+
+def test_a_checkpoint_saved_at_cp2_x_dp2_resumes_at_one_worker(tmp_path, one_worker):
+    split = tmp_path / "split"
+    settings = [*BASE, "checkpoint.every_steps=2"]
+    run_distributed(train_run, 4, CONFIG, [*settings, "parallel.cp=2"], str(split), False, timeout_s=600)
+    # Back to step 2, at one worker: the split run's step-2 checkpoint is the newest left.
+    (split / "checkpoints" / f"step_{STEPS:08d}.pt").unlink()
+    (split / "summary.json").unlink()
+    start, params = run_distributed(resume_at_one_worker, 1, settings, str(split), timeout_s=300)[0]
+    assert start == 2
+    for name, value in one_worker([])[1].items():  # the one worker's uninterrupted run
+        np.testing.assert_allclose(params[name], value, atol=1e-5, err_msg=name)
