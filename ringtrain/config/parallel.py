@@ -22,7 +22,6 @@ strategy runs beside is its spec's (``ringtrain/strategies.py``).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator

@@ -42,7 +42,6 @@ model, keeps its stages and moves the rest to the meta device (shapes without me
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -58,7 +57,6 @@ from ringtrain import comm
 from ringtrain.comm.errors import PeerDataError
 from ringtrain.comm.objects import all_gather_bytes, all_gather_json
 from ringtrain.errors import ConfigError
-from ringtrain.group.init import DistContext
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.fsdp import _broadcast_from_rank0, _full, _local, _shard_like

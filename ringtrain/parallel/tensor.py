@@ -28,7 +28,6 @@ dimension FSDP2 averages, as the loss is scaled for (``GradientStep``: the data-
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -38,7 +37,6 @@ import torch
 from torch import nn
 
 from ringtrain.errors import ConfigError
-from ringtrain.group.init import DistContext
 from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
 from ringtrain.parallel.units import block_units
 
