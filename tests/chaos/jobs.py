@@ -11,7 +11,6 @@ time each line arrived, and the run directory's records as they are written.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import REPO
+from tests.runs import last_step, ledger_steps, records
 
 __all__ = ["Job", "records", "last_step", "ledger_steps", "assert_loopback_only"]
 
@@ -157,32 +157,6 @@ class Job:
             except psutil.NoSuchProcess:
                 pass
         self.process.wait(timeout=30)
-
-
-def _json_lines(path: Path) -> list[dict]:
-    """The complete JSON lines of a file being appended to (a line still being written is left out)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def records(run_dir: Path, kind: str | None = None) -> list[dict]:
-    return [r for r in _json_lines(run_dir / "metrics.jsonl") if kind is None or r.get("type") == kind]
-
-
-def last_step(run_dir: Path) -> int:
-    steps = [r["step"] for r in records(run_dir, "train")]
-    return max(steps, default=0)
-
-
-def ledger_steps(run_dir: Path) -> list[dict]:
-    return [r for r in _json_lines(run_dir / "ledger.jsonl") if "ids" in r]
 
 
 def assert_loopback_only(listening: dict[tuple, str], what: str) -> None:
