@@ -21,18 +21,36 @@ def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+_parsed: dict[str, tuple[bytes, list[dict]]] = {}
+"""path -> (the file's bytes up to its last newline, their JSON lines) when it was last read: a chaos test polls a
+growing ledger every 10 ms, and parsing all of it each time took a fifth of a core (300 steps: 2.8 ms a read)."""
+
+
 def json_lines(path: Path) -> list[dict]:
     """The complete JSON lines of a file that may still be appended to (a line still being written is left out)."""
     path = Path(path)
-    if not path.exists():
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    data = data[:data.rfind(b"\n") + 1]  # complete lines only
+    key = str(path)
+    known, parsed = _parsed.pop(key, (b"", []))
+    if not data.startswith(known):  # rewritten (a resume cuts its ledger back): read from the start
+        known, parsed = b"", []
+    parsed = parsed + [_loads(line) for line in data[len(known):].splitlines()]
+    parsed = [record for record in parsed if record is not None]
+    _parsed[key] = (data, parsed)
+    while len(_parsed) > 64:  # the oldest files: their tests are over
+        del _parsed[next(iter(_parsed))]
+    return list(parsed)
+
+
+def _loads(line: bytes) -> dict | None:
+    try:
+        return json.loads(line)
+    except ValueError:  # a line left torn by a killed writer
+        return None
 
 
 def records(run_dir: Path, kind: str | None = None) -> list[dict]:
