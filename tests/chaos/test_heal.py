@@ -13,7 +13,6 @@ schedule is constant so that stopping the reference early (train.max_steps) does
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.chaos.heal_cycles import kill_and_join
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.conftest import run_main
 from tests.distributed import run_distributed
+from tests.runs import summary
 from tests.trainers import train_run
 
 # Beside other tests: a --heal member is lost only when its exit is known (ringtrain/heal/liveness.py), never
@@ -39,10 +39,6 @@ SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=
         "--set", "monitor.progress=false", "--set", "dist.timeout_s=20", "--set", "checkpoint.every_steps=1000"]
 STEPS_PER_EPOCH = 15  # 1,437 training samples, 96 a step
 ADAMW = ["--set", "train.optimizer=adamw", "--set", "train.lr=0.001"]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def optimizer_updates(run_dir: Path) -> set[int]:

@@ -10,7 +10,6 @@ returns.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import time
@@ -22,6 +21,7 @@ import pytest
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.faults import Fault, fault_plan
+from tests.runs import summary
 
 # Beside other tests: a --heal member is lost only when its exit is known (ringtrain/heal/liveness.py), never
 # for a quiet heartbeat, so a loaded machine evicts no one (bench/heal_busy.py runs the five kills beside busy
@@ -46,10 +46,6 @@ PACE_UNTIL_HEALED = Fault("ledger.gathered", action="delay", seconds=0.25, gener
 """PACE in the first generation only: the job waits for slow joiners as long as it needs (beside other tests a
 joiner took more than the 45 s of a 12-epoch paced job to ask, and met a finished job), and once the test has
 made its heal the rest of the job runs at full speed."""
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def assert_exactly_once(run_dir: Path, epochs: int) -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from tests.chaos.jobs import Job, ledger_steps, records
-from tests.chaos.test_heal_compound import PACE_UNTIL_HEALED, assert_exactly_once, sets, summary
+from tests.chaos.test_heal_compound import PACE_UNTIL_HEALED, assert_exactly_once, sets
 from tests.faults import Fault, fault_plan
+from tests.runs import summary
 
 H = 5
 DILOCO = ["--set", "comm.strategy=diloco", "--set", f"diloco.sync_every={H}", "--set", "diloco.outer_lr=0.7",

@@ -8,8 +8,9 @@ error, exit 1 (CI, the joiner test of test_heal_diloco.py on an idle machine).""
 from __future__ import annotations
 
 from tests.chaos.jobs import Job, records
-from tests.chaos.test_heal_compound import assert_exactly_once, sets, summary
+from tests.chaos.test_heal_compound import assert_exactly_once, sets
 from tests.faults import Fault, fault_plan
+from tests.runs import summary
 
 
 def test_a_worker_lost_while_the_strategy_wraps_the_model_is_healed(tmp_path):

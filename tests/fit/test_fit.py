@@ -18,21 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.jobs import Job, last_step, records
+from tests.chaos.jobs import Job
 from tests.conftest import REPO, run_cli, run_clis, run_main
 from tests.faults import fault_plan, oom_at
+from tests.runs import last_step, losses, records, summary
 
 SCRIPT = "tests/fit/user_code.py"
 # configs/debug_mlp.toml is the same job as user_code.CONFIG; its model is user_code.digits_mlp.
 BUILT_IN = "configs/debug_mlp.toml"
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir, "train")}
 
 
 def script_args(*args: str, case: str = "oracle", config: dict | None = None) -> list[str]:

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.jobs import records
 from tests.conftest import REPO, run_cli, run_clis, run_main
 from tests.fit.background import Background
-from tests.fit.test_fit import SCRIPT, script_args, summary
+from tests.fit.test_fit import SCRIPT, script_args
 from tests.integration.test_cli_train import free_port
+from tests.runs import records, summary
 
 QUIET = {"monitor": {"progress": False}}
 """The script's config plus this: no progress bar in the captured output."""

@@ -14,7 +14,6 @@ Accelerate's documented conversion does, and keeps every ringtrain guarantee.
 from __future__ import annotations
 
 import difflib
-import json
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from tests.chaos.jobs import Job, ledger_steps
 from tests.conftest import REPO, run_cli
 from tests.faults import Fault, fault_plan
 from tests.fit.background import Background
+from tests.runs import summary
 
 PLAIN = REPO / "examples" / "digits_cnn.py"
 SESSION = REPO / "examples" / "digits_cnn_session.py"
@@ -72,10 +72,6 @@ def test_the_fit_conversion_hands_the_loop_over_and_trains_on_two_workers(tmp_pa
     result = summary(run_dir)
     assert result["steps"] == STEPS and len(set(result["param_sha256"])) == 1, result
     assert result["eval"]["accuracy"] > 0.8  # chance: 0.1
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def assert_every_sample_once(run_dir: Path) -> None:
