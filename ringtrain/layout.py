@@ -146,4 +146,6 @@ class Layout:
                                 **({"backend_override": override} if override else {}))
         if "dp_replicate" in names and self.model_parallel > 1:
             mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1):  # a wrapper's gradient average beside a split model
+            mesh[("dp", "cp")]._flatten("dp_cp")
         return mesh

@@ -263,10 +263,17 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     if model.dropout:
         raise ConfigError(f"{where} with model.dropout = {model.dropout}: ring attention has no attention dropout; set "
                           "model.dropout = 0, or cp = 1")
-    if degrees["tp"] > 1 or degrees["pp"] > 1:
-        raise ConfigError(f"{where} with tp = {degrees['tp']}, pp = {degrees['pp']}: context parallelism is not "
-                          "composed with tensor or pipeline parallelism yet (issue 40); set tp = 1 and pp = 1, or cp = 1")
     spec = strategy_spec(strategy)
+    if degrees["pp"] > 1:
+        raise ConfigError(f"{where} with pp = {degrees['pp']}: context parallelism is not composed with pipeline "
+                          "parallelism yet (issue 40); set pp = 1, or cp = 1")
+    if degrees["tp"] > 1 and spec.owner != "dp_shard":
+        raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': beside tensor and "
+                          "context parallelism the gradients are averaged by FSDP2 over the dp x cp ranks; set "
+                          "comm.strategy = 'fsdp'")
+    if degrees["tp"] > 1 and config.parallel.sequence_parallel:
+        raise ConfigError(f"{where} with sequence_parallel = true: the tensor-parallel ranks' sequence split and the "
+                          "context-parallel one are not composed yet (issue 40); leave sequence_parallel unset")
     if "cp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': the ranks of a context-parallel group hold one "
                           f"replica's parts and sum their gradients, which {spec.summary} does not (its workers step "

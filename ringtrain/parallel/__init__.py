@@ -107,8 +107,10 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
                                 sequence_parallel=parallel.sequence_parallel, split=pp_split)
     if layout.tp > 1:
+        # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares).
         return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,
-                                      loss_parallel=parallel.loss_parallel)
+                                      loss_parallel=parallel.loss_parallel,
+                                      dp_mesh=mesh["dp_cp"] if layout.cp > 1 else None)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

@@ -60,7 +60,7 @@ class TensorParallelStrategy(FSDPStrategy):
     step_operation = "all_reduce (tensor-parallel layers in forward and backward, gradient sync)"
 
     def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None,
-                 sequence_parallel: bool = False, loss_parallel: bool = False):
+                 sequence_parallel: bool = False, loss_parallel: bool = False, dp_mesh: Any = None):
         super().__init__(device)
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
@@ -69,9 +69,10 @@ class TensorParallelStrategy(FSDPStrategy):
         self.mesh = mesh
         self.tp = mesh["tp"].size()
         replicas = "dp_replicate" in mesh.mesh_dim_names
-        self.dp_mesh = mesh[("dp_replicate", "dp_shard")] if replicas else mesh["dp"]
-        """FSDP2's mesh: the data-parallel dimension, or its two (replicas of shard groups: HSDP) under
-        ``mesh_context(replicate=...)``."""
+        self.dp_mesh = dp_mesh if dp_mesh is not None else mesh[("dp_replicate", "dp_shard")] if replicas else mesh["dp"]
+        """FSDP2's mesh: the data-parallel dimension, or its two (replicas of shard groups: HSDP), or the ranks
+        gradients are averaged over beside context parallelism (``dp_cp``: the data-parallel ranks and their cp
+        groups, given as ``dp_mesh``)."""
         self.dp = self.dp_mesh.size()
         self.name = ("tp" if self.dp == 1 else "fsdp+tp" if not replicas
                      else "ddp+tp" if mesh["dp_shard"].size() == 1 else "hsdp+tp")

@@ -1,9 +1,10 @@
 """Context parallelism through the trainer (``[parallel] cp``, ringtrain/parallel/context_split.py) on the
 in-process harness: the built-in transformer's sequence split over cp ranks trains as one worker does on the same
 batches (fp32: every step's loss rtol 1e-5, every parameter 1e-5), alone (cp 2, and cp 3, whose sequences are
-padded to a multiple of 2 cp) and beside data-parallel ranks of ddp, zero2 and FSDP2 (cp 2 x dp 2); the cp ranks
-read the same samples (the ledger holds each sample once per step), the ring's waits are the step's cp_comm
-phase, and a checkpoint saved at cp 2 x dp 2 resumes at one worker on the uninterrupted run's parameters."""
+padded to a multiple of 2 cp), beside data-parallel ranks of ddp, zero2 and FSDP2 (cp 2 x dp 2) and beside tensor
+parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks); the cp ranks read the same samples (the ledger holds
+each sample once per step), the ring's waits are the step's cp_comm phase, and a checkpoint saved at cp 2 x dp 2
+or cp 2 x tp 2 resumes at one worker on the uninterrupted run's parameters."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ CASES = {
     "ddp2-cp2-sgd": (4, ["parallel.cp=2", *SGD]),
     "zero2-cp2": (4, ["parallel.cp=2", "comm.strategy='zero2'"]),
     "fsdp2-cp2-sgd": (4, ["parallel.cp=2", "comm.strategy='fsdp'", *SGD]),
+    "cp2-tp2-sgd": (4, ["parallel.cp=2", "parallel.tp=2", "comm.strategy='fsdp'", *SGD]),
 }
 
 
@@ -92,10 +94,12 @@ def resume_at_one_worker(rank: int, world_size: int, overrides: list[str], run_d
     return start, params_of(trainer)
 
 
-def test_a_checkpoint_saved_at_cp2_x_dp2_resumes_at_one_worker(tmp_path, one_worker):
+@pytest.mark.parametrize("layout", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2", "comm.strategy='fsdp'"]],
+                         ids=["cp2-dp2", "cp2-tp2"])
+def test_a_checkpoint_saved_split_over_cp_resumes_at_one_worker(layout, tmp_path, one_worker):
     split = tmp_path / "split"
     settings = [*BASE, "checkpoint.every_steps=2"]
-    run_distributed(train_run, 4, CONFIG, [*settings, "parallel.cp=2"], str(split), False, timeout_s=600)
+    run_distributed(train_run, 4, CONFIG, [*settings, *layout], str(split), False, timeout_s=600)
     # Back to step 2, at one worker: the split run's step-2 checkpoint is the newest left.
     (split / "checkpoints" / f"step_{STEPS:08d}.pt").unlink()
     (split / "summary.json").unlink()

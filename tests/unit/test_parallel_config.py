@@ -216,7 +216,9 @@ def test_resolve_layout_on_its_own():
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world, says", [
-    ({"cp": 2, "tp": 2}, "fsdp", {}, 4, "not composed with tensor or pipeline parallelism yet"),
+    ({"cp": 2, "pp": 2}, "ddp", {}, 4, "not composed with pipeline parallelism yet"),
+    ({"cp": 2, "tp": 2}, "ddp", {}, 4, "averaged by FSDP2 over the dp x cp ranks; set comm.strategy = 'fsdp'"),
+    ({"cp": 2, "tp": 2, "sequence_parallel": True}, "fsdp", {}, 4, "leave sequence_parallel unset"),
     ({"cp": 2}, "diloco", {}, 2, "use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1"),
     ({"cp": 2, "dp_replicate": 2}, "fsdp", {}, 8, "replicas of shard groups beside context parallelism"),
     ({"cp": 2}, "ddp", {"model": {"name": "transformer", "n_layers": 4, "dropout": 0.1}}, 2, "set model.dropout = 0"),
@@ -232,3 +234,5 @@ def test_context_parallel_ranks_are_a_model_dimension_of_the_layout():
     layout = check_parallel(config({"cp": 2}, "zero2"), 4)
     assert layout.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1, "pp": 1}
     assert (layout.dp, layout.model_parallel, layout.mesh_shape()) == (2, 2, (("dp", "cp"), (2, 2)))
+    layout = check_parallel(config({"cp": 2, "tp": 2}, "fsdp"), 8)
+    assert layout.mesh_shape() == (("dp", "cp", "tp"), (2, 2, 2))
