@@ -55,6 +55,11 @@ class StrategySpec:
     sharded_checkpoints: bool = True
     """It writes sharded (and background) checkpoints."""
     default_bucket_mb: float = 25.0
+    comm_volume: float = 1.0
+    """Bytes a step moves per parameter, relative to one gradient all-reduce (the planner's cost model):
+    gathering parameters and reduce-scattering gradients move 1.5x."""
+    section: str | None = None
+    """The config section of its own (``[diloco]``): recorded and digested only under this strategy."""
     options: dict[str, Any] = field(default_factory=dict)
     """The builder's own arguments (zero's stage)."""
 
@@ -104,12 +109,14 @@ for _stage in (1, 2, 3):
     register(StrategySpec(
         f"zero{_stage}", "ringtrain.parallel.zero:from_config", "dp_shard",
         f"ZeRO stage {_stage}: {('optimizer state', 'optimizer state and gradients', 'optimizer state, gradients and parameters')[_stage - 1]} sharded",
-        algorithms=_OWN, beside=frozenset({"cp"}), heals=True, reloads=True, module_is_users=_stage < 3, gathers_in_forward=_stage == 3,
+        algorithms=_OWN, beside=frozenset({"cp"}), heals=True, reloads=True, module_is_users=_stage < 3,
+        gathers_in_forward=_stage == 3, comm_volume=1.5 if _stage == 3 else 1.0,
         default_bucket_mb=4.0 if _stage < 3 else 25.0, options={"stage": _stage}))
 register(StrategySpec(
     "fsdp", "ringtrain.parallel.fsdp:from_config", "dp_shard", "PyTorch's FSDP2 (fully_shard)",
-    algorithms=("torch",), beside=frozenset({"tp", "pp", "cp", "hsdp"}), gathers_in_forward=True))
+    algorithms=("torch",), beside=frozenset({"tp", "pp", "cp", "hsdp"}), gathers_in_forward=True,
+    comm_volume=1.5))
 register(StrategySpec(
     "diloco", "ringtrain.parallel.diloco:from_config", "dp_replicate",
     "DiLoCo: local steps, an outer step every sync_every", algorithms=_OWN, heals=True, module_is_users=True,
-    leaves_group=True, sharded_checkpoints=False))
+    leaves_group=True, sharded_checkpoints=False, section="diloco"))

@@ -188,7 +188,7 @@ def layout_step(shape: ModelShape, cluster: Cluster, layout: Layout, global_batc
     else:
         topo = Topology(layout.dp, 1)
     params = layers * shape.block_params / layout.tp + shape.embed_params
-    volume = 1.5 if layout.data == "fsdp" else 1.0
+    volume = strategy_spec(layout.data).comm_volume
     work = Workload(params * 4.0 * volume, compute / 3, compute * 2 / 3)
     dp = predict_step(work, topo, cluster.intra, cluster.inter, "hierarchical", bucket_mb * 1e6) if layout.dp > 1 else None
     dp_exposed = dp.exposed_s if dp else 0.0

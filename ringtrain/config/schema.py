@@ -574,7 +574,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _diloco_fits(self) -> Config:
-        if self.comm.strategy != "diloco":
+        if strategy_spec(self.comm.strategy).section != "diloco":
             if "diloco" in self.model_fields_set and self.diloco.model_fields_set:
                 raise ValueError(f"[diloco] is set but comm.strategy = '{self.comm.strategy}'; set comm.strategy = "
                                  "'diloco' to train with it, or remove [diloco]")
@@ -647,7 +647,7 @@ class Config(Section):
             values["data"] = {k: v for k, v in values["data"].items() if k in ("factory", "args", "num_workers", "ledger")}
         if not self.user_parts:
             values.pop("task")
-        if self.comm.strategy != "diloco":
+        if strategy_spec(self.comm.strategy).section != "diloco":
             values.pop("diloco")  # only a DiLoCo run has a [diloco] to record
         for section in ("model", "data"):
             if not values[section].get("args"):
@@ -667,7 +667,7 @@ class Config(Section):
     def digest(self) -> str:
         """sha256 of the resolved config; a checkpoint records it to detect a changed job."""
         values = self.model_dump()
-        if self.comm.strategy != "diloco":
+        if strategy_spec(self.comm.strategy).section != "diloco":
             values.pop("diloco")  # unused: a config's digest stays what it was before [diloco] existed
         canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
