@@ -253,14 +253,15 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What context parallelism (``parallel/context_split.py``) runs with: the built-in transformer without
-    dropout, beside data-parallel ranks of a strategy whose spec composes with cp, no tp or pp yet, no heal."""
+    dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
+    ranks of a strategy whose spec composes with cp, tp under FSDP2, no pp yet, no heal."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
-    if model.factory is not None or model.name != "transformer":
+    if model.factory is None and model.name != "transformer":
         raise ConfigError(f"{where}: context parallelism splits the built-in transformer's sequence (model.name = "
-                          f"'transformer'), not {'a model of your own' if model.factory else repr(model.name)}; "
-                          "set cp = 1")
-    if model.dropout:
+                          f"'transformer') or a Hugging Face causal LM of your own (model.factory, fit), not "
+                          f"model.name = '{model.name}'; set cp = 1")
+    if model.factory is None and model.dropout:
         raise ConfigError(f"{where} with model.dropout = {model.dropout}: ring attention has no attention dropout; set "
                           "model.dropout = 0, or cp = 1")
     spec = strategy_spec(strategy)

@@ -26,9 +26,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ringtrain.parallel.context import apply_context_parallel, sequence_positions, shard_sequence, unshard_sequence
+from ringtrain.errors import ConfigError
+from ringtrain.parallel.context import (ContextCommTimer, apply_context_parallel, ring_attention, sequence_positions,
+                                        shard_sequence, unshard_sequence)
 
-__all__ = ["split_context"]
+__all__ = ["split_context", "hf_ring_attention"]
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -46,15 +48,33 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def split_context(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-    """Split ``model`` (the built-in ``TransformerLM``) over the ranks of ``group`` along the sequence, in place:
-    it still takes whole token sequences and returns whole logits (see the module's docstring). State dict keys
-    are unchanged (hooks only), so a checkpoint crosses layouts."""
+    """Split ``model`` over the ranks of ``group`` along the sequence, in place: the built-in ``TransformerLM``, or
+    a Hugging Face causal LM whose attention goes through transformers' attention interface (SDPA or eager: it
+    becomes ring attention, ``hf_ring_attention``). It still takes whole token sequences and returns whole
+    logits (see the module's docstring). State dict keys are unchanged (hooks only), so a checkpoint crosses
+    layouts. Any other model: one ConfigError line."""
+    from ringtrain.models.transformer import TransformerLM
+
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    apply_context_parallel(model, group)
+    if isinstance(model, TransformerLM):
+        apply_context_parallel(model, group)
+        positions_kwarg, max_positions = "positions", model.seq_len
+    elif _is_hf_causal_lm(model):
+        _ring_for_hf(model, group)
+        positions_kwarg, max_positions = "position_ids", model.config.max_position_embeddings
+    else:
+        raise ConfigError(f"[parallel] cp = {size}: context parallelism splits the built-in transformer or a Hugging "
+                          "Face causal LM whose attention is 'sdpa' or 'eager' (transformers' attention interface), "
+                          f"not {type(model).__name__}; set cp = 1")
     lengths: list[int] = []
 
     def shard_tokens(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        tokens = args[0] if args else kwargs.pop("tokens")
+        tokens = args[0] if args else kwargs.pop("tokens", None)
+        if tokens is None:
+            tokens = kwargs.pop("input_ids")
+        if kwargs.get("attention_mask") is not None:
+            raise ConfigError(f"[parallel] cp = {size}: ring attention is causal over whole sequences and takes no "
+                              "attention_mask; pass the tokens alone (padding at the end is fine), or set cp = 1")
         length = tokens.shape[1]
         padded = -(-length // (2 * size)) * (2 * size)
         if padded != length:  # after the last token: the causal mask hides it from every real one
@@ -62,13 +82,58 @@ def split_context(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         lengths.append(length)
         # The global positions of this rank's chunks; the padding's (past the model's last position when the
         # sequence is full) clamped: no real token sees it, and its logits are cut off.
-        positions = sequence_positions(padded, rank, size, device=tokens.device).clamp(max=module.seq_len - 1)
-        return (shard_sequence(tokens, 1, rank, size), *args[1:]), {**kwargs, "positions": positions}
+        positions = sequence_positions(padded, rank, size, device=tokens.device).clamp(max=max_positions - 1)
+        extra = {positions_kwarg: positions}
+        if positions_kwarg == "position_ids":  # a Hugging Face model: (batch, seq) positions, no key/value cache
+            extra = {"position_ids": positions.expand(tokens.shape[0], -1), "use_cache": False}
+        return (shard_sequence(tokens, 1, rank, size), *args[1:]), {**kwargs, **extra}
 
-    def gather_logits(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
-        return _GatherSequence.apply(output, group, rank, size)[:, :lengths.pop()]
+    def gather_logits(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        length = lengths.pop()
+        if isinstance(output, torch.Tensor):
+            return _GatherSequence.apply(output, group, rank, size)[:, :length]
+        output.logits = _GatherSequence.apply(output.logits, group, rank, size)[:, :length]  # a ModelOutput
+        return output
 
     # First among the pre-hooks: the positions hook (apply_context_parallel's) sees this rank's chunks.
     model.register_forward_pre_hook(shard_tokens, with_kwargs=True, prepend=True)
     model.register_forward_hook(gather_logits, with_kwargs=True)
     return model
+
+
+# --- Hugging Face causal LMs -------------------------------------------------------------------------------------
+
+_HF_GROUPS: dict[int, tuple[dist.ProcessGroup, ContextCommTimer]] = {}
+"""id(model.config) -> its cp group and timer: transformers hands an attention function the attention module,
+whose ``config`` is the model's."""
+HF_ATTENTION = "ringtrain_ring"
+
+
+def _is_hf_causal_lm(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return (getattr(config, "_attn_implementation", None) in ("sdpa", "eager", HF_ATTENTION)
+            and hasattr(model, "set_attn_implementation"))
+
+
+def hf_ring_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface (``sdpa_attention_forward``'s signature) as ring attention over the
+    model's cp group: causal over the whole sequence, ``attention_mask`` (the local causal mask transformers
+    builds) unused; returns ``[batch, seq, heads, head_dim]``, as SDPA's does."""
+    group, timer = _HF_GROUPS[id(module.config)]
+    out = ring_attention(query, key, value, group, scale=scaling, timer=timer)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ring_for_hf(model: nn.Module, group: dist.ProcessGroup) -> None:
+    from transformers import AttentionInterface
+
+    if getattr(model.config, "attention_dropout", 0.0):
+        raise ConfigError(f"ring attention has no attention dropout; the model's config has attention_dropout = "
+                          f"{model.config.attention_dropout}: build it with 0, or set cp = 1")
+    AttentionInterface.register(HF_ATTENTION, hf_ring_attention)
+    timer = ContextCommTimer()
+    _HF_GROUPS[id(model.config)] = (group, timer)
+    model.set_attn_implementation(HF_ATTENTION)
+    model.cp_comm_timer = timer

@@ -107,3 +107,40 @@ def test_a_checkpoint_saved_split_over_cp_resumes_at_one_worker(layout, tmp_path
     assert start == 2
     for name, value in one_worker([])[1].items():  # the one worker's uninterrupted run
         np.testing.assert_allclose(params[name], value, atol=1e-5, err_msg=name)
+
+
+def llama_step(rank: int, world_size: int) -> tuple:
+    """A Hugging Face Llama (SDPA attention, grouped-query heads, rotary positions; weights drawn wide so that
+    attention and positions matter) on 30-token sequences (padded to a multiple of 2 cp), fp64: its logits and
+    its parameters' gradients of the mean cross-entropy, split over the ranks' cp group when world_size > 1 (the
+    gradients summed over it, as the data-parallel strategy's average times the loss scale makes them)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ringtrain.parallel.context_split import split_context
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         initializer_range=0.5)).double()
+    tokens = torch.randint(0, 48, (2, 31), generator=torch.Generator().manual_seed(1))
+    if world_size > 1:
+        split_context(model, dist.group.WORLD)
+    logits = model(tokens[:, :-1]).logits
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    if world_size > 1:
+        for grad in grads.values():
+            dist.all_reduce(grad)
+    return logits.detach().numpy(), {name: grad.numpy() for name, grad in grads.items()}
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_huggingface_llama_split_over_cp_ranks_computes_the_unsplit_logits_and_gradients(cp):
+    [(logits, grads)] = run_distributed(llama_step, 1, timeout_s=120)
+    for split_logits, split_grads in run_distributed(llama_step, cp, timeout_s=300):
+        np.testing.assert_allclose(split_logits, logits, rtol=1e-9, atol=1e-9)
+        for name, grad in grads.items():
+            np.testing.assert_allclose(split_grads[name], grad, rtol=1e-8, atol=1e-10, err_msg=name)
