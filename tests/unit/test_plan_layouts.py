@@ -7,8 +7,9 @@ import pytest
 
 from ringtrain.bench.plan import Link, ring_time
 from ringtrain.bench.plan import PlanError
-from ringtrain.bench.plan_layouts import (Cluster, Layout, ModelShape, enumerate_layouts, layout_memory, layout_step,
-                                          parse_tp_unsplit, plan_layouts)
+from ringtrain.bench.plan_layouts import (DATA_STRATEGIES, Cluster, Layout, ModelShape, activation_bytes,
+                                          enumerate_layouts, layout_memory, layout_step, layouts_markdown,
+                                          parse_tp_unsplit, plan_layouts, runs_in_ringtrain)
 from tests.conftest import run_main
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=100)
@@ -75,7 +76,7 @@ def test_layouts_are_those_ringtrain_composes_and_a_tight_memory_rules_some_out(
     assert (8, 1, 1, "zero2") in shapes and (2, 4, 1, "fsdp") in shapes and (4, 1, 2, "ddp") in shapes
     # tp inside pipeline stages, with the pipelines replicated or sharded (the 3-D mesh); tp with sequence parallelism.
     assert {(2, 2, 2, "ddp"), (2, 2, 2, "fsdp"), (1, 4, 2, "ddp")} <= shapes
-    assert all(l.sp for l in found if l.tp > 1)
+    assert all(l.sp for l in found if l.tp > 1 and l.cp == 1)  # not beside cp: ringtrain refuses sp with it
     assert not any(l.pp > 1 and l.data not in ("ddp", "fsdp") for l in found)
     # tp beside data-parallel ranks: FSDP2 (its shard dimension) or whole replicas (ddp); zero1/2 are not composed.
     assert not any(l.tp > 1 and l.pp == 1 and l.dp > 1 and l.data not in ("ddp", "fsdp") for l in found)
@@ -111,3 +112,120 @@ def test_the_unsplit_share_is_one_value_or_one_per_precision():
     result = run_main("plan", "layouts", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32",
                       "--global-batch", "8", "--workers", "2", "--tp-unsplit", "fp32=2")
     assert result.returncode == 2 and "--tp-unsplit fp32=2: a share of the compute" in result.stderr
+
+
+# --- context parallelism (issue 40) ------------------------------------------------------------------------------
+def test_cp_layouts_are_enumerated_where_ringtrain_composes_them():
+    cluster = Cluster(workers=8, per_host=4, memory_gb=1.0, tflops=1.0, intra=FAST, inter=SLOW)
+    found = enumerate_layouts(SHAPE, cluster, global_batch=16, microbatches=4)
+    shapes = {(l.dp, l.cp, l.tp, l.pp, l.data) for l in found}
+    # Beside every data-parallel strategy the planner lists, even at dp 1 (the strategy runs over the cp ranks).
+    assert {(4, 2, 1, 1, data) for data in ("ddp", "zero1", "zero2", "fsdp")} <= shapes
+    assert {(1, 8, 1, 1, "ddp"), (1, 8, 1, 1, "fsdp")} <= shapes
+    # Beside tp: FSDP2 only, and without sequence parallelism; never beside pp.
+    assert (2, 2, 2, 1, "fsdp") in shapes and (1, 4, 2, 1, "fsdp") in shapes
+    assert all(l.data == "fsdp" and not l.sp for l in found if l.cp > 1 and l.tp > 1)
+    assert not any(l.cp > 1 and l.pp > 1 for l in found)
+    assert all(32 % (2 * l.cp) == 0 for l in found) and not any(l.cp == 16 for l in found)  # 2 cp divides 32
+    assert Layout(dp=2, tp=2, pp=1, data="fsdp", cp=2).name == "fsdp x2 + cp2 + tp2"
+    assert Layout(dp=1, tp=1, pp=1, data="zero2", cp=4).name == "zero2 + cp4"
+    # A sequence of 12 tokens: cp 2 (4 chunks of 3), not cp 4 (8 chunks).
+    twelve = ModelShape(layers=4, hidden=64, heads=4, seq=12, vocab=100)
+    cps = {l.cp for l in enumerate_layouts(twelve, cluster, global_batch=16, microbatches=4)}
+    assert cps == {1, 2}
+
+
+@pytest.mark.parametrize("data", ["ddp", "manual", "zero1", "zero2", "zero3", "fsdp", "diloco"])
+def test_the_planners_cp_rule_is_the_configs(data):
+    """runs_in_ringtrain against ringtrain/config/parallel.py's check_parallel itself, for every cp layout of 8
+    workers, and every other one the planner could list (its strategies; at dp x cp = 1 it lists ddp only)."""
+    from ringtrain.config import load_config_dict
+    from ringtrain.config.parallel import check_parallel
+    from ringtrain.errors import ConfigError
+
+    checked = 0
+    for tp in (1, 2, 4):
+        for cp in (1, 2, 4):
+            for pp in (1, 2, 4):
+                if tp * cp * pp > 8:
+                    continue
+                dp = 8 // (tp * cp * pp)
+                if cp == 1 and (data not in DATA_STRATEGIES or (dp == 1 and data != "ddp")):
+                    continue
+                config = load_config_dict({"model": {"name": "transformer", "n_layers": 4, "n_heads": 4,
+                                                     "dropout": 0.0},
+                                           "data": {"dataset": "text"}, "comm": {"strategy": data},
+                                           "parallel": {"cp": cp, "tp": tp, "pp": pp}})
+                try:
+                    check_parallel(config, 8)
+                    runs = True
+                except ConfigError:
+                    runs = False
+                assert runs_in_ringtrain(tp, pp, dp, data, cp) == runs, (data, dp, cp, tp, pp)
+                checked += cp > 1
+    assert checked >= 6
+
+
+def test_cp_divides_the_blocks_activations_not_the_logits():
+    # Small logits against the blocks: cp 2 keeps well under 0.6 of one rank's activations (measured 0.54 of
+    # what autograd saves on text_lm, bench/context_parallel_memory.py).
+    blocks = ModelShape(layers=8, hidden=256, heads=4, seq=256, vocab=64)
+    one = Layout(dp=1, tp=1, pp=1, microbatches=1)
+    two = Layout(dp=1, tp=1, pp=1, microbatches=1, cp=2)
+    assert activation_bytes(blocks, two, 4) < 0.6 * activation_bytes(blocks, one, 4)
+    # By hand: every per-layer term at s / 2 tokens; the fp32 logits and log-softmax of all s tokens.
+    s, b, h, e, v = 256, 4, 256, 2.0, 64
+    sbh = s / 2 * b * h * e
+    head = 2 * sbh + 2 * 4 * b * s * v
+    assert activation_bytes(blocks, two, 4) == pytest.approx(8 * 17 * sbh + max(head, 2 * sbh + 5 * sbh))
+    # Logits that outweigh the blocks: they stay whole on every cp rank.
+    logits = ModelShape(layers=1, hidden=64, heads=4, seq=256, vocab=50000)
+    whole = 2 * 4 * b * s * 50000
+    for cp in (2, 4):
+        split = activation_bytes(logits, Layout(dp=1, tp=1, pp=1, microbatches=1, cp=cp), 4)
+        assert whole < split and split > 0.95 * activation_bytes(logits, one, 4)
+    # The state: cp ranks hold whole replicas (ddp), and zero / fsdp shard over the dp x cp ranks.
+    ddp = layout_memory(SHAPE, Layout(dp=2, tp=1, pp=1, data="ddp", cp=2), global_batch=8)
+    fsdp = layout_memory(SHAPE, Layout(dp=2, tp=1, pp=1, data="fsdp", cp=2), global_batch=8)
+    zero2 = layout_memory(SHAPE, Layout(dp=2, tp=1, pp=1, data="zero2", cp=2), global_batch=8)
+    assert ddp["state_bytes"] == SHAPE.params * 16
+    assert fsdp["state_bytes"] == SHAPE.params * 16 / 4 and zero2["state_bytes"] == SHAPE.params * (4 + 12 / 4)
+
+
+def test_step_time_of_cp_layouts_by_hand():
+    cluster = Cluster(workers=4, per_host=4, memory_gb=1.0, tflops=1.0, intra=FAST, inter=SLOW)
+    tokens = 8 * 32
+    compute_whole = tokens * SHAPE.flops_per_token / 1e12
+    cp2 = Layout(dp=1, tp=1, pp=1, data="fsdp", microbatches=2, cp=2)  # micro-batches of 4 sequences
+    got = layout_step(SHAPE, cluster, cp2, global_batch=8, act_bytes=2.0)
+    assert got["compute_s"] == pytest.approx(compute_whole / 2)
+    local = 4 * 16 * 64  # b x s / cp x h
+    kv = FAST.alpha_s + 2 * local * 2.0 / FAST.beta_Bps
+    dkv = FAST.alpha_s + 2 * local * 4.0 / FAST.beta_Bps
+    gather = FAST.alpha_s + 1 / 2 * 4 * 32 * 100 * 2.0 / FAST.beta_Bps
+    # Per micro-batch: 4 layers of one block forward, one block and two dK/dV hops backward; the logits gathered.
+    assert got["cp_comm_s"] == pytest.approx(2 * (4 * (kv + kv + 2 * dkv) + gather))
+    # The gradients are averaged over the cp ranks even at dp 1.
+    assert got["dp_exposed_s"] > 0
+    assert got["step_s"] == pytest.approx(got["compute_s"] + got["cp_comm_s"] + got["dp_exposed_s"])
+    full = layout_step(SHAPE, cluster, Layout(dp=1, tp=1, pp=1, data="fsdp", ac="full", microbatches=2, cp=2),
+                       global_batch=8, act_bytes=2.0)
+    assert full["cp_comm_s"] == pytest.approx(got["cp_comm_s"] + 2 * 4 * kv)  # the recompute's ring forward
+    # A ring of 4 over hosts of 2: between hosts.
+    split = Cluster(workers=4, per_host=2, memory_gb=1.0, tflops=1.0, intra=FAST, inter=SLOW)
+    cp4 = layout_step(SHAPE, split, Layout(dp=1, tp=1, pp=1, data="fsdp", microbatches=1, cp=4), global_batch=8)
+    local = 8 * 8 * 64
+    kv = SLOW.alpha_s + 2 * local * 2.0 / SLOW.beta_Bps
+    dkv = SLOW.alpha_s + 2 * local * 4.0 / SLOW.beta_Bps
+    gather = 3 * SLOW.alpha_s + 3 / 4 * 8 * 32 * 100 * 2.0 / SLOW.beta_Bps
+    assert cp4["cp_comm_s"] == pytest.approx(4 * (3 * kv + 3 * kv + 4 * dkv) + gather)
+
+
+def test_a_long_sequence_fits_only_split_over_cp_ranks_and_cp_is_recommended():
+    long = ModelShape(layers=8, hidden=256, heads=2, seq=8192, vocab=64)
+    rows = plan_layouts(long, Cluster(8, 8, 0.08, 1.0, FAST, SLOW), global_batch=8)
+    fits = [r for r in rows if r["fits"]]
+    assert fits and all(r["cp"] > 1 for r in fits) and any(r["cp"] == 1 for r in rows)
+    assert rows[0]["fits"] and rows[0]["cp"] > 1 and "cp" in rows[0]["layout"]
+    assert all("cp_comm_s" in r for r in rows) and rows[0]["cp_comm_s"] > 0
+    assert "| cp comm |" in layouts_markdown(rows)
