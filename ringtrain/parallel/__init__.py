@@ -54,6 +54,10 @@ class Strategy(Protocol):
     forward_is_collective: bool
     splits_model: bool
     step_operation: str
+    pipelined: bool
+    has_rank_state: bool
+    microbatches: int | None
+    microbatch_multiple: int
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
@@ -84,6 +88,10 @@ class Strategy(Protocol):
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict: ...
 
     def model_state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int: ...
+
+    def collective_wait_s(self) -> float: ...
+
+    def close(self) -> None: ...
 
 
 def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfig | None = None,

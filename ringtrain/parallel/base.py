@@ -39,6 +39,23 @@ class ReplicatedStrategy:
     splits_model = False
     """The bare module is not the model a run trains (tensor and pipeline parallelism split it): its whole form is
     ``model_state_dict``'s."""
+    pipelined = False
+    """A step is a pipeline schedule (``pipeline.py``): the step runs ``step`` through the stages, not forward and
+    backward per micro-batch, and the loss sums live on the last stages."""
+    has_rank_state = False
+    """The strategy keeps per-rank state a checkpoint must hold (PowerSGD's error feedback, DiLoCo's replicas)."""
+    microbatches: int | None = None
+    """The micro-batches a step must be cut into (a pipeline's schedule); None: the batcher decides."""
+    microbatch_multiple = 1
+    """The micro-batch count is a multiple of this (the interleaved schedules: pp)."""
+
+    def collective_wait_s(self) -> float:
+        """Seconds waited for collectives inside forward and backward since the last call (tensor parallelism's
+        split layers: the step's ``tp_comm`` phase); 0 for strategies whose passes run none."""
+        return 0.0
+
+    def close(self) -> None:
+        """Release what the strategy runs beside training (zero3's prefetch thread); nothing for most."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:  # overridden
         return model

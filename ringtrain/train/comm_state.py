@@ -22,7 +22,7 @@ __all__ = ["gather_rank_states"]
 def gather_rank_states(strategy: Any) -> list[dict[str, Any]] | None:
     """Every rank's ``strategy.state_dict()`` in rank order on rank 0 (None elsewhere, and None when the
     strategy keeps no per-rank state). A collective when it has some: every rank calls it."""
-    if not getattr(strategy, "has_rank_state", False):
+    if not strategy.has_rank_state:
         return None
     mine = strategy.state_dict()
     if not dist.is_initialized() or dist.get_world_size() == 1:

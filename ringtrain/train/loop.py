@@ -212,7 +212,7 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
         # DiLoCo between outer steps: the global model is scored, not each worker's own.
         with self.watch.op("all_reduce (evaluation sums)", self.state.step), self.parts.strategy.evaluation_weights():
             strategy = self.parts.strategy
-            pipelined = getattr(strategy, "pipelined", False)  # its last stages hold the sums: add over all ranks
+            pipelined = strategy.pipelined  # its last stages hold the sums: add over all ranks
             metrics = evaluate(
                 self.module, self.parts.eval_loader, self.parts.task, self.ctx.device, self.precision.autocast,
                 self.parts.metrics, collective_forward=strategy.forward_is_collective,

@@ -105,9 +105,7 @@ class GroupSeams:
 
     def end_threads(self) -> None:
         """End the strategy's threads (zero3's communication thread): a finished worker joins every thread."""
-        close = getattr(self.parts.strategy, "close", None)
-        if close is not None:
-            close()
+        self.parts.strategy.close()
 
     def carry_over(self, old: Trainer) -> None:
         """Go on where ``old`` (built for a group that failed) left off: its start, its signals, its restarts."""

@@ -388,9 +388,8 @@ class Session:
         for part in reversed(self._closers):
             part.__exit__(None, None, None)
         self._closers = []
-        close = getattr(self.strategy, "close", None)
-        if close is not None:
-            close()
+        if self.strategy is not None:  # set up
+            self.strategy.close()
         group, self._group = self._group, None
         self.model = self.optimizer = None  # DDP's reducer holds the group: gone before it is destroyed
         group.__exit__(None, None, None)

@@ -111,7 +111,7 @@ class CommState:
         return {"ranks": gather_rank_states(self.strategy), "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not getattr(self.strategy, "has_rank_state", False):
+        if not self.strategy.has_rank_state:
             return
         saved, saved_world_size = state.get("ranks"), state.get("world_size")
         if not saved or saved_world_size != self.world_size:

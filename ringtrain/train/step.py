@@ -82,17 +82,16 @@ class GradientStep:
         micro-batch and redoes the step (``on_shrink`` gets the record). The price: that all-reduce no
         longer overlaps the last backward.
         """
-        if getattr(self.strategy, "pipelined", False):
+        if self.strategy.pipelined:
             return self._pipeline(self._plan(batch, window))
         if not self.batcher.recoverable:
             plan = self._plan(batch, window)
-            waits = getattr(self.strategy, "collective_wait_s", None)
-            if waits is not None:
-                waits()  # what came before this step's passes (evaluation, the last step's clip) is not its
+            self.strategy.collective_wait_s()  # what came before this step's passes (evaluation, the last clip) is not its
             with self.clock.phase("forward_backward"):
                 loss_sum = self._accumulate(plan, self.model, step, before_sync)
-            if waits is not None:  # tensor parallelism: the split layers' all-reduces inside the passes
-                self.clock.move("forward_backward", "tp_comm", waits())
+            waited = self.strategy.collective_wait_s()
+            if self.strategy.splits_model:  # tensor parallelism: the split layers' all-reduces inside the passes
+                self.clock.move("forward_backward", "tp_comm", waited)
             if self.cp_timer is not None:  # context parallelism: the ring's key/value exchanges waited for
                 self.clock.move("forward_backward", "cp_comm", self.cp_timer.take_s())
             self._book_exposed_communication()

@@ -91,7 +91,7 @@ def check_one_batch(trainer, parts: UserParts, batch_size: int) -> None:
     try:
         strategy = trainer.parts.strategy
         with torch.no_grad(), strategy.loss_context(), trainer.precision.autocast():
-            if getattr(strategy, "pipelined", False):  # through the stages; the outputs on the last one's rank
+            if strategy.pipelined:  # through the stages; the outputs on the last one's rank
                 outputs = strategy.forward(to_device(inputs, device))
                 if outputs is None:
                     return
