@@ -125,6 +125,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
             f"comm.algorithm = 'shm' needs CPU workers but this worker trains on {device}; "
             "use comm.algorithm = 'ring' or 'torch', or dist.backend = 'gloo'"
         )
+    if layout.hsdp and layout.cp > 1:  # FSDP2's HSDP over replicas of (dp_shard x cp)-rank shard groups
+        mesh = mesh[("dp_replicate", "dp_shard_cp")]
     return spec.build(config, device, diloco=diloco, heal=heal, mesh=mesh if layout.hsdp else None)
 
 
