@@ -169,13 +169,8 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     if "tp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}' ({spec.summary}): it is not composed with tensor "
                           "parallelism yet (issue 40); set comm.strategy = 'fsdp' or 'ddp', or tp = 1")
-    if config.train.auto_micro_batch:
-        raise ConfigError(f"{where} with train.auto_micro_batch: shrinking needs a step without collectives until "
-                          "its end, and a tensor-parallel forward all-reduces in every block; set "
-                          "train.auto_micro_batch = false")
-    if config.dist.heal:
-        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 23); leave out "
-                          "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
+    refuse_for_split_model(config, where, "a step without collectives until its end, and a tensor-parallel "
+                                          "forward all-reduces in every block")
 
 
 def check_loss_parallel(config: Config, degrees: dict[str, int]) -> None:
@@ -242,13 +237,20 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
         if microbatches % pp:
             raise ConfigError(f"[parallel] pp_schedule = '{parallel.pp_schedule}' runs micro-batches in rounds of pp "
                               f"({pp}), but pp_microbatches = {microbatches}; set it to a multiple of {pp}")
+    refuse_for_split_model(config, where, "its own micro-batches: a pipeline's are its schedule's "
+                                          "(parallel.pp_microbatches), and a rank that ran out of memory mid-schedule "
+                                          "would leave its neighbours waiting")
+
+
+def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> None:
+    """What no split model (tp, cp, pp) runs with, one line each: automatic micro-batch shrinking (which needs
+    ``shrinking_needs``) and --heal."""
     if config.train.auto_micro_batch:
-        raise ConfigError(f"{where} with train.auto_micro_batch: a pipeline's micro-batches are its schedule's "
-                          "(parallel.pp_microbatches), and a rank that ran out of memory mid-schedule would leave its "
-                          "neighbours waiting; set train.auto_micro_batch = false")
+        raise ConfigError(f"{where} with train.auto_micro_batch: shrinking needs {shrinking_needs}; set "
+                          "train.auto_micro_batch = false")
     if config.dist.heal:
-        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 23); leave out "
-                          "--heal (a lost worker ends the job; --resume goes on from the last checkpoint)")
+        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 40); leave out --heal "
+                          "(a lost worker ends the job; --resume goes on from the last checkpoint)")
 
 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
@@ -282,13 +284,8 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     if degrees["dp_replicate"] > 1 and spec.owner == "dp_shard" and degrees["tp"] > 1:
         raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} and tp = {degrees['tp']} (HSDP beside "
                           "tensor and context parallelism) is not composed yet (issue 40); set dp_replicate = 1 or tp = 1")
-    if config.train.auto_micro_batch:
-        raise ConfigError(f"{where} with train.auto_micro_batch: shrinking needs a step without collectives until its "
-                          "end, and ring attention exchanges keys and values in every layer; set "
-                          "train.auto_micro_batch = false")
-    if config.dist.heal:
-        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 40); leave out --heal "
-                          "(a lost worker ends the job; --resume goes on from the last checkpoint)")
+    refuse_for_split_model(config, where, "a step without collectives until its end, and ring attention "
+                                          "exchanges keys and values in every layer")
 
 
 def check_parallel(config: Config, world_size: int) -> Layout:
