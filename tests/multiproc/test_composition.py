@@ -26,6 +26,10 @@ AdamW's update, and a clipped one, hardly see it (commit 6ece37c: a 4x normalise
 3e-5). (3) It has state (the momentum buffer), which zero1-3 and FSDP shard. Checkpoints crossing layouts
 (``test_a_checkpoint_crosses_layouts``) run AdamW with the clip active, as `ringtrain train`'s debug jobs do.
 
+Context parallelism (cp 2, issue 40) is a dimension of the table too: cp alone and beside 2 data-parallel ranks of
+every strategy but DiLoCo; cp beside tp (under FSDP2), beside HSDP, cp 3 and Hugging Face models are in
+tests/multiproc/test_context_parallel.py.
+
 Refused today (not built yet, issue 23; the config refuses them in one line, so they are not in the table;
 ``test_the_table_is_every_layout_the_config_accepts`` fails when one of them is built, or one in the table is
 refused):
@@ -35,6 +39,8 @@ refused):
   "DiLoCo replicas of a split model are not built yet");
 - pp 2 (gpipe, 1f1b, interleaved_1f1b) beside 2 data-parallel ranks of zero1, zero2, zero3, diloco ("zero1/2/3 and
   'diloco' beside a pipeline are not built yet").
+- cp 2 beside diloco ("its workers step on their own"), beside tp 2 under ddp (FSDP2 averages over dp x cp), and
+  beside pp 2 (not composed yet, issue 40).
 - (At world sizes above 4, not in this table: hsdp beside tp or pp, and dp 2 x tp 2 x pp 2.)
 """
 
@@ -81,10 +87,11 @@ class Cell:
     pp: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def id(self) -> str:
@@ -93,11 +100,13 @@ class Cell:
             parts.append(f"tp{self.tp}" + ("-sp" if self.sp else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp}-{self.schedule}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         return "-".join(parts)
 
     def overrides(self) -> list[str]:
         strategy = "fsdp" if self.strategy == "hsdp" else self.strategy
-        out = [f"comm.strategy='{strategy}'", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}"]
+        out = [f"comm.strategy='{strategy}'", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}"]
         if self.strategy == "hsdp":
             out += ["parallel.dp_replicate=2", "parallel.dp_shard=2"]
         if self.strategy == "diloco":
@@ -117,6 +126,7 @@ STRATEGIES = ("ddp", "manual", "zero1", "zero2", "zero3", "fsdp", "hsdp", "diloc
 TENSOR = ({}, {"tp": 2}, {"tp": 2, "sp": True})
 PIPELINE = ({}, {"pp": 2, "schedule": "gpipe"}, {"pp": 2, "schedule": "1f1b"},
             {"pp": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2})
+CONTEXT = ({}, {"cp": 2})
 
 
 def candidates() -> list[Cell]:
@@ -125,12 +135,13 @@ def candidates() -> list[Cell]:
     cells = []
     for tensor in TENSOR:
         for pipeline in PIPELINE:
-            if tensor or pipeline:
-                cells.append(Cell(**tensor, **pipeline))
-            for strategy in STRATEGIES:
-                cell = Cell(strategy, 4 if strategy == "hsdp" else 2, **tensor, **pipeline)
-                if cell.world_size <= 4:
-                    cells.append(cell)
+            for context in CONTEXT:
+                if tensor or pipeline or context:
+                    cells.append(Cell(**tensor, **pipeline, **context))
+                for strategy in STRATEGIES:
+                    cell = Cell(strategy, 4 if strategy == "hsdp" else 2, **tensor, **pipeline, **context)
+                    if cell.world_size <= 4:
+                        cells.append(cell)
     return cells
 
 
@@ -145,11 +156,18 @@ def refusal(cell: Cell) -> str | None:
 
 
 REFUSED = {
-    **{f"{s}-dp2-{t}": "issue 23" for s in ("manual", "zero1", "zero2", "zero3", "diloco") for t in ("tp2", "tp2-sp")},
+    **{f"{s}-dp2-{t}": "issue 23" for s in ("zero1", "zero2", "zero3") for t in ("tp2", "tp2-sp")},
+    **{f"{s}-dp2-{t}": "FSDP2's" for s in ("manual", "diloco") for t in ("tp2", "tp2-sp")},
     **{f"{s}-dp2-pp2-{p}": "issue 23" for s in ("zero1", "zero2", "zero3", "diloco")
        for p in ("gpipe", "1f1b", "interleaved_1f1b")},
+    # Context parallelism (its ring attention has no dropout; debug_lm has none).
+    "diloco-dp2-cp2": "its workers step on their own",
+    "tp2-cp2": "averaged by FSDP2 over the dp x cp ranks",  # the dp-1 cells run ddp; fsdp x cp x tp: test_context_parallel
+    "tp2-sp-cp2": "averaged by FSDP2 over the dp x cp ranks",
+    **{f"{t}pp2-{p}-cp2": "not composed with pipeline parallelism yet (issue 40)" for t in ("", "tp2-", "tp2-sp-")
+       for p in ("gpipe", "1f1b", "interleaved_1f1b")},
 }
-"""The candidates the config refuses today (the module docstring), by id."""
+"""The candidates the config refuses today (the module docstring), by id: what the refusal says."""
 CELLS = [cell for cell in candidates() if cell.id not in REFUSED]
 
 
@@ -287,6 +305,8 @@ def test_a_layout_trains_as_one_worker(cell: Cell):
     if cell.pp > 1:
         assert all(r["time/pipeline_wait_s"] > 0 for r in trained)
         assert run.summary["pp_microbatches_run"] == {str(pipeline_microbatches(cell)): STEPS}
+    if cell.cp > 1:  # the ring's waits: a phase of their own
+        assert all(r["time/cp_comm_s"] > 0 for r in trained)
     if cell.tp > 1 or cell.pp > 1:
         assert run.summary["model_state_mb"] < 0.75 * reference.summary["model_state_mb"]
     if cell.strategy == "fsdp" and cell.dp == 2:  # FSDP2 holds half of what a replica holds, beside tp or pp too
@@ -322,10 +342,10 @@ def test_the_table_is_every_layout_the_config_accepts():
             problems.append(f"{cell.id} is accepted now: add it to the table (take it out of REFUSED)")
         elif cell.id not in REFUSED and refused is not None:
             problems.append(f"{cell.id} is refused: {refused}")
-        elif refused is not None and "issue 23" not in refused and "FSDP2's" not in refused:
-            problems.append(f"{cell.id} is refused for another reason than 'not built yet': {refused}")
+        elif refused is not None and REFUSED[cell.id] not in refused:
+            problems.append(f"{cell.id} is refused for another reason than {REFUSED[cell.id]!r}: {refused}")
     assert not problems, "\n".join(problems)
-    assert len(CELLS) == 32 and len(REFUSED) == 22
+    assert len(CELLS) == 39 and len(REFUSED) == 34
 
 
 # --- the layouts' options, beside the table: same oracle, one run each ------------------------------------------

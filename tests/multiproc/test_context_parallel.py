@@ -1,7 +1,8 @@
 """Context parallelism through the trainer (``[parallel] cp``, ringtrain/parallel/context_split.py) on the
-in-process harness: the built-in transformer's sequence split over cp ranks trains as one worker does on the same
-batches (fp32: every step's loss rtol 1e-5, every parameter 1e-5), alone (cp 2, and cp 3, whose sequences are
-padded to a multiple of 2 cp), beside data-parallel ranks of ddp, zero2 and FSDP2 (cp 2 x dp 2) and beside tensor
+in-process harness, beyond the composition table's cp cells (cp 2 alone and beside 2 data-parallel ranks of every
+strategy that composes with it: tests/multiproc/test_composition.py): the built-in transformer's sequence split
+over cp ranks trains as one worker does on the same batches (fp32: every step's loss rtol 1e-5, every parameter
+1e-5) at cp 3, whose sequences are padded to a multiple of 2 cp, beside tensor
 parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks) and beside FSDP2's HSDP (replicas of dp_shard x cp
 shard groups); the cp ranks read the same samples (the ledger holds
 each sample once per step), the ring's waits are the step's cp_comm phase, and a checkpoint saved at cp 2 x dp 2
@@ -62,12 +63,8 @@ def one_worker(tmp_path_factory):
     return reference
 
 
-CASES = {
-    "cp2-sgd": (2, ["parallel.cp=2", *SGD]),
+CASES = {  # cp 2 alone and beside 2 data-parallel ranks of every strategy: the composition table
     "cp3-padded": (3, ["parallel.cp=3"]),
-    "ddp2-cp2-sgd": (4, ["parallel.cp=2", *SGD]),
-    "zero2-cp2": (4, ["parallel.cp=2", "comm.strategy='zero2'"]),
-    "fsdp2-cp2-sgd": (4, ["parallel.cp=2", "comm.strategy='fsdp'", *SGD]),
     "cp2-tp2-sgd": (4, ["parallel.cp=2", "parallel.tp=2", "comm.strategy='fsdp'", *SGD]),
     "hsdp2x1-cp2-sgd": (4, ["parallel.cp=2", "parallel.dp_replicate=2", "comm.strategy='fsdp'", *SGD]),
 }
