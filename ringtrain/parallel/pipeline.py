@@ -570,7 +570,8 @@ class PipelineStrategy(ReplicatedStrategy):
         counted = [p for p in params if p is not self._clone and p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for param in counted:
-            squares += _local(param.grad).detach().double().pow(2).sum() / _copies(param.grad)
+            grad = _reduced(param.grad.detach())
+            squares += _local(grad).double().pow(2).sum() / _copies(grad)
         # Replicas hold the same gradients (the pipeline's ranks); shards hold parts of them (every rank).
         if self.tp == 1:
             dist.all_reduce(squares, group=None if self.shard else self.pp_group)
@@ -760,6 +761,18 @@ def _recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
 def _qkv_dim(name: str) -> int | None:
     """The built-in transformer's fused q | k | v parameters: the dimension they are fused along."""
     return next((dim for suffix, dim in _FUSED.items() if name.endswith(suffix)), None)
+
+
+def _reduced(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its pending sums done: a DTensor gradient that is Partial over a mesh dimension (sequence
+    parallelism's norms: each tp rank holds its tokens' share) holds parts whose squares are not the sum's; it is
+    made Replicate there (one all-reduce), so its local value is the whole gradient. Anything else as it is."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    placements = getattr(tensor, "placements", ())
+    if not any(isinstance(p, Partial) for p in placements):
+        return tensor
+    return tensor.redistribute(tensor.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in placements])
 
 
 def _copies(tensor: torch.Tensor) -> int:
