@@ -48,4 +48,4 @@ def test_a_checkpoint_with_an_exchange_in_flight_resumes_bit_for_bit_and_the_byt
     assert resumed["param_sha256"] == uninterrupted["param_sha256"]
     assert (resumed["outer_steps"], resumed["comm_bytes_per_worker"]) == (6, exchanges)
     ledger = run_main("ledger", str(run_dir))
-    assert ledger.returncode == 0 and "exactly once" in ledger.stdout, ledger.stdout + ledger.stderr
+    assert ledger.returncode == 0 and "every sample exactly once per epoch" in ledger.stdout, ledger.stdout + ledger.stderr
