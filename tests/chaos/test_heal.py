@@ -70,7 +70,7 @@ def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_sur
           f"remaining {heal['remaining_ranks']}; recovery_s {heal['recovery_s']} (regroup {heal['regroup_s']} s), "
           f"steps_lost {heal['steps_lost']}; run {heal_run_s:.1f} s")
     assert heal["lost_ranks"] == [2] and heal["remaining_ranks"] == [0, 1] and heal["world_size"] == 2
-    assert heal["recovery_s"] <= 2.0, heal
+    assert 0 < heal["regroup_s"] <= heal["recovery_s"] < heal_run_s, heal  # measured, not bounded: bench/heal_recovery.py
     assert "healed at step" in job.stderr and "steps lost" in job.stderr  # the console line
     assert done["heals"] == 1 and done["restarts"] == 0 and done["world_size"] == 2
     assert done["steps"] == EPOCHS * STEPS_PER_EPOCH
