@@ -35,12 +35,14 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/ringtrain train configs/digits_mlp.toml --nproc 2 --run-dir runs/digits_mlp-$$(date +%Y%m%d-%H%M%S)
 
+# --strict without --quiet: --quiet drops the warnings before --strict counts them, and the build passes.
 docs: install
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: install
-	# The documentation site first (~15 s, `make docs`: a broken link or anchor fails it), then the tests in two phases. First every test that may share the machine, three test processes side by side on the two
-	# cores (pytest-xdist), a module to each: most of a test's time is waiting, so a third overlaps it. Then the
+	# The documentation site first (~15 s, `make docs`: a broken link or anchor, or a page outside the nav, fails it;
+	# not --quiet, which hides the warnings that --strict counts), then the tests in two phases. First every test
+	# that may share the machine, three test processes side by side on the two cores (pytest-xdist), a module to each: most of a test's time is waiting, so a third overlaps it. Then the
 	# tests marked exclusive, one after another in one process: scattered among the others, each one stopped the
 	# two other test processes while it ran and while the tests beside it finished (29 min of waiting a run).
 	# The site and both phases always run; the target fails if any of them did.
@@ -48,7 +50,7 @@ test: install
 	# this project's machines) each one compiled ringtrain's modules afresh: 0.2 s of CPU a process (a 2-worker
 	# job: 6.1 s of CPU with the bytecode, 6.7 s without, alternated four times).
 	$(BIN)/python -m compileall -q ringtrain tests
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site; docs=$$?; \
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site; docs=$$?; \
 	$(BIN)/python -m pytest -n 3 --dist loadscope -m "not exclusive"; shared=$$?; \
 	$(BIN)/python -m pytest -m exclusive; alone=$$?; \
 	test $$docs -eq 0 && test $$shared -eq 0 && test $$alone -eq 0
