@@ -40,11 +40,12 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: install
-	# The documentation site first (~15 s, `make docs`: a broken link or anchor, or a page outside the nav, fails it;
+	# The documentation site first (~20 s, `make docs`: a broken link or anchor, or a page outside the nav, fails it;
 	# not --quiet, which hides the warnings that --strict counts), then the tests in two phases. First every test
-	# that may share the machine, three test processes side by side on the two cores (pytest-xdist), a module to each: most of a test's time is waiting, so a third overlaps it. Then the
-	# tests marked exclusive, one after another in one process: scattered among the others, each one stopped the
-	# two other test processes while it ran and while the tests beside it finished (29 min of waiting a run).
+	# that may share the machine, three test processes side by side on the two cores (pytest-xdist), a module to
+	# each: most of a test's time is waiting, so a third overlaps it. Then the tests marked exclusive, one after
+	# another in one process: scattered among the others, each one stopped the two other test processes while it
+	# ran and while the tests beside it finished (29 min of waiting a run).
 	# The site and both phases always run; the target fails if any of them did.
 	# Bytecode first: the suite starts ~900 Python processes, and where PYTHONDONTWRITEBYTECODE is set (as on
 	# this project's machines) each one compiled ringtrain's modules afresh: 0.2 s of CPU a process (a 2-worker
