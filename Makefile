@@ -1,4 +1,5 @@
-# `make run`: set up and train the default job on 2 workers. `make test`: set up and run every test.
+# `make run`: set up and train the default job on 2 workers. `make test`: set up, build the docs, run every test.
+# `make docs`: the documentation site into site/ (warnings are errors).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 # One compute thread per worker: workers are pinned one per core.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install run test clean
+.PHONY: install run test docs clean
 
 install: $(STAMP)
 
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# Pinned: these releases are on this machine's disk; an open range would download a newer multi-GB build.
 	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs]'
 	# shm's native all-reduce (C++, ~30 s with g++): built now so no job waits; without a compiler, one warning line.
 	$(BIN)/python -m ringtrain.comm.shm_native || true
 	# DeepSpeed's CPU shm op, which `bench collectives` measures beside ringtrain's (~25 s with g++, cached in
@@ -34,19 +35,26 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/ringtrain train configs/digits_mlp.toml --nproc 2 --run-dir runs/digits_mlp-$$(date +%Y%m%d-%H%M%S)
 
+# --strict without --quiet: --quiet drops the warnings before --strict counts them, and the build passes.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 test: install
-	# Two phases. First every test that may share the machine, three test processes side by side on the two
-	# cores (pytest-xdist), a module to each: most of a test's time is waiting, so a third overlaps it. Then the
-	# tests marked exclusive, one after another in one process: scattered among the others, each one stopped the
-	# two other test processes while it ran and while the tests beside it finished (29 min of waiting a run).
-	# Both phases always run; the target fails if either did.
+	# The documentation site first (~20 s, `make docs`: a broken link or anchor, or a page outside the nav, fails it;
+	# not --quiet, which hides the warnings that --strict counts), then the tests in two phases. First every test
+	# that may share the machine, three test processes side by side on the two cores (pytest-xdist), a module to
+	# each: most of a test's time is waiting, so a third overlaps it. Then the tests marked exclusive, one after
+	# another in one process: scattered among the others, each one stopped the two other test processes while it
+	# ran and while the tests beside it finished (29 min of waiting a run).
+	# The site and both phases always run; the target fails if any of them did.
 	# Bytecode first: the suite starts ~900 Python processes, and where PYTHONDONTWRITEBYTECODE is set (as on
 	# this project's machines) each one compiled ringtrain's modules afresh: 0.2 s of CPU a process (a 2-worker
 	# job: 6.1 s of CPU with the bytecode, 6.7 s without, alternated four times).
 	$(BIN)/python -m compileall -q ringtrain tests
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site; docs=$$?; \
 	$(BIN)/python -m pytest -n 3 --dist loadscope -m "not exclusive"; shared=$$?; \
 	$(BIN)/python -m pytest -m exclusive; alone=$$?; \
-	test $$shared -eq 0 && test $$alone -eq 0
+	test $$docs -eq 0 && test $$shared -eq 0 && test $$alone -eq 0
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs site .pytest_cache .hypothesis

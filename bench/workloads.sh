@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind the README's workload numbers: ResNet-18 on the digits and the byte-level Transformer
+# The runs behind docs/workloads.md's numbers: ResNet-18 on the digits and the byte-level Transformer
 # LM, each on 2 CPU workers. Run it on a quiet machine (other processes on the cores slow every number):
 #   bench/workloads.sh [digits_resnet|text_lm ...]
 # Each run writes runs/<config>-<date>/ (metrics.jsonl, summary.json); the last lines print the figures.

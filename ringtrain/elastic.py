@@ -105,7 +105,7 @@ class JobSpec:
     def from_json(cls, text: str, secret: JobSecret | None = None, where: str = "the job description") -> JobSpec:
         """JSON only (a planted file unpickles nothing), every field of its type, else ValueError naming it. With
         ``secret``, its seal must match (UnsealedJobFile otherwise): ``ringtrain join`` starts the program a job file
-        names, so it runs only what the job's own launcher wrote (README: threat model)."""
+        names, so it runs only what the job's own launcher wrote (docs/security.md: the threat model)."""
         values = json.loads(text)
         if not isinstance(values, dict):
             raise ValueError(f"a JSON {type(values).__name__}, not an object")

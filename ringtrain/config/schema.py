@@ -248,7 +248,7 @@ class TrainConfig(Section):
     ResNet's stages, the MLP's body; your model's first nn.ModuleList): 'none'; 'full' (a block keeps only its
     input and runs its forward again in backward); 'selective' (torchtitan's op-level policy: a block keeps
     its attention outputs and every other matmul's, and recomputes the rest). Every strategy; results are
-    bit-identical to 'none', the step takes longer (README: Activation checkpointing)."""
+    bit-identical to 'none', the step takes longer (docs/workloads.md: Activation checkpointing)."""
 
     @model_validator(mode="after")
     def _optimizer_and_schedule(self) -> TrainConfig:

@@ -38,7 +38,7 @@ FAULT_PLAN_ARMED_VAR = "RINGTRAIN_FAULT_PLAN_ARMED"
 ignored with a warning, so a RINGTRAIN_FAULT_PLAN a production environment inherits arms nothing."""
 
 # Set by `ringtrain run SCRIPT` for the script's ringtrain.fit (the script's own argv belongs to the user); a
-# user sets RINGTRAIN_RUN_DIR and RINGTRAIN_RESUME under python or torchrun too (README "Your own model and data").
+# user sets RINGTRAIN_RUN_DIR and RINGTRAIN_RESUME under python or torchrun too (docs/ways-in.md, "Your own model and data").
 SET_VAR = "RINGTRAIN_SET"
 """The --set overrides, a JSON list of 'section.field=value' strings."""
 RUN_DIR_VAR = "RINGTRAIN_RUN_DIR"

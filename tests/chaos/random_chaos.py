@@ -203,7 +203,7 @@ def run_schedule(schedule: Schedule, folder: Path, timeout_s: float = 300) -> Ou
                     joiner = departing[event]
                     # A departure is a joiner leaving before admission (its request withdrawn). One admitted already
                     # (an earlier loss made room) is a member: a Ctrl-C there stops the whole job, saved, as a
-                    # Ctrl-C to any worker does (README, Stopped on purpose); that is not this event.
+                    # Ctrl-C to any worker does (docs/fault-tolerance.md, Stopped on purpose); that is not this event.
                     if not any("joined as rank" in line for _, line in joiner.lines):
                         for proc in joiner.tree():
                             _signal(proc, signal.SIGINT)

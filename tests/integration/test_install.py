@@ -1,4 +1,4 @@
-"""ringtrain installed as a package (the README's "Use ringtrain in your own project"), not run from the clone:
+"""ringtrain installed as a package (docs/getting-started.md, "Use ringtrain in your own project"), not run from the clone:
 a wheel built from the source, installed into a folder of its own, trains a user's script from another folder,
 with the shm all-reduce's C++ path (its source ships in the package), and prints its evaluations on rank 0's
 console."""

@@ -319,7 +319,7 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank_under_zero2(
 
 
 def test_bench_train_reports_model_state_per_strategy(tmp_path):
-    """The short form of the sharded-training bench (the measured one: README, docs/benchmarks.md)."""
+    """The short form of the sharded-training bench (the measured one: docs/sharded.md, docs/benchmarks.md)."""
     import json
 
     settings = [arg for override in [*TINY_LM, "comm.bucket_mb=0.02"] for arg in ("--set", override)]
@@ -370,7 +370,7 @@ def test_zero3_prefetch_overlaps_gathers_and_keeps_the_bits():
     """Prefetching (gathers and reduce-scatters on a communication thread; a block skipped in forward, or
     gathered without a backward, prefetched for nothing and freed) trains the parameters of the run without
     it bit for bit, with accumulation, and leaves nothing gathered between steps. (Its memory bound: the
-    model-state test above; its time: README, ringtrain bench train.)"""
+    model-state test above; its time: docs/sharded.md, ringtrain bench train.)"""
     on = run_distributed(prefetching, 2, True, timeout_s=120)
     off = run_distributed(prefetching, 2, False, timeout_s=120)
     assert on[0]["prefetched"] > 0 and off[0]["prefetched"] == 0

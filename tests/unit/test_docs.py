@@ -1,6 +1,6 @@
-"""The README and examples/README say what the code does: every command is listed, every example described
-once, the install section installs a package, and the sample output of `make run` has the summary's rows in the
-summary's formatting."""
+"""The documentation (docs/*.md, the site's pages) and examples/README say what the code does: every command is
+listed, every example described once, the install section installs a package, and the sample output of `make run`
+has the summary's rows in the summary's formatting."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import re
 from ringtrain.cli import build_parser
 from tests.conftest import REPO
 
-README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
+CLI_PAGE = (DOCS / "cli.md").read_text()
+GETTING_STARTED = (DOCS / "getting-started.md").read_text()
 
 
 def section(text: str, heading: str) -> str:
@@ -31,12 +33,12 @@ def commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
 
 
 def test_the_command_line_section_lists_every_command():
-    listed = section(README, "## The command line").split("```")[1]
+    listed = section("\n" + CLI_PAGE, "# The command line").split("```")[1]
     found = list(commands(build_parser()))
     assert ("plan", "table") in found and ("bench", "checkpoint") in found  # the walk reaches nested commands
     leaves = [command for command in found if not any(other[:-1] == command for other in found)]
     missing = [" ".join(command) for command in leaves if f"ringtrain {' '.join(command)} " not in listed]
-    assert not missing, f"the README's command list lacks: {missing}"
+    assert not missing, f"docs/cli.md's command list lacks: {missing}"
 
 
 def test_examples_readme_describes_each_example_once():
@@ -46,8 +48,8 @@ def test_examples_readme_describes_each_example_once():
     assert sorted(headings) == scripts, f"headings {headings} for scripts {scripts}"
 
 
-def test_the_readme_says_how_to_install_ringtrain_into_another_project():
-    install = section(README, "## Use ringtrain in your own project")
+def test_the_docs_say_how_to_install_ringtrain_into_another_project():
+    install = section(GETTING_STARTED, "## Use ringtrain in your own project")
     assert "make" not in install.split("```")[1], "the install commands are pip's, not this repository's make"
     assert "pip install torch==2.14.1" in install  # the tested torch first
     assert re.search(r"^pip install \.\./ringtrain\b", install, flags=re.MULTILINE)
@@ -55,11 +57,11 @@ def test_the_readme_says_how_to_install_ringtrain_into_another_project():
 
 
 def test_the_sample_output_of_make_run_has_the_summarys_rows_as_the_console_prints_them():
-    """The README's `make run` sample against what the code prints now: the same rows in the same order, each
+    """The `make run` sample (docs/getting-started.md) against what the code prints now: the same rows in the same order, each
     value as the summary table formats it (a re-capture is due when the summary changes)."""
     from ringtrain.monitor.loggers import format_value
 
-    quick = section(README, "## Quick start")
+    quick = section(GETTING_STARTED, "## Quick start")
     sample = quick.split("```")[3]
     assert ".venv/bin/ringtrain train configs/digits_mlp.toml --nproc 2" in sample
     rows = [re.split(r"\s*│\s*", line.strip("│ ")) for line in sample.splitlines() if line.startswith("│")]
@@ -73,6 +75,6 @@ def test_the_sample_output_of_make_run_has_the_summarys_rows_as_the_console_prin
             number = int(value) if key in ("world_size", "steps", "micro_batch_size", "restarts", "heals",
                                            "steps_lost", "skipped_steps") else value
             printed = format_value(number)
-            assert printed == shown, f"{key}: the README shows {shown!r}, the console {printed!r}"
+            assert printed == shown, f"{key}: the docs show {shown!r}, the console {printed!r}"
     evals = [line for line in sample.splitlines() if line.startswith("eval at step")]
     assert evals and evals[-1].startswith("eval at step 920 (epoch 40): accuracy "), evals
