@@ -68,7 +68,8 @@ def fit(
     pp_split: Callable[[nn.Module, int], list[nn.Module]] | None = None,
 ) -> FitResult:
     """Train ``model`` on ``train_data`` with every ringtrain guarantee; return the run's summary with the
-    trained model (``FitResult``: the summary dict, and ``.model``), on every rank.
+    trained model (``FitResult``: the summary dict, ``.model``, and ``.rank`` / ``.is_main``: this worker's
+    rank, and whether it is rank 0), on every rank.
 
     - ``model``: a zero-argument callable returning an ``nn.Module``, called after seeding with
       ``train.seed`` (every rank builds the same weights, as for the built-in models); or a module (then
@@ -127,7 +128,7 @@ def fit(
         parts = UserParts.checked(model, train_data, eval_data, loss, loss_reduction, count_items, metrics,
                                   optimizer, collate_fn, lr_scheduler, tp_plan, pp_split)
         if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
-            return FitResult(run_joined_training(resolved, env, user=parts))
+            return run_joined_training(resolved, env, user=parts)
         validate_for_world_size(resolved, env.world_size)
         if tp_plan is not None and resolve_layout(resolved.parallel, resolved.comm.strategy, env.world_size).tp == 1:
             raise ConfigError("fit(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1 "

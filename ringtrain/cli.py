@@ -221,8 +221,8 @@ def _run(args: argparse.Namespace) -> int:
     launcher prints it once (launch.py)."""
     import json
 
-    from ringtrain.config import check_overrides
-    from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
+    from ringtrain.config import check_override_degrees, check_overrides
+    from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR, DistEnv
     from ringtrain.errors import ConfigError
     from ringtrain.launch import Program
 
@@ -231,6 +231,9 @@ def _run(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise ConfigError(f"script {args.script!r} not found; pass the Python file that calls ringtrain.fit()")
     check_overrides(args.overrides)
+    # The layout's degrees the overrides set (else those of a RINGTRAIN_SET the workers inherit) against the
+    # number of workers: what the launcher can know of the layout without the script's config.
+    check_override_degrees(args.overrides or DistEnv.from_environ().overrides, *options.world_size_range())
     if args.resume and args.resume_from:
         raise ConfigError("pass --resume (continue this run) or --resume-from PATH (start a new run from PATH), not both")
     if options.per_worker_agents and not args.run_dir:

@@ -22,7 +22,7 @@ from ringtrain.config.checks import (
     validate_for_world_size,
     validate_for_world_sizes,
 )
-from ringtrain.config.loading import check_overrides, load_config, load_config_dict, parse_override
+from ringtrain.config.loading import check_override_degrees, check_overrides, load_config, load_config_dict, parse_override
 from ringtrain.config.schema import (
     CheckpointConfig,
     CommConfig,
@@ -37,6 +37,7 @@ from ringtrain.config.schema import (
 )
 
 __all__ = [
+    "check_override_degrees",
     "CheckpointConfig",
     "CommConfig",
     "DiLoCoConfig",

@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING
 
 from ringtrain.config.parallel import check_parallel
 from ringtrain.errors import ConfigError
+from ringtrain.strategies import strategy_spec
 
 if TYPE_CHECKING:
     from ringtrain.config.schema import Config, TrainConfig
 
-__all__ = ["check_workload", "grad_accum_steps_for_window", "grad_accum_steps_for", "validate_for_backend", "validate_for_world_size",
+__all__ = ["outer_step_warning", "check_workload", "grad_accum_steps_for_window", "grad_accum_steps_for", "validate_for_backend", "validate_for_world_size",
            "validate_for_world_sizes"]
 
 
@@ -145,3 +146,20 @@ def validate_for_backend(config: Config, backend: str) -> None:
             "(dist.backend = 'auto' found CUDA: nccl); use comm.algorithm = 'ring' or 'torch', or "
             "dist.backend = 'gloo' to train on the CPUs"
         )
+
+
+def outer_step_warning(config: Config, total_steps: int) -> str | None:
+    """DiLoCo whose first outer step (``sync_every / fragments`` steps in) comes after the run's last step: the
+    warning line (no outer step runs on the way; the run's last step still ends it on one model), else None.
+    Asked where the run's length is known (``build_trainer``, the Session's first step)."""
+    if strategy_spec(config.comm.strategy).section != "diloco":
+        return None
+    diloco = config.diloco
+    first = diloco.sync_every // diloco.fragments
+    if total_steps >= first:
+        return None
+    every = (f"diloco.sync_every ({diloco.sync_every})" if diloco.fragments == 1 else
+             f"diloco.sync_every / fragments ({diloco.sync_every} / {diloco.fragments} = {first})")
+    return (f"{every} is more than this run's {total_steps} steps: no outer step runs until the last step (which "
+            f"ends the run on one model), so evaluations before it score the initial model; set diloco.sync_every "
+            f"to {total_steps} or fewer")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from ringtrain.config.schema import Config
 from ringtrain.errors import ConfigError
 
-__all__ = ["load_config", "load_config_dict", "parse_override", "check_overrides"]
+__all__ = ["load_config", "load_config_dict", "parse_override", "check_overrides", "check_override_degrees"]
 
 
 def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None) -> Config:
@@ -63,6 +63,32 @@ def check_overrides(overrides: Sequence[str]) -> None:
         own = [e for e in err.errors() if any(_loc(e)[: len(keys)] == keys for keys in origins)]
         if own:
             raise ConfigError(_describe(own, "the overrides", origins)) from None
+
+
+LAYOUT_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+"""[parallel]'s degrees: they multiply to the number of workers (an unset or -1 one takes the rest)."""
+
+
+def check_override_degrees(overrides: Sequence[str], min_world_size: int, max_world_size: int) -> None:
+    """What ``ringtrain run`` knows of the layout before the script's config: the [parallel] degrees the
+    overrides set. The degrees multiply to the world size, the script's own (or the rest) times these, so the
+    product of these must divide every number of workers the job may run with; one line otherwise, before any
+    worker starts (``ringtrain train`` checks the whole layout there)."""
+    given: dict[str, int] = {}
+    for override in overrides:
+        keys, value = parse_override(override)
+        if (len(keys) == 2 and keys[0] == "parallel" and keys[1] in LAYOUT_DEGREES and type(value) is int
+                and value > 0):
+            given[keys[1]] = value
+    product = math.prod(given.values())
+    for world_size in range(min_world_size, max_world_size + 1):
+        if world_size % product:
+            named = " x ".join(f"{name} ({degree})" for name, degree in given.items())
+            within = ("" if min_world_size == max_world_size else
+                      f" (the job runs with {min_world_size} to {max_world_size} workers; this is at {world_size})")
+            raise ConfigError(f"[parallel] {named} set by --set: {product} does not divide world_size ({world_size}), "
+                              f"and the layout's degrees multiply to it{within}; run a multiple of {product} workers "
+                              "(--nproc), or change the degrees")
 
 
 def parse_override(override: str) -> tuple[tuple[str, ...], Any]:

@@ -38,6 +38,7 @@ from torch import nn
 
 from ringtrain.errors import ConfigError
 from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
+from ringtrain.parallel.tp_plan_check import check_colwise_partners
 from ringtrain.parallel.units import block_units
 
 __all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "apply_plan", "gpt2_plan", "huggingface_plan",
@@ -103,6 +104,8 @@ class TensorParallelStrategy(FSDPStrategy):
 
         builtin = self.plan is None and isinstance(model, TransformerLM)
         plan = None if builtin else user_plan(self.plan) if self.plan is not None else huggingface_plan(model, self.tp)
+        if self.plan is not None:  # the user's: each colwise layer with its rowwise partner (tp_plan_check.py)
+            check_colwise_partners(model, plan)
         if self.sequence_parallel and not builtin:
             raise ConfigError(f"[parallel] sequence_parallel = true: sequence parallelism is built for the built-in "
                               f"transformer, not a {type(model).__name__} (its plan splits it without); leave "

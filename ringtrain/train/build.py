@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.config import Config, validate_for_backend
+from ringtrain.config.checks import outer_step_warning
 from ringtrain.data import ResumableSampler, build_eval_loader, build_train_loader
 from ringtrain.data.ledger import build_ledger
 from ringtrain.group.env import forget_fault_plan
@@ -111,7 +113,15 @@ def build_trainer(
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), healing)
     # The task warns (once) through rank 0's logger: a console line and a record.
     task.warn = lambda message: trainer.logger.log({"type": "warning", "message": message})
+    warning = outer_step_warning(config, total_steps)
+    if warning is not None and ctx.rank == 0 and (str(run_dir), warning) not in _warned:  # once (a heal rebuilds)
+        _warned.add((str(run_dir), warning))
+        print(f"ringtrain: warning: {warning}", file=sys.stderr, flush=True)  # before the logger starts
     return trainer
+
+
+_warned: set[tuple[str, str]] = set()
+"""The run-length warnings this process gave (run directory, line): each once, however often a heal rebuilds."""
 
 
 def arm_fault_plan(ctx: DistContext, healing: NoHealing | None) -> None:

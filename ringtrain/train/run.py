@@ -149,11 +149,18 @@ class FitResult(dict):
     """What ``ringtrain.fit`` returns: the run's summary (the dict of summary.json, so ``summary = fit(...)``
     reads as before), with the trained model as ``result.model``."""
 
-    def __init__(self, summary: dict[str, Any], model: nn.Module | None = None):
+    def __init__(self, summary: dict[str, Any], model: nn.Module | None = None, rank: int = 0):
         super().__init__(summary)
+        self.rank = rank
+        """This worker's rank when the run ended (every rank gets a result)."""
         self.model = model
         """The trained module: the one fit() was given (trained in place) or the factory's. Under zero3 or
         fsdp, a new module from the factory holding the gathered weights (None for a module instance)."""
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this worker is rank 0: the one to print the result or save your own files."""
+        return self.rank == 0
 
 
 def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserParts | None = None,
@@ -192,25 +199,32 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
                     on_start()
                 summary = supervisor.run(trainer) if supervisor else trainer.fit()
             final = supervisor.trainer if supervisor else trainer  # a heal rebuilds the trainer
-            return FitResult(summary, _trained_model(final, parts) if keep_model else None)
+            return FitResult(summary, _trained_model(final, parts) if keep_model else None, rank=final.ctx.rank)
         finally:
             (supervisor.trainer if supervisor else trainer).end_threads()
 
 
 def _finished(trainer, plan: ResumePlan) -> dict[str, Any] | None:
-    """A resumed run whose newest checkpoint is its last step and whose summary.json is written is done: its
-    summary (every rank), one line from rank 0, and nothing written (no evaluation, summary or record)."""
+    """A resumed run whose newest checkpoint is its last step and whose summary.json is written is done (see
+    ``finished_summary``)."""
     if not plan.resume:  # the same plan on every rank (one launch, one environment): no collective for it
         return None
-    path = Path(trainer.config.run_dir) / "summary.json"
-    done = trainer.finished and path.is_file()
+    return finished_summary(trainer.config.run_dir, trainer.finished, trainer.ctx.rank, trainer.state.step)
+
+
+def finished_summary(run_dir: str | Path, finished: bool, rank: int, step: int) -> dict[str, Any] | None:
+    """A resumed run that is ``finished`` (its step is the planned last one) with its summary.json written is
+    done: its summary (every rank), one line from rank 0, and nothing written (no evaluation, summary or
+    record). None (on every rank) otherwise. ``fit``, ``ringtrain train`` and the Session ask it alike."""
+    path = Path(run_dir) / "summary.json"
+    done = finished and path.is_file()
     if dist.is_initialized() and dist.get_world_size() > 1:
         done = all(all_gather_json(bool(done)))  # every rank trains, or none does
     if not done:
         return None
-    if trainer.ctx.rank == 0:
-        print(f"ringtrain: run directory {trainer.config.run_dir} already finished at step {trainer.state.step} "
-              f"({path.name}); nothing to do", file=sys.stderr, flush=True)
+    if rank == 0:
+        print(f"ringtrain: run directory {run_dir} already finished at step {step} ({path.name}); nothing to do",
+              file=sys.stderr, flush=True)
     return json.loads(path.read_text())
 
 
@@ -253,7 +267,7 @@ def _supervisor(config: Config, env: DistEnv, job_store: NullJobStore, parts: Us
     return supervisor
 
 
-def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = None) -> dict[str, Any]:
+def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = None) -> FitResult:
     """``ringtrain join`` of a --heal job: ask to be admitted, meet the running workers in a new group at
     their next step boundary, receive their state (no checkpoint read), train with them."""
     if strategy_spec(config.comm.strategy).reloads:
@@ -279,7 +293,8 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
         trainer = build_trainer(config, ctx, job_store, parts, healing=supervisor, joining=True)
         beating[0].on_dump_request = supervisor.dump
         try:
-            return supervisor.run(trainer, joining=True)
+            summary = supervisor.run(trainer, joining=True)
+            return FitResult(summary, rank=supervisor.trainer.ctx.rank)
         finally:
             supervisor.trainer.end_threads()
             leave_default_group()

@@ -18,13 +18,17 @@ class RunDirLock:
 
     Two groups writing one run directory would interleave checkpoints and ledgers: a user starting the
     same run twice, or an elastic job split in two by a badly tuned rendezvous. The lock (flock, released
-    by the kernel when the process dies) makes the second writer wait for the first, then fail naming it.
+    by the kernel when the process dies) makes the second writer wait for the first, then fail naming it. A writer that finishes
+    removes the file as it lets go, so a finished run directory holds no ``.lock``; a waiter that then holds
+    the lock of a removed file opens the path again (``_holds``), so two writers never hold two files.
     """
 
     def __init__(self, run_dir: str | Path, timeout_s: float = 60.0):
         self.path = Path(run_dir) / ".lock"
         self.timeout_s = timeout_s
         self.fd: int | None = None
+        self.locked = False
+        """Whether this process holds the lock (a take-over waits for it in a thread)."""
 
     def __enter__(self) -> RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,7 +37,10 @@ class RunDirLock:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if self._holds(fd):
+                    break
+                os.close(fd)  # the holder removed the file as it finished: lock the one at the path now
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
@@ -45,7 +52,7 @@ class RunDirLock:
                 time.sleep(0.2)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-        self.fd = fd
+        self.fd, self.locked = fd, True
         return self
 
     def take_over(self) -> RunDirLock:
@@ -57,8 +64,14 @@ class RunDirLock:
         self.fd = fd
 
         def wait() -> None:
+            nonlocal fd
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the old holder's process exits
+                while not self._holds(fd):  # it finished and removed the file: lock the one at the path
+                    os.close(fd)
+                    fd = self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                self.locked = True
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
             except OSError:
@@ -67,7 +80,16 @@ class RunDirLock:
         threading.Thread(target=wait, name="ringtrain-run-dir-lock", daemon=True).start()
         return self
 
+    def _holds(self, fd: int) -> bool:
+        """Whether ``fd`` (locked) is still the file at the path (a finishing holder removes it)."""
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
+
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
+            if self.locked and self._holds(self.fd):
+                self.path.unlink(missing_ok=True)  # removed while locked: a waiter sees it gone and opens anew
             os.close(self.fd)  # closing releases the lock
-            self.fd = None
+            self.fd, self.locked = None, False

@@ -52,6 +52,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.checkpoint.front import CheckpointFront
 from ringtrain.config import validate_for_world_size
+from ringtrain.config.checks import outer_step_warning
 from ringtrain.config.parallel import resolve_layout
 from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch, build_eval_loader, build_train_loader
@@ -65,6 +66,7 @@ from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.parallel import build_parallel
+from ringtrain.strategies import strategy_spec
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.testing import faults
 from ringtrain.train.build import arm_fault_plan, broadcast_from_rank0
@@ -73,13 +75,15 @@ from ringtrain.train.guards import StepGuard, StopSignal, Verdict, check_replica
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
 from ringtrain.train.resume import check_same_choice
+from ringtrain.train.run import finished_summary
 from ringtrain.train.run_lock import RunDirLock
 from ringtrain.train.state import TrainState
 from ringtrain.train.user_parts import describe_callable
 from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunInfo, ScheduleState, ShardedTensors
 
-from ringtrain.train.session_parts import (EvalLoader, Samples, SessionLoader, SessionOptimizer, SessionScheduler,
-                                           current_lr, exit_with, planned_steps, resolve_config, resume_plan, usage)
+from ringtrain.train.session_parts import (RESERVED_PARTS, EvalLoader, PlainValue, Samples, SessionLoader,
+                                           SessionOptimizer, SessionScheduler, check_plain_value, current_lr,
+                                           exit_with, planned_steps, resolve_config, resume_plan, usage)
 
 __all__ = ["Session"]
 
@@ -125,6 +129,12 @@ class Session:
         self.checkpoints = CheckpointFront(Path(self.config.run_dir) / ckpt.dir, self.rank, self.world_size,
                                            ckpt.keep_last, sharded=ckpt.sharded, background=ckpt.async_)
         self.registered: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
+        """The plain values ``register``ed (name -> value): set them in your loop; a resume gives them back."""
+        self._save_due = False
+        self._summary: dict[str, Any] | None = None
+        """The run's summary once ``finish`` wrote it, or a resumed finished run's summary.json (nothing is
+        trained or written): ``finish`` returns it again."""
         self._is_ready = False
         self.strategy = self.model = self.module = self.optimizer = self.scheduler = self.sampler = None
         self._micro: tuple[int, bool, int] = (0, True, 1)
@@ -143,7 +153,13 @@ class Session:
     # --- where this worker is ---------------------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This worker's rank, 0 to ``world_size - 1`` (rank 0 writes the run directory)."""
         return self.ctx.rank
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this worker is rank 0: the one to write your own files (a best model, a plot)."""
+        return self.ctx.rank == 0
 
     @property
     def world_size(self) -> int:
@@ -211,15 +227,38 @@ class Session:
         self._is_ready = True
         self._resume()
         self.start_step = self.state.step
+        if self.plan.resume:  # a run resumed at its planned end: "already finished", nothing trained or written
+            self._summary = finished_summary(self.config.run_dir, self.state.step >= self.total_steps, self.rank,
+                                             self.state.step)
+            if self._summary is not None:
+                return
         self.logger = build_logger(self.config, self.rank, self.config.run_dir)
         self.logger.start(self.total_steps, self.state.step, self.sampler.steps_per_epoch)
+        warning = outer_step_warning(self.config, self.total_steps)
+        if warning is not None:  # rank 0's logger: a console line and a record
+            self.logger.log({"type": "warning", "message": warning})
         self.ledger.start(self.state.step)
         self._start_samples = self.state.samples_seen
         self.clock.flush()
 
-    def register(self, name: str, part: Any) -> None:
-        """Checkpoint ``part`` (anything with state_dict / load_state_dict) under ``name``, loaded on resume."""
-        self.registered[name] = part
+    def register(self, name: str, part: Any) -> Any:
+        """Checkpoint ``part`` under ``name``, loaded on resume: an object with state_dict / load_state_dict, or
+        a plain value (None, bool, int, float, str, lists and dicts of them), kept as JSON in each checkpoint
+        and held in ``session.values[name]``, where your loop updates it and a resume puts the saved value
+        back. Register before training starts (``epochs`` or the loader's first batch). Returns ``part``."""
+        if self._is_ready:
+            usage(f"session.register({name!r}, ...) after training started: a resume loads what is registered "
+                  "before it; register before session.epochs() (or the loader's first batch)")
+        if name in RESERVED_PARTS:
+            usage(f"session.register({name!r}, ...): the session's checkpoint holds its own {name!r}; pick "
+                  "another name")
+        if hasattr(part, "state_dict") and hasattr(part, "load_state_dict"):
+            self.registered[name] = part
+        else:
+            check_plain_value(name, part)
+            self.values[name] = part
+            self.registered[name] = PlainValue(self.values, name)
+        return part
 
     def epochs(self, count: int | None = None) -> Iterator[int]:
         """The epochs left to train (all of ``count``, default ``[train] epochs``; after a resume, the rest, the
@@ -232,6 +271,8 @@ class Session:
         with self.stop_signal:
             while self.state.epoch < count and self.state.step < self.total_steps:
                 yield self.state.epoch
+                if self._save_due:  # the epoch's last step, saved after your end-of-epoch code (its values)
+                    self.save()
         self.finish()
 
     # --- the step ----------------------------------------------------------------------------------------
@@ -287,7 +328,10 @@ class Session:
             self.close()
             raise SystemExit(128 + number)
         if self.state.step % self.config.checkpoint.every_steps == 0 and self.state.step < self.total_steps:
-            self.save()
+            if self.sampler.cursor == 0:  # an epoch's last step: saved as the next epoch starts, so it holds
+                self._save_due = True     # what the end of this one registers (a best accuracy)
+            else:
+                self.save()
 
     # --- checkpoints -------------------------------------------------------------------------------------
     def parts(self) -> dict[str, Any]:
@@ -311,7 +355,7 @@ class Session:
             self.strategy, self.model, self.optimizer), config_sha256=self.config.digest())
         if not self.config.checkpoint.async_:
             self._wait_save()
-        self._saved_step = self.state.step
+        self._saved_step, self._save_due = self.state.step, False
 
     def _wait_save(self) -> None:
         pending, self._pending = self._pending, None
@@ -333,6 +377,29 @@ class Session:
             return
         self.checkpoints.load(found, self.parts(), ShardedTensors(self.strategy, self.model, self.optimizer))
         self.print(f"ringtrain: resumed from {found.path.name} (step {self.state.step})", file=sys.stderr)
+
+    # --- the model as yours ------------------------------------------------------------------------------
+    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
+        """Your own module inside the model ``setup`` returned (DDP's ``module.`` gone from its keys): for saving
+        (``session.unwrap(model).state_dict()`` loads into your plain model) or evaluation. Under zero3 and
+        fsdp each rank holds a shard of the weights, not the module: use ``model_state_dict()`` there."""
+        if self.model is None:
+            usage("session.unwrap(model) before session.setup(model): set the model up first")
+        if model is not None and model is not self.model and model is not self.module:
+            usage("session.unwrap(model) takes the model session.setup returned (or the module you gave it)")
+        strategy = self.config.comm.strategy
+        if not strategy_spec(strategy).module_is_users:
+            usage(f"session.unwrap(model) under comm.strategy '{strategy}': each rank holds a shard of the weights, "
+                  "so no rank's module is the whole model; take the whole weights with session.model_state_dict() "
+                  "(every rank calls it)")
+        return self.module
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights under your module's keys, on every rank (every rank calls it: zero3 and fsdp
+        gather their shards), e.g. to save the best model from rank 0."""
+        if self.model is None:
+            usage("session.model_state_dict() before session.setup(model): set the model up first")
+        return self.strategy.model_state_dict(self.model)
 
     # --- evaluation and what ranks share -----------------------------------------------------------------
     def eval_loader(self, data: Dataset, batch_size: int, collate_fn: Any = None) -> Iterator[tuple[Any, Any]]:
@@ -362,7 +429,10 @@ class Session:
 
     # --- the end -------------------------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:
-        """Save the last step and write summary.json (``epochs`` does it when its loop ends)."""
+        """Save the last step and write summary.json (``epochs`` does it when its loop ends); called again, the
+        summary without writing anything."""
+        if self._summary is not None:  # finished already (or resumed at its end): nothing written again
+            return self._summary
         # A loop that left before the planned last step: DiLoCo's workers still hold their own parameters; the
         # run ends on one model, as the planned last step would have (one outer step; nothing for others).
         self.strategy.end_of_run()
@@ -379,6 +449,7 @@ class Session:
                    **self.strategy.figures()}  # DiLoCo: outer steps, bytes each worker sent (as ringtrain train)
         self.ledger.close()
         self.logger.finish(summary)
+        self._summary = summary
         return summary
 
     def close(self) -> None:

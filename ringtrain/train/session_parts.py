@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -67,6 +68,8 @@ class SessionLoader:
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
         s = self.session
         s._ready()
+        if s._save_due:  # the last epoch's last step, held back until its end-of-epoch code ran
+            s.save()
         for batch in s._loader:
             step = s.state.step + 1
             s._window = s.sampler.next_window_size()
@@ -190,3 +193,60 @@ def exit_with(err: RingtrainError, env: DistEnv) -> None:
 
     report_error(err, env)
     sys.exit(err.exit_code)
+
+
+RESERVED_PARTS = ("run", "model", "optimizer", "sampler", "micro_batch", "train_state", "precision", "scheduler", "comm")
+"""The names of what a Session's checkpoint holds itself (``Session.parts``): ``register`` takes none of them."""
+
+PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
+def check_plain_value(name: str, value: Any) -> None:
+    """``value`` is data a checkpoint keeps as JSON: None, a bool, number or string, or lists and dicts (string
+    keys) of them; anything else (an object, a tensor, a tuple that would come back a list) is one line."""
+    stack = [(value, name)]
+    while stack:  # iterative: a deep value is bounded by check_json when it is read back, never by recursion
+        item, where = stack.pop()
+        if isinstance(item, PLAIN_TYPES):
+            continue
+        if isinstance(item, list):
+            stack.extend((entry, f"{where}[{i}]") for i, entry in enumerate(item))
+        elif isinstance(item, dict):
+            bad = [key for key in item if not isinstance(key, str)]
+            if bad:
+                usage(f"session.register({name!r}, ...): {where} has the key {bad[0]!r}, not a string; a registered "
+                      "value is kept as JSON, whose keys are strings: use string keys")
+            stack.extend((entry, f"{where}[{key!r}]") for key, entry in item.items())
+        else:
+            usage(f"session.register({name!r}, ...): {where} is a {type(item).__name__}; register takes an object "
+                  "with state_dict/load_state_dict, or a plain value kept as JSON (None, bool, int, float, str, "
+                  "and lists and dicts of them)" + ("; pass a list" if isinstance(item, tuple) else
+                                                     "; pass .item() or .tolist()" if isinstance(item, torch.Tensor)
+                                                     else ""))
+
+
+class PlainValue:
+    """A plain value registered with the Session (``session.values[name]``), kept in each checkpoint as JSON
+    text (data, never a pickle): ``{"json": "..."}``, read back bounded (decode_limits.check_json)."""
+
+    def __init__(self, values: dict[str, Any], name: str):
+        self.values, self.name = values, name
+
+    def state_dict(self) -> dict[str, Any]:
+        value = self.values[self.name]
+        check_plain_value(self.name, value)  # what the loop stored since it registered it
+        return {"json": json.dumps(value)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from ringtrain.decode_limits import Refused, check_json
+        from ringtrain.errors import CorruptCheckpoint
+
+        text = state.get("json") if isinstance(state, dict) else None
+        if not isinstance(text, str):
+            raise CorruptCheckpoint(f"the checkpoint's {self.name!r} is not a registered plain value (it was saved "
+                                    "from an object with state_dict); register the same kind of thing under that name")
+        try:
+            check_json(text)
+            self.values[self.name] = json.loads(text)
+        except (Refused, ValueError) as err:
+            raise CorruptCheckpoint(f"the checkpoint's {self.name!r} is no JSON value ({err})") from None
