@@ -32,6 +32,7 @@ from ringtrain.parallel.ddp import DDPStrategy
 from ringtrain.parallel.diloco import DiLoCoStrategy
 from ringtrain.parallel.fsdp import FSDPStrategy
 from ringtrain.parallel.manual import ManualStrategy
+from ringtrain.parallel.outer_loop import OuterLoop
 from ringtrain.parallel.pipeline import PipelineStrategy
 from ringtrain.parallel.tensor import TensorParallelStrategy
 from ringtrain.parallel.zero import ZeroStrategy
@@ -58,6 +59,8 @@ class Strategy(Protocol):
     has_rank_state: bool
     microbatches: int | None
     microbatch_multiple: int
+    outer_loop: OuterLoop
+    """DiLoCo's outer loop (``outer_loop.py``), a null one for strategies whose ranks are in step every step."""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 

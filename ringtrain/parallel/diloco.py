@@ -36,8 +36,8 @@ then covers every inner step since the fragment's last outer step), so a run end
     >>> model = strategy.wrap(model)                 # rank 0's weights everywhere; the fp32 global copy
     >>> optimizer = strategy.shard_optimizer(inner)  # kept: its per-rank state goes into checkpoints
     >>> loss_fn(model(x)).backward(); optimizer.step()    # local: nothing is communicated
-    >>> if strategy.sync_due(step, last=step == total_steps):
-    ...     strategy.outer_step()                    # one all-reduce of the pseudo-gradients
+    >>> if strategy.outer_loop.sync_due(step, last=step == total_steps):
+    ...     strategy.outer_loop.outer_step()         # one all-reduce of the pseudo-gradients
 
 What a checkpoint holds beyond the model and optimizer (rank 0's): ``outer`` (``stateful_parts``: the global
 parameters, the outer optimizer's momentum, the count of outer steps, identical on every rank) and, through
@@ -71,6 +71,7 @@ from ringtrain.testing import faults
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 from ringtrain.parallel.ddp import DDPStrategy
+from ringtrain.parallel.outer_loop import OuterLoop
 
 __all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "INNER"]
 
@@ -152,6 +153,12 @@ class DiLoCoStrategy(ReplicatedStrategy):
     """Each worker's gradient is its own (no sync): the step agreement carries every rank's gradient flag."""
     has_rank_state = True
     """Every rank's own parameters and inner optimizer state are checkpointed (``state_dict``)."""
+
+    @property
+    def outer_loop(self) -> DiLoCoStrategy:
+        """The outer loop's hooks (``outer_loop.OuterLoop``: ``sync_due``, ``outer_step``, ``evaluation_weights``,
+        ``end_of_run``, ``abandon_interval``, ``transfer_parts``, ``take_over``) are this strategy's own."""
+        return self
 
     def __init__(self, device: torch.device, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, algorithm: str = "torch", chunk_kb: int | None = None, fragments: int = 1,
@@ -488,7 +495,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
         """What a heal's transfer carries beyond the trainer's parts: the outer state (a joiner has none)."""
         return {"outer": OuterState(self)}
 
-    def take_over(self, old: ReplicatedStrategy, optimizer: torch.optim.Optimizer,
+    def take_over(self, old: OuterLoop, optimizer: torch.optim.Optimizer,
                   received: dict[str, Any] | None = None) -> None:
         """A heal's new group: this strategy, just wrapped around the same module (which holds the global
         parameters on every member), goes on from ``old``'s outer state, or from the outer state ``received``
