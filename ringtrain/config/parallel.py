@@ -319,6 +319,11 @@ def check_parallel(config: Config, world_size: int) -> Layout:
                           "without it: leave sequence_parallel unset")
     if degrees["cp"] > 1:
         check_context_parallel(config, degrees)
+    spec = strategy_spec(config.comm.strategy)
+    if spec.replicas_are_model_groups and layout.model_parallel > 1 and config.diloco.inner != "auto":
+        raise ConfigError(f"diloco.inner = '{config.diloco.inner}' beside a split model ({layout.describe()}): a "
+                          "DiLoCo replica is then its model-parallel group (one model, its ranks the model's parts); "
+                          "leave diloco.inner unset ('auto')")
     if parallel.loss_parallel:
         check_loss_parallel(config, degrees)
     if tp > 1 and pp > 1:

@@ -130,7 +130,9 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         )
     if layout.hsdp and layout.cp > 1:  # FSDP2's HSDP over replicas of (dp_shard x cp)-rank shard groups
         mesh = mesh[("dp_replicate", "dp_shard_cp")]
-    return spec.build(config, device, diloco=diloco, heal=heal, mesh=mesh if layout.hsdp else None)
+    # DiLoCo beside context parallelism: a replica is a cp group, found on the mesh.
+    groups = spec.replicas_are_model_groups and layout.model_parallel > 1
+    return spec.build(config, device, diloco=diloco, heal=heal, mesh=mesh if layout.hsdp or groups else None)
 
 
 def build_parallel(config: Config, ctx: DistContext, model: torch.nn.Module, *, tp_plan: Mapping[str, Any] | None = None,

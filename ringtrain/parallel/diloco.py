@@ -66,6 +66,7 @@ from ringtrain.comm import codec, shm
 from ringtrain.comm.groups import host_id, resolve_group
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.errors import ConfigError
+from ringtrain.layout import MODEL_DIMS
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.testing import faults
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
@@ -73,7 +74,7 @@ from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 from ringtrain.parallel.ddp import DDPStrategy
 from ringtrain.parallel.outer_loop import OuterLoop
 
-__all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "INNER"]
+__all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "model_groups", "INNER"]
 
 INNER = ("auto", "worker", "host")
 """What one DiLoCo replica is (module docstring)."""
@@ -144,6 +145,20 @@ def replicas_of(hosts: list[str], inner: str) -> list[list[int]]:
     return list(by_host.values())
 
 
+def model_groups(mesh: Any) -> list[list[int]]:
+    """The replicas beside a split model: each model-parallel group of the layout's ``mesh`` (its ``MODEL_DIMS``,
+    innermost, so a group is consecutive in the mesh's order), in rank order, the first its leader. A context-
+    parallel group holds one model whose ranks read one sequence's parts: it trains as one replica (its gradients
+    averaged inside it every step), and only its leader exchanges pseudo-gradients with the other groups'."""
+    names = mesh.mesh_dim_names or ()
+    size = 1
+    for name in names:
+        if name in MODEL_DIMS:
+            size *= mesh.size(names.index(name))
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
 class DiLoCoStrategy(ReplicatedStrategy):
     """Inner steps without communication; every ``sync_every`` steps one outer step on the averaged
     pseudo-gradient, in ``fragments`` turns (module docstring)."""
@@ -163,7 +178,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
     def __init__(self, device: torch.device, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, algorithm: str = "torch", chunk_kb: int | None = None, fragments: int = 1,
                  delay: int = 0, dtype: str = "fp32", inner: str = "auto", bucket_mb: float = 25.0,
-                 hosts: list[str] | None = None):
+                 hosts: list[str] | None = None, mesh: Any = None):
         if sync_every <= 0:
             raise ValueError(f"sync_every must be positive, got {sync_every}")
         if fragments <= 0 or sync_every % fragments:
@@ -176,6 +191,9 @@ class DiLoCoStrategy(ReplicatedStrategy):
             raise ValueError(f"inner {inner!r} is unknown; choose one of {', '.join(INNER)}")
         self.device = device
         self.inner, self.bucket_mb, self._hosts = inner, bucket_mb, hosts
+        self._mesh = mesh
+        """The layout's device mesh beside a split model (context parallelism): a replica is a model-parallel
+        group (``model_groups``), whatever ``inner`` says."""
         self.sync_every, self.fragment_count, self.delay, self.dtype = sync_every, fragments, delay, dtype
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.algorithm = algorithm
@@ -208,7 +226,34 @@ class DiLoCoStrategy(ReplicatedStrategy):
             broadcast_from_rank0([p.data for p in model.parameters()] + list(model.buffers()), group)
         self._module = model
         wrapped = self._form_replicas(model, group)
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._build_outer([p for p in model.parameters() if p.requires_grad])
+        return wrapped
+
+    def attach(self, module: nn.Module, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        """The outer loop beside a split model (tensor or pipeline parallelism, whose strategy runs the inner
+        steps with its own collectives and averages nothing over the data-parallel ranks): ``params`` are this
+        rank's parts of the model (a DTensor's local shard, its stages' parameters), the same parts as its peers
+        in ``group`` hold (the layout's ``dp`` dimension: the ranks at this rank's model-parallel coordinates), and
+        every rank exchanges its own parts' pseudo-gradients over ``group``. The split model's strategy has put
+        rank 0's weights everywhere already. Collective over ``group`` (none here)."""
+        self._group = weakref.ref(group)
+        self._module = module
+        self.replicas = [[r] for r in range(dist.get_world_size(group))]
+        self.is_leader = True
+        self._exchange, self._replica = weakref.ref(group), None
+        with torch.no_grad():  # the local tensors are views of the parameters: steps and copies reach both
+            self._build_outer([p.to_local() if hasattr(p, "to_local") else p for p in params if p.requires_grad])
+
+    @property
+    def syncs_replicas(self) -> bool:
+        """The data-parallel replicas of a split model are kept together by the outer steps, not by a gradient
+        average: their strategy averages nothing over dp (``attach``)."""
+        return True
+
+    def _build_outer(self, params: list[torch.Tensor]) -> None:
+        """The fp32 global copy of ``params``, the fragments, the exchange buffers and the outer optimizer."""
+        model = self._module
+        self._params = params
         self.global_params = [p.detach().to(torch.float32, copy=True) for p in self._params]
         # torch's SGD refuses nesterov without momentum; with none the two are the same step anyway.
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=self.outer_lr, momentum=self.outer_momentum,
@@ -232,16 +277,18 @@ class DiLoCoStrategy(ReplicatedStrategy):
                 fragment.buffer = self._buffer(fragment.slot * world, torch.uint8, exchange)
                 fragment.error = torch.zeros(fragment.numel, dtype=torch.float32, device=self.device)
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        return wrapped
 
     def _form_replicas(self, model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         """Agree on the replicas (every rank gathers the hosts); where one has several ranks, make each
         replica's group (DDP inside it) and the leaders' group (the exchange). Collective over ``group``."""
         rank = dist.get_rank(group)
-        hosts = self._hosts or [str(h) for h in all_gather_json(host_id(), group=group)]
-        if len(hosts) != dist.get_world_size(group):
-            raise ValueError(f"hosts has {len(hosts)} entries for {dist.get_world_size(group)} ranks")
-        self.replicas = replicas_of(hosts, self.inner)
+        if self._mesh is not None:
+            self.replicas = model_groups(self._mesh)
+        else:
+            hosts = self._hosts or [str(h) for h in all_gather_json(host_id(), group=group)]
+            if len(hosts) != dist.get_world_size(group):
+                raise ValueError(f"hosts has {len(hosts)} entries for {dist.get_world_size(group)} ranks")
+            self.replicas = replicas_of(hosts, self.inner)
         mine = next(r for r in self.replicas if rank in r)
         self.is_leader = rank == mine[0]
         if all(len(r) == 1 for r in self.replicas):
@@ -619,7 +666,8 @@ class OuterState:
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DiLoCoStrategy:
     """``comm.strategy = 'diloco'`` with the [diloco] section (its defaults when None); ``heal``: a --heal job,
-    whose replicas are single workers (``diloco.inner = 'auto'`` resolves so)."""
+    whose replicas are single workers (``diloco.inner = 'auto'`` resolves so); ``mesh``: the layout's beside a split
+    model, whose model-parallel groups are the replicas (``model_groups``)."""
     from ringtrain.config import DiLoCoConfig
 
     diloco = diloco or DiLoCoConfig()
@@ -628,4 +676,4 @@ def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = F
                           algorithm=comm.algorithm, chunk_kb=comm.chunk_kb, fragments=diloco.fragments,
                           delay=diloco.delay, dtype=diloco.dtype,
                           inner="worker" if heal and diloco.inner == "auto" else diloco.inner,
-                          bucket_mb=comm.resolved_bucket_mb)
+                          bucket_mb=comm.resolved_bucket_mb, mesh=mesh)

@@ -26,6 +26,10 @@ __all__ = ["OuterLoop", "NoOuterLoop", "NO_OUTER_LOOP"]
 class OuterLoop(Protocol):
     """The outer loop's hooks (``NoOuterLoop`` documents each)."""
 
+    syncs_replicas: bool
+
+    def attach(self, module: torch.nn.Module, params: list[torch.Tensor], group: Any) -> None: ...
+
     def sync_due(self, step: int, last: bool = False) -> bool: ...
 
     def outer_step(self, step: int | None = None, last: bool = False) -> None: ...
@@ -44,6 +48,14 @@ class OuterLoop(Protocol):
 
 class NoOuterLoop:
     """The outer loop of a strategy whose ranks are in step after every optimizer step: nothing to do."""
+
+    syncs_replicas = False
+    """The outer loop, not a gradient average, keeps a split model's data-parallel replicas together (DiLoCo beside
+    tp or pp: their strategy averages nothing over dp)."""
+
+    def attach(self, module: torch.nn.Module, params: list[torch.Tensor], group: Any) -> None:
+        """A split model's strategy hands its outer loop what it made: ``module``, this rank's parameters of the
+        model and its data-parallel ``group`` (DiLoCo beside tp or pp)."""
 
     def sync_due(self, step: int, last: bool = False) -> bool:
         """Whether an outer step follows optimizer step ``step`` (``last``: the run's last step)."""

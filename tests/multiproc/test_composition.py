@@ -27,7 +27,7 @@ AdamW's update, and a clipped one, hardly see it (commit 6ece37c: a 4x normalise
 (``test_a_checkpoint_crosses_layouts``) run AdamW with the clip active, as `ringtrain train`'s debug jobs do.
 
 Context parallelism (cp 2, issue 40) is a dimension of the table too: cp alone and beside 2 data-parallel ranks of
-every strategy but DiLoCo; cp beside tp (under FSDP2), beside HSDP, cp 3 and Hugging Face models are in
+every strategy (DiLoCo's replica: the cp group, its gradients averaged inside it every step); cp beside tp (under FSDP2), beside HSDP, cp 3 and Hugging Face models are in
 tests/multiproc/test_context_parallel.py.
 
 Refused today (not built yet, issue 23; the config refuses them in one line, so they are not in the table;
@@ -39,7 +39,7 @@ refused):
   "DiLoCo replicas of a split model are not built yet");
 - pp 2 (gpipe, 1f1b, interleaved_1f1b) beside 2 data-parallel ranks of zero1, zero2, zero3, diloco ("zero1/2/3 and
   'diloco' beside a pipeline are not built yet").
-- cp 2 beside diloco ("its workers step on their own"), beside tp 2 under ddp (FSDP2 averages over dp x cp), and
+- cp 2 beside tp 2 under ddp (FSDP2 averages over dp x cp), and
   beside pp 2 (not composed yet, issue 40).
 - (At world sizes above 4, not in this table: hsdp beside tp or pp, and dp 2 x tp 2 x pp 2.)
 """
@@ -161,7 +161,6 @@ REFUSED = {
     **{f"{s}-dp2-pp2-{p}": "issue 23" for s in ("zero1", "zero2", "zero3", "diloco")
        for p in ("gpipe", "1f1b", "interleaved_1f1b")},
     # Context parallelism (its ring attention has no dropout; debug_lm has none).
-    "diloco-dp2-cp2": "its workers step on their own",
     "tp2-cp2": "averaged by FSDP2 over the dp x cp ranks",  # the dp-1 cells run ddp; fsdp x cp x tp: test_context_parallel
     "tp2-sp-cp2": "averaged by FSDP2 over the dp x cp ranks",
     **{f"{t}pp2-{p}-cp2": "not composed with pipeline parallelism yet (issue 40)" for t in ("", "tp2-", "tp2-sp-")
@@ -231,7 +230,7 @@ def _runs_folder(tmp_path_factory):
     _ROOT.append(tmp_path_factory.mktemp("composition"))
     yield
     _ROOT.pop()
-    for cached in (oracle, cell_run, variant_run, saved_run):
+    for cached in (oracle, cell_run, variant_run, saved_run, diloco_dp2_h2):
         cached.cache_clear()
 
 
@@ -333,7 +332,7 @@ def test_the_table_is_every_layout_the_config_accepts():
         elif refused is not None and REFUSED[cell.id] not in refused:
             problems.append(f"{cell.id} is refused for another reason than {REFUSED[cell.id]!r}: {refused}")
     assert not problems, "\n".join(problems)
-    assert len(CELLS) == 39 and len(REFUSED) == 34
+    assert len(CELLS) == 40 and len(REFUSED) == 33
 
 
 # --- the layouts' options, beside the table: same oracle, one run each ------------------------------------------
@@ -412,6 +411,27 @@ def test_a_layouts_options_train_as_one_worker(name):
         assert summary["pp_microbatches_run"] == {"9": STEPS}
     if name == "pp2-interleaved_1f1b-budget":
         assert summary["pp_microbatches_run"] == {"6": STEPS}
+
+
+# --- DiLoCo's replica beside a split model: its model-parallel group ---------------------------------------------
+# At H = 1 the table cannot tell what a replica is (SGD is linear: any split of the batch averages to the one
+# worker's step). At H = 2 it can: with a replica its whole model-parallel group, dp 2 x (cp 2, tp 2 or pp 2) trains
+# as 2 DiLoCo workers that each hold the whole model (diloco-dp2), inner steps and all.
+H2 = ["diloco.sync_every=2"]
+REPLICAS = {"cp2": ["parallel.cp=2"]}
+
+
+@functools.cache
+def diloco_dp2_h2() -> Run:
+    """2 DiLoCo workers at H = 2, each holding the whole model."""
+    return train("diloco-dp2-h2", 2, [*SGD, "comm.strategy='diloco'", *H2])
+
+
+@pytest.mark.parametrize("split", REPLICAS)
+def test_a_diloco_replica_is_its_model_parallel_group(split):
+    run = train(f"diloco-dp2-{split}-h2", 4, [*SGD, "comm.strategy='diloco'", *H2, *REPLICAS[split]])
+    assert run.summary["world_size"] == 4
+    assert_same_run(run, diloco_dp2_h2())
 
 
 # --- checkpoints crossing layouts: saved at step 3 in one, resumed in another ---------------------------------
