@@ -79,9 +79,9 @@ class ReplicatedStrategy:
         return {}
 
     def stateful_parts(self) -> dict[str, Any]:
-        """Checkpoint parts of the strategy's own beyond model, optimizer and per-rank comm state (DiLoCo's outer
-        state): ``{name: Stateful}``."""
-        return {}
+        """Checkpoint parts of the strategy's own beyond model, optimizer and per-rank comm state: its outer loop's
+        (DiLoCo's outer state, beside a split model too): ``{name: Stateful}``."""
+        return self.outer_loop.stateful_parts()
 
     def take_step_comm_s(self) -> float:
         """Seconds of communication inside the optimizer step since the last call (zero1/2's all-gather)."""

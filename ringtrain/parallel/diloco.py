@@ -74,7 +74,8 @@ from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 from ringtrain.parallel.ddp import DDPStrategy
 from ringtrain.parallel.outer_loop import OuterLoop
 
-__all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "model_groups", "INNER"]
+__all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "model_groups", "SplitOuterState",
+           "INNER"]
 
 INNER = ("auto", "worker", "host")
 """What one DiLoCo replica is (module docstring)."""
@@ -192,6 +193,8 @@ class DiLoCoStrategy(ReplicatedStrategy):
         self.device = device
         self.inner, self.bucket_mb, self._hosts = inner, bucket_mb, hosts
         self._mesh = mesh
+        self._attached = False
+        """The outer loop of a split model's strategy (``attach``): this rank holds its parts of the model."""
         """The layout's device mesh beside a split model (context parallelism): a replica is a model-parallel
         group (``model_groups``), whatever ``inner`` says."""
         self.sync_every, self.fragment_count, self.delay, self.dtype = sync_every, fragments, delay, dtype
@@ -238,6 +241,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
         rank 0's weights everywhere already. Collective over ``group`` (none here)."""
         self._group = weakref.ref(group)
         self._module = module
+        self._attached = True
         self.replicas = [[r] for r in range(dist.get_world_size(group))]
         self.is_leader = True
         self._exchange, self._replica = weakref.ref(group), None
@@ -568,8 +572,9 @@ class DiLoCoStrategy(ReplicatedStrategy):
 
     # --- state ----------------------------------------------------------------------------------------
     def stateful_parts(self) -> dict[str, Any]:
-        """The checkpoint's parts beyond the model and optimizer: the outer state, the same on every rank."""
-        return {"outer": OuterState(self)}
+        """The checkpoint's parts beyond the model and optimizer: the outer state, the same on every rank (beside a
+        split model each rank's parts of it, which a full checkpoint cannot hold: ``SplitOuterState``)."""
+        return {"outer": SplitOuterState(self) if self._attached else OuterState(self)}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's own state (gathered by ``train/comm_state.py``): its parameters, inner optimizer state
@@ -662,6 +667,26 @@ class OuterState:
         for fragment, synced in zip(s.fragments, state.get("synced_steps") or [0] * len(s.fragments)):
             fragment.synced_step = int(synced)
         s._dropped = {int(index) for index in state.get("dropped", [])}
+
+
+class SplitOuterState(OuterState):
+    """DiLoCo's outer state beside a split model (tp, pp), as a full checkpoint's part. Each rank holds its parts of
+    the global model and of the outer momentum, and each replica its own inner optimizer state; a full checkpoint
+    (the unsplit model, rank 0's replica's) holds none of them. So it records the counts only, and a resume from
+    it refuses in one line rather than step from a wrong anchor. A checkpoint another strategy wrote (no outer
+    state) is the paper's warm start, as ``OuterState``'s."""
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.strategy
+        return {"split_model": True, "outer_steps": s.outer_steps, "step": s._step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ConfigError(
+            f"this checkpoint (step {state.get('step')}) was written by DiLoCo beside tensor or pipeline parallelism: "
+            "its outer state (the global model, the outer momentum) and each replica's inner optimizer state are "
+            "every rank's own parts, which a full checkpoint does not hold (sharded DiLoCo checkpoints are not "
+            "built yet); resume it under comm.strategy = 'ddp' or 'fsdp' (its model and optimizer state load), or "
+            "start a new run")
 
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DiLoCoStrategy:

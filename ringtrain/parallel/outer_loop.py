@@ -30,6 +30,8 @@ class OuterLoop(Protocol):
 
     def attach(self, module: torch.nn.Module, params: list[torch.Tensor], group: Any) -> None: ...
 
+    def stateful_parts(self) -> dict[str, Any]: ...
+
     def sync_due(self, step: int, last: bool = False) -> bool: ...
 
     def outer_step(self, step: int | None = None, last: bool = False) -> None: ...
@@ -56,6 +58,10 @@ class NoOuterLoop:
     def attach(self, module: torch.nn.Module, params: list[torch.Tensor], group: Any) -> None:
         """A split model's strategy hands its outer loop what it made: ``module``, this rank's parameters of the
         model and its data-parallel ``group`` (DiLoCo beside tp or pp)."""
+
+    def stateful_parts(self) -> dict[str, Any]:
+        """The outer loop's checkpoint parts (DiLoCo's outer state): ``{name: Stateful}``."""
+        return {}
 
     def sync_due(self, step: int, last: bool = False) -> bool:
         """Whether an outer step follows optimizer step ``step`` (``last``: the run's last step)."""
