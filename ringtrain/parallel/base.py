@@ -75,8 +75,9 @@ class ReplicatedStrategy:
         return nullcontext()
 
     def figures(self) -> dict[str, Any]:
-        """The strategy's own figures for records and the summary (DiLoCo: outer steps, bytes per worker)."""
-        return {}
+        """The strategy's own figures for records and the summary: its outer loop's (DiLoCo: outer steps, bytes per
+        worker, beside a split model too)."""
+        return self.outer_loop.figures()
 
     def stateful_parts(self) -> dict[str, Any]:
         """Checkpoint parts of the strategy's own beyond model, optimizer and per-rank comm state: its outer loop's

@@ -32,6 +32,8 @@ class OuterLoop(Protocol):
 
     def stateful_parts(self) -> dict[str, Any]: ...
 
+    def figures(self) -> dict[str, Any]: ...
+
     def sync_due(self, step: int, last: bool = False) -> bool: ...
 
     def outer_step(self, step: int | None = None, last: bool = False) -> None: ...
@@ -61,6 +63,10 @@ class NoOuterLoop:
 
     def stateful_parts(self) -> dict[str, Any]:
         """The outer loop's checkpoint parts (DiLoCo's outer state): ``{name: Stateful}``."""
+        return {}
+
+    def figures(self) -> dict[str, Any]:
+        """The outer loop's figures for records and the summary (DiLoCo's outer steps and bytes)."""
         return {}
 
     def sync_due(self, step: int, last: bool = False) -> bool:

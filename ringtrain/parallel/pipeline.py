@@ -462,7 +462,8 @@ class PipelineStrategy(ReplicatedStrategy):
         """``pp_microbatches_run``: how many steps this rank's schedule ran with each micro-batch count (one count
         without a token budget); with ``parallel.tp_algorithm = 'shm'``, ``tp_shm_all_reduces``: the split
         layers' all-reduces this rank ran on shared memory."""
-        figures: dict[str, Any] = {"pp_microbatches_run": {str(k): v for k, v in sorted(self._counts.items())}}
+        figures: dict[str, Any] = {**super().figures(),  # DiLoCo's beside the pipeline
+                                   "pp_microbatches_run": {str(k): v for k, v in sorted(self._counts.items())}}
         calls = getattr(self.mesh["tp"].get_group(), "shm_calls", None) if self.tp > 1 else None
         return figures if calls is None else {**figures, "tp_shm_all_reduces": calls}
 

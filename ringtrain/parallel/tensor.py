@@ -100,7 +100,7 @@ class TensorParallelStrategy(FSDPStrategy):
         """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
         ringtrain's shared memory so far (records and the summary)."""
         calls = getattr(self._shm_group, "shm_calls", None)
-        return {} if calls is None else {"tp_shm_all_reduces": calls}
+        return {**super().figures(), **({} if calls is None else {"tp_shm_all_reduces": calls})}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from ringtrain.models.transformer import TransformerLM

@@ -308,6 +308,8 @@ def test_a_layout_trains_as_one_worker(cell: Cell):
     if cell.pp > 1:
         assert all(r["time/pipeline_wait_s"] > 0 for r in trained)
         assert run.summary["pp_microbatches_run"] == {str(pipeline_microbatches(cell)): STEPS}
+    if cell.strategy == "diloco":  # an outer step after every step (H = 1), over the dp ranks' replicas
+        assert (run.summary["outer_steps"], run.summary["diloco_replicas"]) == (STEPS, cell.dp)
     if cell.cp > 1:  # the ring's waits: a phase of their own
         assert all(r["time/cp_comm_s"] > 0 for r in trained)
     if cell.tp > 1 or cell.pp > 1:
