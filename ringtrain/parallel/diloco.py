@@ -29,6 +29,14 @@ host's other ranks (a broadcast inside the host). ``'worker'``: every worker is 
 all). ``'auto'`` (default): 'host' when the job spans hosts and some host runs more than one worker (the host
 layout ``comm.groups.host_id`` finds, as the shm all-reduce does), else 'worker'.
 
+Beside a split model (the layout's cp, tp or pp) a replica is a whole model-parallel group, whatever ``inner`` says.
+Beside cp (``model_groups``): each cp group, its ranks one model reading one sequence's parts, DDP inside it, its
+leader exchanging, as 'host' replicas. Beside tp or pp the split model's strategy runs the inner steps with the
+group's own collectives and averages nothing over dp; it builds with this strategy as its ``outer_loop`` and
+``attach``es it to this rank's parts (DTensors' local shards, its stages' parameters) and the layout's dp group:
+every rank exchanges its own part with its counterparts. A full checkpoint cannot hold those parts' outer state
+(``SplitOuterState``: a resume refuses in one line).
+
 The run's last step syncs every fragment at once (a pending exchange is superseded: the pseudo-gradient taken
 then covers every inner step since the fragment's last outer step), so a run ends with one model everywhere.
 
