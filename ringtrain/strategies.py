@@ -52,6 +52,10 @@ class StrategySpec:
     gathers_in_forward: bool = False
     """Parameters are gathered in every forward (a step has collectives before its end: no automatic
     micro-batch shrinking)."""
+    replicas_are_model_groups: bool = False
+    """Beside a split model (cp) one of its replicas is a whole model-parallel group, trained as one model, its
+    replicas synchronised by the strategy itself (DiLoCo's outer steps between the groups): its builder gets the
+    layout's mesh to find the groups."""
     sharded_checkpoints: bool = True
     """It writes sharded (and background) checkpoints."""
     default_bucket_mb: float = 25.0
@@ -118,5 +122,6 @@ register(StrategySpec(
     comm_volume=1.5))
 register(StrategySpec(
     "diloco", "ringtrain.parallel.diloco:from_config", "dp_replicate",
-    "DiLoCo: local steps, an outer step every sync_every", algorithms=_OWN, heals=True, module_is_users=True,
-    leaves_group=True, sharded_checkpoints=False, section="diloco"))
+    "DiLoCo: local steps, an outer step every sync_every", algorithms=_OWN,
+    beside=frozenset({"tp", "pp", "cp"}), heals=True, module_is_users=True, leaves_group=True, replicas_are_model_groups=True, sharded_checkpoints=False,
+    section="diloco"))

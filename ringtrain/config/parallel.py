@@ -204,6 +204,11 @@ def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> Non
     if model.n_heads % tp:
         raise ConfigError(f"{where}: tp does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    if strategy_spec(config.comm.strategy).replicas_are_model_groups and dp > 1:
+        raise ConfigError(f"{where} and {dp} DiLoCo replicas: not built yet (the pipeline's clip norm under tp adds "
+                          "every rank's squares over the replicas, which holds where they share one gradient, not "
+                          "where each DiLoCo replica holds its own); set tp = 1 or pp = 1")
 
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
@@ -226,8 +231,9 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
     if "pp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
                           "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "
-                          "'manual') or shard its stages (FSDP2, 'fsdp'); zero1/2/3 and 'diloco' beside a pipeline are "
-                          "not built yet (issue 23); set comm.strategy = 'ddp' or 'fsdp'")
+                          "'manual') or shard its stages (FSDP2, 'fsdp'), or DiLoCo's replicas are whole pipelines "
+                          "('diloco'); zero1/2/3 beside a pipeline are not built yet (issue 23); set comm.strategy = "
+                          "'ddp' or 'fsdp'")
     if spec.owner == "dp_shard" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
         raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first "
                           "and last stages on one rank, where they share the tied embedding, which FSDP2 cannot shard "
@@ -319,6 +325,11 @@ def check_parallel(config: Config, world_size: int) -> Layout:
                           "without it: leave sequence_parallel unset")
     if degrees["cp"] > 1:
         check_context_parallel(config, degrees)
+    spec = strategy_spec(config.comm.strategy)
+    if spec.replicas_are_model_groups and layout.model_parallel > 1 and config.diloco.inner != "auto":
+        raise ConfigError(f"diloco.inner = '{config.diloco.inner}' beside a split model ({layout.describe()}): a "
+                          "DiLoCo replica is then its model-parallel group (one model, its ranks the model's parts); "
+                          "leave diloco.inner unset ('auto')")
     if parallel.loss_parallel:
         check_loss_parallel(config, degrees)
     if tp > 1 and pp > 1:

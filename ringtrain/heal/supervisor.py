@@ -156,7 +156,7 @@ class Supervisor(NoHealing):
         """Leave ``train()`` for an admission, every member on one model first: DiLoCo's workers run a whole
         outer step in the group they are in (all of them at this boundary), so no inner progress is lost and a
         joiner starts from the model everyone holds."""
-        self.trainer.parts.strategy.end_of_run()
+        self.trainer.parts.strategy.outer_loop.end_of_run()
         raise Regroup()
 
     def committed(self, step: int) -> None:
@@ -310,7 +310,7 @@ class Supervisor(NoHealing):
     def _leave(self, failed: bool) -> None:
         self.trainer.abandon_saves()
         if failed:  # DiLoCo: back to the last outer step's model, every exchange in flight dropped
-            self._inner_steps_dropped = self.trainer.parts.strategy.abandon_interval()
+            self._inner_steps_dropped = self.trainer.parts.strategy.outer_loop.abandon_interval()
         self.trainer.leave_group()
         abandon_group(failed=failed)
 

@@ -32,6 +32,7 @@ from ringtrain.parallel.ddp import DDPStrategy
 from ringtrain.parallel.diloco import DiLoCoStrategy
 from ringtrain.parallel.fsdp import FSDPStrategy
 from ringtrain.parallel.manual import ManualStrategy
+from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
 from ringtrain.parallel.pipeline import PipelineStrategy
 from ringtrain.parallel.tensor import TensorParallelStrategy
 from ringtrain.parallel.zero import ZeroStrategy
@@ -58,6 +59,8 @@ class Strategy(Protocol):
     has_rank_state: bool
     microbatches: int | None
     microbatch_multiple: int
+    outer_loop: OuterLoop
+    """DiLoCo's outer loop (``outer_loop.py``), a null one for strategies whose ranks are in step every step."""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
@@ -109,16 +112,21 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
     spec = strategy_spec(config.strategy)
     parallel = parallel or ParallelConfig()
     layout = layout or Layout(owner=spec.owner)
+    outer_loop = NO_OUTER_LOOP
+    if spec.replicas_are_model_groups and (layout.pp > 1 or layout.tp > 1):
+        # DiLoCo beside tp or pp: a replica is a tp group or a pipeline, which steps with its own collectives; the
+        # outer loop over the dp ranks is attached to the parts the split model's strategy makes (its wrap).
+        outer_loop = spec.build(config, device, diloco=diloco, heal=heal).outer_loop
     if layout.pp > 1:
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
                                 stages_per_rank=parallel.stages_per_rank, shard=spec.owner == "dp_shard",
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
-                                sequence_parallel=parallel.sequence_parallel, split=pp_split)
+                                sequence_parallel=parallel.sequence_parallel, split=pp_split, outer_loop=outer_loop)
     if layout.tp > 1:
         # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares).
         return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,
                                       loss_parallel=parallel.loss_parallel,
-                                      dp_mesh=mesh["dp_cp"] if layout.cp > 1 else None)
+                                      dp_mesh=mesh["dp_cp"] if layout.cp > 1 else None, outer_loop=outer_loop)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(
@@ -127,7 +135,9 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         )
     if layout.hsdp and layout.cp > 1:  # FSDP2's HSDP over replicas of (dp_shard x cp)-rank shard groups
         mesh = mesh[("dp_replicate", "dp_shard_cp")]
-    return spec.build(config, device, diloco=diloco, heal=heal, mesh=mesh if layout.hsdp else None)
+    # DiLoCo beside context parallelism: a replica is a cp group, found on the mesh.
+    groups = spec.replicas_are_model_groups and layout.model_parallel > 1
+    return spec.build(config, device, diloco=diloco, heal=heal, mesh=mesh if layout.hsdp or groups else None)
 
 
 def build_parallel(config: Config, ctx: DistContext, model: torch.nn.Module, *, tp_plan: Mapping[str, Any] | None = None,

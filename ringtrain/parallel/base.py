@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
+
 __all__ = ["ReplicatedStrategy", "unique_storage_bytes", "optimizer_tensors"]
 
 
@@ -48,6 +50,8 @@ class ReplicatedStrategy:
     """The micro-batches a step must be cut into (a pipeline's schedule); None: the batcher decides."""
     microbatch_multiple = 1
     """The micro-batch count is a multiple of this (the interleaved schedules: pp)."""
+    outer_loop: OuterLoop = NO_OUTER_LOOP
+    """The outer loop over the inner optimizer steps (``outer_loop.py``): DiLoCo's; a null one for the others."""
 
     def collective_wait_s(self) -> float:
         """Seconds waited for collectives inside forward and backward since the last call (tensor parallelism's
@@ -64,50 +68,21 @@ class ReplicatedStrategy:
         """The optimizer that steps this rank's part of the parameters: all of them here."""
         return optimizer
 
-    def sync_due(self, step: int, last: bool = False) -> bool:
-        """Whether an outer step follows optimizer step ``step`` (``last``: the run's last step). DiLoCo's only."""
-        return False
-
-    def outer_step(self, step: int | None = None, last: bool = False) -> None:
-        """DiLoCo's periodic synchronisation after optimizer step ``step`` (``diloco.py``); nothing for strategies
-        that sync every step."""
-
     def loss_context(self) -> AbstractContextManager:
         """Where a step's forward, loss and backward (and an evaluation's forward and loss) run: torch's
         ``loss_parallel`` under tensor parallelism with a vocabulary-split output layer (``tensor.py``), so the
         cross-entropy reads the logits' shards; nothing for the others."""
         return nullcontext()
 
-    def evaluation_weights(self) -> AbstractContextManager:
-        """The weights an evaluation scores: the module's own for every strategy but DiLoCo, whose workers hold
-        their own between outer steps and are scored on the global model inside the block (``diloco.py``)."""
-        return nullcontext()
-
-    def end_of_run(self) -> None:
-        """The run ends after the last committed step: DiLoCo's workers take one model if an inner step came
-        after their last whole sync (``diloco.py``); nothing for strategies whose ranks are always in step."""
-
-    def abandon_interval(self) -> int | None:
-        """The group failed: DiLoCo's workers go back to the last outer step's model (``diloco.py``) and this
-        returns the inner steps dropped; None for strategies whose ranks are always in step."""
-        return None
-
-    def transfer_parts(self) -> dict[str, Any]:
-        """What a heal's transfer carries beyond the trainer's parts (DiLoCo: its outer state)."""
-        return {}
-
-    def take_over(self, old: Any, optimizer: torch.optim.Optimizer, received: dict[str, Any] | None = None) -> None:
-        """After a heal's regroup: go on from ``old`` (the strategy of the failed group) or from the state
-        ``received`` in the transfer (DiLoCo: the outer state); nothing for the others."""
-
     def figures(self) -> dict[str, Any]:
-        """The strategy's own figures for records and the summary (DiLoCo: outer steps, bytes per worker)."""
-        return {}
+        """The strategy's own figures for records and the summary: its outer loop's (DiLoCo: outer steps, bytes per
+        worker, beside a split model too)."""
+        return self.outer_loop.figures()
 
     def stateful_parts(self) -> dict[str, Any]:
-        """Checkpoint parts of the strategy's own beyond model, optimizer and per-rank comm state (DiLoCo's outer
-        state): ``{name: Stateful}``."""
-        return {}
+        """Checkpoint parts of the strategy's own beyond model, optimizer and per-rank comm state: its outer loop's
+        (DiLoCo's outer state, beside a split model too): ``{name: Stateful}``."""
+        return self.outer_loop.stateful_parts()
 
     def take_step_comm_s(self) -> float:
         """Seconds of communication inside the optimizer step since the last call (zero1/2's all-gather)."""

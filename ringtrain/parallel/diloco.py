@@ -29,6 +29,14 @@ host's other ranks (a broadcast inside the host). ``'worker'``: every worker is 
 all). ``'auto'`` (default): 'host' when the job spans hosts and some host runs more than one worker (the host
 layout ``comm.groups.host_id`` finds, as the shm all-reduce does), else 'worker'.
 
+Beside a split model (the layout's cp, tp or pp) a replica is a whole model-parallel group, whatever ``inner`` says.
+Beside cp (``model_groups``): each cp group, its ranks one model reading one sequence's parts, DDP inside it, its
+leader exchanging, as 'host' replicas. Beside tp or pp the split model's strategy runs the inner steps with the
+group's own collectives and averages nothing over dp; it builds with this strategy as its ``outer_loop`` and
+``attach``es it to this rank's parts (DTensors' local shards, its stages' parameters) and the layout's dp group:
+every rank exchanges its own part with its counterparts. A full checkpoint cannot hold those parts' outer state
+(``SplitOuterState``: a resume refuses in one line).
+
 The run's last step syncs every fragment at once (a pending exchange is superseded: the pseudo-gradient taken
 then covers every inner step since the fragment's last outer step), so a run ends with one model everywhere.
 
@@ -36,8 +44,8 @@ then covers every inner step since the fragment's last outer step), so a run end
     >>> model = strategy.wrap(model)                 # rank 0's weights everywhere; the fp32 global copy
     >>> optimizer = strategy.shard_optimizer(inner)  # kept: its per-rank state goes into checkpoints
     >>> loss_fn(model(x)).backward(); optimizer.step()    # local: nothing is communicated
-    >>> if strategy.sync_due(step, last=step == total_steps):
-    ...     strategy.outer_step()                    # one all-reduce of the pseudo-gradients
+    >>> if strategy.outer_loop.sync_due(step, last=step == total_steps):
+    ...     strategy.outer_loop.outer_step()         # one all-reduce of the pseudo-gradients
 
 What a checkpoint holds beyond the model and optimizer (rank 0's): ``outer`` (``stateful_parts``: the global
 parameters, the outer optimizer's momentum, the count of outer steps, identical on every rank) and, through
@@ -66,13 +74,16 @@ from ringtrain.comm import codec, shm
 from ringtrain.comm.groups import host_id, resolve_group
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.errors import ConfigError
+from ringtrain.layout import MODEL_DIMS
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.testing import faults
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 from ringtrain.parallel.ddp import DDPStrategy
+from ringtrain.parallel.outer_loop import OuterLoop
 
-__all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "INNER"]
+__all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "model_groups", "SplitOuterState",
+           "INNER"]
 
 INNER = ("auto", "worker", "host")
 """What one DiLoCo replica is (module docstring)."""
@@ -143,6 +154,20 @@ def replicas_of(hosts: list[str], inner: str) -> list[list[int]]:
     return list(by_host.values())
 
 
+def model_groups(mesh: Any) -> list[list[int]]:
+    """The replicas beside a split model: each model-parallel group of the layout's ``mesh`` (its ``MODEL_DIMS``,
+    innermost, so a group is consecutive in the mesh's order), in rank order, the first its leader. A context-
+    parallel group holds one model whose ranks read one sequence's parts: it trains as one replica (its gradients
+    averaged inside it every step), and only its leader exchanges pseudo-gradients with the other groups'."""
+    names = mesh.mesh_dim_names or ()
+    size = 1
+    for name in names:
+        if name in MODEL_DIMS:
+            size *= mesh.size(names.index(name))
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
 class DiLoCoStrategy(ReplicatedStrategy):
     """Inner steps without communication; every ``sync_every`` steps one outer step on the averaged
     pseudo-gradient, in ``fragments`` turns (module docstring)."""
@@ -153,10 +178,16 @@ class DiLoCoStrategy(ReplicatedStrategy):
     has_rank_state = True
     """Every rank's own parameters and inner optimizer state are checkpointed (``state_dict``)."""
 
+    @property
+    def outer_loop(self) -> DiLoCoStrategy:
+        """The outer loop's hooks (``outer_loop.OuterLoop``: ``sync_due``, ``outer_step``, ``evaluation_weights``,
+        ``end_of_run``, ``abandon_interval``, ``transfer_parts``, ``take_over``) are this strategy's own."""
+        return self
+
     def __init__(self, device: torch.device, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, algorithm: str = "torch", chunk_kb: int | None = None, fragments: int = 1,
                  delay: int = 0, dtype: str = "fp32", inner: str = "auto", bucket_mb: float = 25.0,
-                 hosts: list[str] | None = None):
+                 hosts: list[str] | None = None, mesh: Any = None):
         if sync_every <= 0:
             raise ValueError(f"sync_every must be positive, got {sync_every}")
         if fragments <= 0 or sync_every % fragments:
@@ -169,6 +200,11 @@ class DiLoCoStrategy(ReplicatedStrategy):
             raise ValueError(f"inner {inner!r} is unknown; choose one of {', '.join(INNER)}")
         self.device = device
         self.inner, self.bucket_mb, self._hosts = inner, bucket_mb, hosts
+        self._mesh = mesh
+        self._attached = False
+        """The outer loop of a split model's strategy (``attach``): this rank holds its parts of the model."""
+        """The layout's device mesh beside a split model (context parallelism): a replica is a model-parallel
+        group (``model_groups``), whatever ``inner`` says."""
         self.sync_every, self.fragment_count, self.delay, self.dtype = sync_every, fragments, delay, dtype
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.algorithm = algorithm
@@ -201,7 +237,35 @@ class DiLoCoStrategy(ReplicatedStrategy):
             broadcast_from_rank0([p.data for p in model.parameters()] + list(model.buffers()), group)
         self._module = model
         wrapped = self._form_replicas(model, group)
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._build_outer([p for p in model.parameters() if p.requires_grad])
+        return wrapped
+
+    def attach(self, module: nn.Module, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        """The outer loop beside a split model (tensor or pipeline parallelism, whose strategy runs the inner
+        steps with its own collectives and averages nothing over the data-parallel ranks): ``params`` are this
+        rank's parts of the model (a DTensor's local shard, its stages' parameters), the same parts as its peers
+        in ``group`` hold (the layout's ``dp`` dimension: the ranks at this rank's model-parallel coordinates), and
+        every rank exchanges its own parts' pseudo-gradients over ``group``. The split model's strategy has put
+        rank 0's weights everywhere already. Collective over ``group`` (none here)."""
+        self._group = weakref.ref(group)
+        self._module = module
+        self._attached = True
+        self.replicas = [[r] for r in range(dist.get_world_size(group))]
+        self.is_leader = True
+        self._exchange, self._replica = weakref.ref(group), None
+        with torch.no_grad():  # the local tensors are views of the parameters: steps and copies reach both
+            self._build_outer([p.to_local() if hasattr(p, "to_local") else p for p in params if p.requires_grad])
+
+    @property
+    def syncs_replicas(self) -> bool:
+        """The data-parallel replicas of a split model are kept together by the outer steps, not by a gradient
+        average: their strategy averages nothing over dp (``attach``)."""
+        return True
+
+    def _build_outer(self, params: list[torch.Tensor]) -> None:
+        """The fp32 global copy of ``params``, the fragments, the exchange buffers and the outer optimizer."""
+        model = self._module
+        self._params = params
         self.global_params = [p.detach().to(torch.float32, copy=True) for p in self._params]
         # torch's SGD refuses nesterov without momentum; with none the two are the same step anyway.
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=self.outer_lr, momentum=self.outer_momentum,
@@ -225,16 +289,18 @@ class DiLoCoStrategy(ReplicatedStrategy):
                 fragment.buffer = self._buffer(fragment.slot * world, torch.uint8, exchange)
                 fragment.error = torch.zeros(fragment.numel, dtype=torch.float32, device=self.device)
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        return wrapped
 
     def _form_replicas(self, model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         """Agree on the replicas (every rank gathers the hosts); where one has several ranks, make each
         replica's group (DDP inside it) and the leaders' group (the exchange). Collective over ``group``."""
         rank = dist.get_rank(group)
-        hosts = self._hosts or [str(h) for h in all_gather_json(host_id(), group=group)]
-        if len(hosts) != dist.get_world_size(group):
-            raise ValueError(f"hosts has {len(hosts)} entries for {dist.get_world_size(group)} ranks")
-        self.replicas = replicas_of(hosts, self.inner)
+        if self._mesh is not None:
+            self.replicas = model_groups(self._mesh)
+        else:
+            hosts = self._hosts or [str(h) for h in all_gather_json(host_id(), group=group)]
+            if len(hosts) != dist.get_world_size(group):
+                raise ValueError(f"hosts has {len(hosts)} entries for {dist.get_world_size(group)} ranks")
+            self.replicas = replicas_of(hosts, self.inner)
         mine = next(r for r in self.replicas if rank in r)
         self.is_leader = rank == mine[0]
         if all(len(r) == 1 for r in self.replicas):
@@ -488,7 +554,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
         """What a heal's transfer carries beyond the trainer's parts: the outer state (a joiner has none)."""
         return {"outer": OuterState(self)}
 
-    def take_over(self, old: ReplicatedStrategy, optimizer: torch.optim.Optimizer,
+    def take_over(self, old: OuterLoop, optimizer: torch.optim.Optimizer,
                   received: dict[str, Any] | None = None) -> None:
         """A heal's new group: this strategy, just wrapped around the same module (which holds the global
         parameters on every member), goes on from ``old``'s outer state, or from the outer state ``received``
@@ -514,8 +580,9 @@ class DiLoCoStrategy(ReplicatedStrategy):
 
     # --- state ----------------------------------------------------------------------------------------
     def stateful_parts(self) -> dict[str, Any]:
-        """The checkpoint's parts beyond the model and optimizer: the outer state, the same on every rank."""
-        return {"outer": OuterState(self)}
+        """The checkpoint's parts beyond the model and optimizer: the outer state, the same on every rank (beside a
+        split model each rank's parts of it, which a full checkpoint cannot hold: ``SplitOuterState``)."""
+        return {"outer": SplitOuterState(self) if self._attached else OuterState(self)}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's own state (gathered by ``train/comm_state.py``): its parameters, inner optimizer state
@@ -610,9 +677,30 @@ class OuterState:
         s._dropped = {int(index) for index in state.get("dropped", [])}
 
 
+class SplitOuterState(OuterState):
+    """DiLoCo's outer state beside a split model (tp, pp), as a full checkpoint's part. Each rank holds its parts of
+    the global model and of the outer momentum, and each replica its own inner optimizer state; a full checkpoint
+    (the unsplit model, rank 0's replica's) holds none of them. So it records the counts only, and a resume from
+    it refuses in one line rather than step from a wrong anchor. A checkpoint another strategy wrote (no outer
+    state) is the paper's warm start, as ``OuterState``'s."""
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.strategy
+        return {"split_model": True, "outer_steps": s.outer_steps, "step": s._step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ConfigError(
+            f"this checkpoint (step {state.get('step')}) was written by DiLoCo beside tensor or pipeline parallelism: "
+            "its outer state (the global model, the outer momentum) and each replica's inner optimizer state are "
+            "every rank's own parts, which a full checkpoint does not hold (sharded DiLoCo checkpoints are not "
+            "built yet); resume it under comm.strategy = 'ddp' or 'fsdp' (its model and optimizer state load), or "
+            "start a new run")
+
+
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DiLoCoStrategy:
     """``comm.strategy = 'diloco'`` with the [diloco] section (its defaults when None); ``heal``: a --heal job,
-    whose replicas are single workers (``diloco.inner = 'auto'`` resolves so)."""
+    whose replicas are single workers (``diloco.inner = 'auto'`` resolves so); ``mesh``: the layout's beside a split
+    model, whose model-parallel groups are the replicas (``model_groups``)."""
     from ringtrain.config import DiLoCoConfig
 
     diloco = diloco or DiLoCoConfig()
@@ -621,4 +709,4 @@ def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = F
                           algorithm=comm.algorithm, chunk_kb=comm.chunk_kb, fragments=diloco.fragments,
                           delay=diloco.delay, dtype=diloco.dtype,
                           inner="worker" if heal and diloco.inner == "auto" else diloco.inner,
-                          bucket_mb=comm.resolved_bucket_mb)
+                          bucket_mb=comm.resolved_bucket_mb, mesh=mesh)

@@ -60,6 +60,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.fsdp import _broadcast_from_rank0, _full, _local, _shard_like
+from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
 from ringtrain.parallel.tensor import _FUSED, CollectiveWaits, _fused_entries, _recut, _to_natural, _to_ranks
 
 __all__ = ["PipelineStrategy", "TransformerStage", "UserStage", "stage_indices", "SCHEDULES"]
@@ -204,8 +205,12 @@ class PipelineStrategy(ReplicatedStrategy):
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
                  stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None,
-                 sequence_parallel: bool = False, split: Callable[[nn.Module, int], list[nn.Module]] | None = None):
+                 sequence_parallel: bool = False, split: Callable[[nn.Module, int], list[nn.Module]] | None = None,
+                 outer_loop: OuterLoop = NO_OUTER_LOOP):
         self.device = device
+        self.outer_loop = outer_loop
+        """DiLoCo's beside pp: a replica is a pipeline, the replicas kept together by outer steps over dp (their
+        gradients never averaged)."""
         self.split = split
         """A user's split function (``fit(pp_split=...)``): ``split(model, stages)`` -> the stage modules, in order."""
         self.algorithm, self.chunk_kb = algorithm, chunk_kb
@@ -232,7 +237,8 @@ class PipelineStrategy(ReplicatedStrategy):
         self.forward_is_collective = self.shard
         """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
         activations, which ``forward`` arranges."""
-        self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else "ddp+pp") + ("+tp" if self.tp > 1 else "")
+        self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else "diloco+pp" if outer_loop.syncs_replicas
+                     else "ddp+pp") + ("+tp" if self.tp > 1 else "")
         self.comm_timer = CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
         self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
@@ -296,7 +302,9 @@ class PipelineStrategy(ReplicatedStrategy):
             self._fully_shard()
         if self.tp > 1:
             self._waits.install()
-        return nn.ModuleList(self.modules)
+        stages = nn.ModuleList(self.modules)
+        self.outer_loop.attach(stages, self._own_parameters(), self.dp_group)
+        return stages
 
     def _split_stages(self, where: str) -> None:
         """Tensor parallelism inside each of this rank's stages over mesh['tp'] (``tensor.parallelize_stage``):
@@ -454,7 +462,8 @@ class PipelineStrategy(ReplicatedStrategy):
         """``pp_microbatches_run``: how many steps this rank's schedule ran with each micro-batch count (one count
         without a token budget); with ``parallel.tp_algorithm = 'shm'``, ``tp_shm_all_reduces``: the split
         layers' all-reduces this rank ran on shared memory."""
-        figures: dict[str, Any] = {"pp_microbatches_run": {str(k): v for k, v in sorted(self._counts.items())}}
+        figures: dict[str, Any] = {**super().figures(),  # DiLoCo's beside the pipeline
+                                   "pp_microbatches_run": {str(k): v for k, v in sorted(self._counts.items())}}
         calls = getattr(self.mesh["tp"].get_group(), "shm_calls", None) if self.tp > 1 else None
         return figures if calls is None else {**figures, "tp_shm_all_reduces": calls}
 
@@ -532,7 +541,8 @@ class PipelineStrategy(ReplicatedStrategy):
         if self._tie_group is not None:
             tied = self._clone if self._clone is not None else self._full.token_embedding.weight
             dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
-        if self.dp > 1 and not self.shard:  # (FSDP2 reduce-scattered them in the schedule's last backward)
+        # (FSDP2 reduce-scattered them in the schedule's last backward; DiLoCo's replicas step on their own.)
+        if self.dp > 1 and not self.shard and not self.outer_loop.syncs_replicas:
             grads = [_local(p.grad) for p in params]  # (with tp: each rank its slice, like its replicas')
             flat = torch.cat([g.reshape(-1) for g in grads])
             if self.algorithm == "torch":

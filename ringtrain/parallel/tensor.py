@@ -38,6 +38,7 @@ from torch import nn
 
 from ringtrain.errors import ConfigError
 from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
+from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
 from ringtrain.parallel.tp_plan_check import check_colwise_partners
 from ringtrain.parallel.units import block_units
 
@@ -61,8 +62,11 @@ class TensorParallelStrategy(FSDPStrategy):
     step_operation = "all_reduce (tensor-parallel layers in forward and backward, gradient sync)"
 
     def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None,
-                 sequence_parallel: bool = False, loss_parallel: bool = False, dp_mesh: Any = None):
+                 sequence_parallel: bool = False, loss_parallel: bool = False, dp_mesh: Any = None,
+                 outer_loop: OuterLoop = NO_OUTER_LOOP):
         super().__init__(device)
+        self.outer_loop = outer_loop
+        """DiLoCo's beside tp: a replica is a tp group, the replicas kept together by outer steps over dp (no FSDP2)."""
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         """The model's own output layer split by vocabulary (its logits ``Shard(-1)``), the loss on the shards."""
@@ -75,7 +79,7 @@ class TensorParallelStrategy(FSDPStrategy):
         gradients are averaged over beside context parallelism (``dp_cp``: the data-parallel ranks and their cp
         groups, given as ``dp_mesh``)."""
         self.dp = self.dp_mesh.size()
-        self.name = ("tp" if self.dp == 1 else "fsdp+tp" if not replicas
+        self.name = ("tp" if self.dp == 1 else "diloco+tp" if outer_loop.syncs_replicas else "fsdp+tp" if not replicas
                      else "ddp+tp" if mesh["dp_shard"].size() == 1 else "hsdp+tp")
         self.plan = plan
         """A user's plan (``fit(tp_plan=...)``): module paths (``*`` for any one name) to "colwise", "rowwise" or
@@ -97,7 +101,7 @@ class TensorParallelStrategy(FSDPStrategy):
         """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
         ringtrain's shared memory so far (records and the summary)."""
         calls = getattr(self._shm_group, "shm_calls", None)
-        return {} if calls is None else {"tp_shm_all_reduces": calls}
+        return {**super().figures(), **({} if calls is None else {"tp_shm_all_reduces": calls})}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from ringtrain.models.transformer import TransformerLM
@@ -129,7 +133,7 @@ class TensorParallelStrategy(FSDPStrategy):
             if self.loss_parallel:
                 plan = {**plan, **vocabulary_split_output(model)}
             apply_plan(model, plan, self.mesh["tp"])
-        if self.dp > 1:
+        if self.dp > 1 and not self.outer_loop.syncs_replicas:
             from torch.distributed.fsdp import fully_shard
 
             for block in block_units(model):
@@ -138,6 +142,7 @@ class TensorParallelStrategy(FSDPStrategy):
         self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
                        if self._fused_dim(name) is not None}
         self._waits.install()
+        self.outer_loop.attach(model, list(model.parameters()), self.mesh["dp"].get_group())
         return model
 
     def loss_context(self):

@@ -89,9 +89,9 @@ class StepCommit:
         self.clock.move("optimizer", "comm_exposed", self.strategy.take_step_comm_s())  # zero1/2's all-gather
         # DiLoCo: inner steps never communicate; every H steps (by step number, the same on every rank, skipped
         # updates included) the pseudo-gradients are averaged and the outer optimizer steps.
-        if self.strategy.sync_due(step, last):
+        if self.strategy.outer_loop.sync_due(step, last):
             with self.clock.phase("outer_sync"), self.watch.op("all_reduce (DiLoCo pseudo-gradients)", step):
-                self.strategy.outer_step(step, last)
+                self.strategy.outer_loop.outer_step(step, last)
 
     def advance(self, step: int, window: int, tokens: int = 0) -> None:
         """Step 4: the step is done: the data cursor and every counter move past it."""

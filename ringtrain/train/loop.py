@@ -210,7 +210,7 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
             return {}
         faults.point("train.evaluate")
         # DiLoCo between outer steps: the global model is scored, not each worker's own.
-        with self.watch.op("all_reduce (evaluation sums)", self.state.step), self.parts.strategy.evaluation_weights():
+        with self.watch.op("all_reduce (evaluation sums)", self.state.step), self.parts.strategy.outer_loop.evaluation_weights():
             strategy = self.parts.strategy
             pipelined = strategy.pipelined  # its last stages hold the sums: add over all ranks
             metrics = evaluate(

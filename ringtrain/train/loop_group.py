@@ -74,7 +74,7 @@ class GroupSeams:
         parts.strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal)
         parts.model = parts.strategy.wrap(self.module)  # DDP broadcasts rank 0's state: the same everywhere already
         # DiLoCo: the outer state goes on (the old strategy's, or the one received in the transfer).
-        parts.strategy.take_over(old_strategy, parts.optimizer, self._received_strategy_state)
+        parts.strategy.outer_loop.take_over(old_strategy.outer_loop, parts.optimizer, self._received_strategy_state)
         self._received_strategy_state = None
         parts.train_loader, parts.eval_loader = parts.loaders(ctx.dp_rank, ctx.dp_size)
         batcher = MicroBatcher(config.train, parts.task, ctx.dp_rank, ctx.dp_size, ctx.device, ctx.dp_group)
@@ -125,7 +125,7 @@ class GroupSeams:
         holds them, out of any group) and the evaluations' progress. Tensors and plain values only."""
         parts = self.checkpoint_parts(local=True)
         return {**{name: part.state_dict() for name, part in parts.items() if name != "comm"},
-                "strategy": {name: part.state_dict() for name, part in self.parts.strategy.transfer_parts().items()},
+                "strategy": {name: part.state_dict() for name, part in self.parts.strategy.outer_loop.transfer_parts().items()},
                 "progress": {"eval_due": self.eval_due, "final_eval_done": self.final_eval_done,
                              "last_eval": dict(self.last_eval)}}
 

@@ -409,7 +409,7 @@ class Session:
         loader = build_eval_loader(data, self.rank, self.world_size, batch_size, collate_fn=collate_fn)
         counts = [math.ceil(len(range(rank, len(data), self.world_size)) / batch_size) for rank in range(self.world_size)]
         # Resolved as the batches are handed out: eval_loader may come before setup() (no strategy yet).
-        return EvalLoader(loader, max(counts), lambda: (self.strategy.evaluation_weights() if self.strategy is not None
+        return EvalLoader(loader, max(counts), lambda: (self.strategy.outer_loop.evaluation_weights() if self.strategy is not None
                                                         else contextlib.nullcontext()))
 
     def sum(self, value: Any) -> Any:
@@ -435,7 +435,7 @@ class Session:
             return self._summary
         # A loop that left before the planned last step: DiLoCo's workers still hold their own parameters; the
         # run ends on one model, as the planned last step would have (one outer step; nothing for others).
-        self.strategy.end_of_run()
+        self.strategy.outer_loop.end_of_run()
         if self._saved_step != self.state.step:
             self.save()
         self._wait_save()

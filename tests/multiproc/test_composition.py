@@ -27,21 +27,26 @@ AdamW's update, and a clipped one, hardly see it (commit 6ece37c: a 4x normalise
 (``test_a_checkpoint_crosses_layouts``) run AdamW with the clip active, as `ringtrain train`'s debug jobs do.
 
 Context parallelism (cp 2, issue 40) is a dimension of the table too: cp alone and beside 2 data-parallel ranks of
-every strategy but DiLoCo; cp beside tp (under FSDP2), beside HSDP, cp 3 and Hugging Face models are in
-tests/multiproc/test_context_parallel.py.
+every strategy (DiLoCo's replica: the cp group, its gradients averaged inside it every step); cp beside tp (under
+FSDP2), beside HSDP, cp 3 and Hugging Face models are in tests/multiproc/test_context_parallel.py.
+
+DiLoCo beside tp, pp or cp: a replica is the model-parallel group (its inner steps the group's own collectives), the
+outer step averages pseudo-gradients over the layout's dp ranks. The H = 1 cells cannot tell what a replica is
+(SGD is linear), so ``test_a_diloco_replica_is_its_model_parallel_group`` trains each split at H = 2 against two
+DiLoCo workers that each hold the whole model.
 
 Refused today (not built yet, issue 23; the config refuses them in one line, so they are not in the table;
 ``test_the_table_is_every_layout_the_config_accepts`` fails when one of them is built, or one in the table is
 refused):
 
-- tp 2 (with or without sequence_parallel) beside 2 data-parallel ranks of manual, zero1, zero2, zero3, diloco
-  ("replicas beside tensor parallelism are FSDP2's", "only FSDP2 shards beside tensor parallelism so far",
-  "DiLoCo replicas of a split model are not built yet");
-- pp 2 (gpipe, 1f1b, interleaved_1f1b) beside 2 data-parallel ranks of zero1, zero2, zero3, diloco ("zero1/2/3 and
-  'diloco' beside a pipeline are not built yet").
-- cp 2 beside diloco ("its workers step on their own"), beside tp 2 under ddp (FSDP2 averages over dp x cp), and
+- tp 2 (with or without sequence_parallel) beside 2 data-parallel ranks of manual, zero1, zero2, zero3
+  ("replicas beside tensor parallelism are FSDP2's", "only FSDP2 shards beside tensor parallelism so far");
+- pp 2 (gpipe, 1f1b, interleaved_1f1b) beside 2 data-parallel ranks of zero1, zero2, zero3 ("zero1/2/3 beside a
+  pipeline are not built yet").
+- cp 2 beside tp 2 under ddp (FSDP2 averages over dp x cp), and
   beside pp 2 (not composed yet, issue 40).
-- (At world sizes above 4, not in this table: hsdp beside tp or pp, and dp 2 x tp 2 x pp 2.)
+- (At world sizes above 4, not in this table: hsdp beside tp or pp, dp 2 x tp 2 x pp 2, and DiLoCo replicas of
+  tp x pp pipelines.)
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from ringtrain.config import load_config, validate_for_world_size
 from ringtrain.data.ledger import check_ledger
 from ringtrain.errors import ConfigError
 from ringtrain.train.resume import ResumePlan
-from tests.distributed import run_distributed
+from tests.distributed import DistributedTestError, run_distributed
 from tests.faults import Fault, fault_plan
 from tests.trainers import REPO, build_test_trainer
 
@@ -157,11 +162,10 @@ def refusal(cell: Cell) -> str | None:
 
 REFUSED = {
     **{f"{s}-dp2-{t}": "issue 23" for s in ("zero1", "zero2", "zero3") for t in ("tp2", "tp2-sp")},
-    **{f"{s}-dp2-{t}": "FSDP2's" for s in ("manual", "diloco") for t in ("tp2", "tp2-sp")},
-    **{f"{s}-dp2-pp2-{p}": "issue 23" for s in ("zero1", "zero2", "zero3", "diloco")
+    **{f"{s}-dp2-{t}": "FSDP2's" for s in ("manual",) for t in ("tp2", "tp2-sp")},
+    **{f"{s}-dp2-pp2-{p}": "issue 23" for s in ("zero1", "zero2", "zero3")
        for p in ("gpipe", "1f1b", "interleaved_1f1b")},
     # Context parallelism (its ring attention has no dropout; debug_lm has none).
-    "diloco-dp2-cp2": "its workers step on their own",
     "tp2-cp2": "averaged by FSDP2 over the dp x cp ranks",  # the dp-1 cells run ddp; fsdp x cp x tp: test_context_parallel
     "tp2-sp-cp2": "averaged by FSDP2 over the dp x cp ranks",
     **{f"{t}pp2-{p}-cp2": "not composed with pipeline parallelism yet (issue 40)" for t in ("", "tp2-", "tp2-sp-")
@@ -231,7 +235,7 @@ def _runs_folder(tmp_path_factory):
     _ROOT.append(tmp_path_factory.mktemp("composition"))
     yield
     _ROOT.pop()
-    for cached in (oracle, cell_run, variant_run, saved_run):
+    for cached in (oracle, cell_run, variant_run, saved_run, diloco_dp2_h2):
         cached.cache_clear()
 
 
@@ -304,6 +308,8 @@ def test_a_layout_trains_as_one_worker(cell: Cell):
     if cell.pp > 1:
         assert all(r["time/pipeline_wait_s"] > 0 for r in trained)
         assert run.summary["pp_microbatches_run"] == {str(pipeline_microbatches(cell)): STEPS}
+    if cell.strategy == "diloco":  # an outer step after every step (H = 1), over the dp ranks' replicas
+        assert (run.summary["outer_steps"], run.summary["diloco_replicas"]) == (STEPS, cell.dp)
     if cell.cp > 1:  # the ring's waits: a phase of their own
         assert all(r["time/cp_comm_s"] > 0 for r in trained)
     if cell.tp > 1 or cell.pp > 1:
@@ -333,7 +339,7 @@ def test_the_table_is_every_layout_the_config_accepts():
         elif refused is not None and REFUSED[cell.id] not in refused:
             problems.append(f"{cell.id} is refused for another reason than {REFUSED[cell.id]!r}: {refused}")
     assert not problems, "\n".join(problems)
-    assert len(CELLS) == 39 and len(REFUSED) == 34
+    assert len(CELLS) == 45 and len(REFUSED) == 28
 
 
 # --- the layouts' options, beside the table: same oracle, one run each ------------------------------------------
@@ -412,6 +418,37 @@ def test_a_layouts_options_train_as_one_worker(name):
         assert summary["pp_microbatches_run"] == {"9": STEPS}
     if name == "pp2-interleaved_1f1b-budget":
         assert summary["pp_microbatches_run"] == {"6": STEPS}
+
+
+# --- DiLoCo's replica beside a split model: its model-parallel group ---------------------------------------------
+# At H = 1 the table cannot tell what a replica is (SGD is linear: any split of the batch averages to the one
+# worker's step). At H = 2 it can: with a replica its whole model-parallel group, dp 2 x (cp 2, tp 2 or pp 2) trains
+# as 2 DiLoCo workers that each hold the whole model (diloco-dp2), inner steps and all.
+H2 = ["diloco.sync_every=2"]
+REPLICAS = {"cp2": ["parallel.cp=2"], "tp2": ["parallel.tp=2"], "pp2-1f1b": ["parallel.pp=2"]}
+
+
+@functools.cache
+def diloco_dp2_h2() -> Run:
+    """2 DiLoCo workers at H = 2, each holding the whole model."""
+    return train("diloco-dp2-h2", 2, [*SGD, "comm.strategy='diloco'", *H2])
+
+
+@pytest.mark.parametrize("split", REPLICAS)
+def test_a_diloco_replica_is_its_model_parallel_group(split):
+    run = train(f"diloco-dp2-{split}-h2", 4, [*SGD, "comm.strategy='diloco'", *H2, *REPLICAS[split]])
+    assert run.summary["world_size"] == 4
+    assert_same_run(run, diloco_dp2_h2())
+
+
+def test_a_diloco_checkpoint_beside_a_split_model_refuses_to_resume_in_one_line():
+    """Its outer state is every rank's parts, which a full checkpoint does not hold: a resume refuses rather than
+    step from a wrong anchor (diloco.SplitOuterState)."""
+    cell = Cell("diloco", 2, tp=2)
+    run_dir = root() / "diloco-dp2-tp2-resumed"
+    shutil.copytree(cell_run(cell).run_dir / "checkpoints", run_dir / "checkpoints")
+    with pytest.raises(DistributedTestError, match="written by DiLoCo beside tensor or pipeline parallelism"):
+        train("", 4, [*SGD, *cell.overrides(), "train.max_steps=7"], resume=True, run_dir=run_dir)
 
 
 # --- checkpoints crossing layouts: saved at step 3 in one, resumed in another ---------------------------------

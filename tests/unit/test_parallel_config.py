@@ -119,7 +119,7 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
     ({"pp": 2}, "zero2", {}, 4, r"^\[parallel\] pp = 2 with comm.strategy = 'zero2': beside a pipeline the "
                                 r"data-parallel ranks either replicate it .* set comm.strategy = 'ddp' or 'fsdp'"),
-    ({"pp": 2}, "diloco", {}, 2, r"pp = 2 with comm.strategy = 'diloco'"),
+    ({"pp": 2, "tp": 2}, "diloco", {}, 8, r"tp = 2 with pp = 2 and 2 DiLoCo replicas: not built yet"),
     ({"pp": 2, "pp_schedule": "zbv_zero_bubble", "stages_per_rank": 2}, "fsdp", {}, 4,
      r"pp = 2 with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first and last stages"),
     ({"pp": 2, "tp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 4,
@@ -127,7 +127,7 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
     ({"pp": 2, "tp": 3}, "ddp", {}, 6, r"tp = 3 with pp = 2: tp does not divide model.n_heads \(4\)"),
     ({"pp": 2, "tp": 2}, "zero1", {}, 8, r"pp = 2 with comm.strategy = 'zero1': beside a pipeline"),
     ({"pp": 2, "tp": 2}, "ddp", {"dist": {"heal": True}}, 4, r"pp = 2 with --heal: healing a split model"),
-    ({"pp": 2}, "zero3", {}, 2, r"pp = 2 with comm.strategy = 'zero3': .* zero1/2/3 and 'diloco' beside a pipeline"),
+    ({"pp": 2}, "zero3", {}, 2, r"pp = 2 with comm.strategy = 'zero3': .* zero1/2/3 beside a pipeline"),
     ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
      r"cuts the built-in transformer \(model.name = 'transformer'\) or a model of your own that is an nn.Sequential "
      r"\(model.factory, fit\) into stages, not model.name = 'mlp'"),
@@ -150,7 +150,7 @@ def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
     ({"tp": 2}, "manual", {}, 4, r"^\[parallel\] tp = 2 with dp_replicate = 2 \(comm.strategy = 'manual'\): replicas "
                                  r"beside tensor parallelism are FSDP2's .* set comm.strategy = 'ddp'"),
     ({"tp": 2}, "zero2", {}, 4, r"tp = 2 with dp_shard = 2 under comm.strategy = 'zero2': only FSDP2 shards"),
-    ({"tp": -1}, "diloco", {}, 2, r"tp = 2 with comm.strategy = 'diloco'"),
+    ({"tp": 2}, "diloco", {"diloco": {"inner": "host"}}, 4, r"diloco.inner = 'host' beside a split model"),
     ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
     ({"tp": 2}, "fsdp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
      r"tensor parallelism splits the built-in transformer \(model.name = 'transformer'\) or a model of your own with a plan.*not model.name = 'mlp'"),
@@ -219,7 +219,8 @@ def test_resolve_layout_on_its_own():
     ({"cp": 2, "pp": 2}, "ddp", {}, 4, "not composed with pipeline parallelism yet"),
     ({"cp": 2, "tp": 2}, "ddp", {}, 4, "averaged by FSDP2 over the dp x cp ranks; set comm.strategy = 'fsdp'"),
     ({"cp": 2, "tp": 2, "sequence_parallel": True}, "fsdp", {}, 4, "leave sequence_parallel unset"),
-    ({"cp": 2}, "diloco", {}, 2, "use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1"),
+    ({"cp": 2}, "diloco", {"diloco": {"inner": "worker"}}, 4, "a DiLoCo replica is then its model-parallel group"),
+    ({"cp": 2}, "diloco", {"diloco": {"inner": "host"}}, 4, "leave diloco.inner unset ('auto')"),
     ({"cp": 2, "dp_replicate": 2, "tp": 2}, "fsdp", {}, 8, "HSDP beside tensor and context parallelism"),
     ({"cp": 2}, "ddp", {"model": {"name": "transformer", "n_layers": 4, "dropout": 0.1}}, 2, "set model.dropout = 0"),
     ({"cp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2, "not model.name = 'mlp'"),
