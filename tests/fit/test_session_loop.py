@@ -20,7 +20,6 @@ import io
 import json
 import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
