@@ -302,11 +302,12 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
     runs over the dp x cp ranks, so its spec matters even at dp 1."""
     spec = strategy_spec(data)
     if cp > 1:
-        # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): no pp yet,
-        # and beside tp the gradients are averaged by a sharding strategy's FSDP2 (owner dp_shard, with "tp" in
-        # its spec: fsdp). Its other refusals (sequence parallelism, HSDP, dropout, heal, auto micro-batches)
-        # are not layouts the planner enumerates: cp layouts run without sp, and with one dp dimension.
-        if "cp" not in spec.beside or pp > 1 or (tp > 1 and spec.owner != "dp_shard"):
+        # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): beside pp
+        # not with tp too (the pipeline's own rule, below, then holds), and beside tp alone the gradients are
+        # averaged by a sharding strategy's FSDP2 (owner dp_shard, with "tp" in its spec: fsdp). Its other
+        # refusals (sequence parallelism, HSDP, dropout, heal, auto micro-batches) are not layouts the planner
+        # enumerates: cp layouts run without sp, and with one dp dimension.
+        if "cp" not in spec.beside or (pp > 1 and tp > 1) or (pp == 1 and tp > 1 and spec.owner != "dp_shard"):
             return False
     if dp * cp == 1:
         return True

@@ -256,7 +256,8 @@ def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What context parallelism (``parallel/context_split.py``) runs with: the built-in transformer without
     dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
-    ranks of a strategy whose spec composes with cp, tp under FSDP2, no pp yet, no heal."""
+    ranks of a strategy whose spec composes with cp, tp under FSDP2, pp (its stages' sequence split, the built-in
+    transformer; not beside tp yet), no heal."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
     if model.factory is None and model.name != "transformer":
@@ -267,9 +268,13 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} with model.dropout = {model.dropout}: ring attention has no attention dropout; set "
                           "model.dropout = 0, or cp = 1")
     spec = strategy_spec(strategy)
-    if degrees["pp"] > 1:
-        raise ConfigError(f"{where} with pp = {degrees['pp']}: context parallelism is not composed with pipeline "
-                          "parallelism yet (issue 40); set pp = 1, or cp = 1")
+    if degrees["pp"] > 1 and model.factory is not None:
+        raise ConfigError(f"{where} with pp = {degrees['pp']}: inside pipeline stages the built-in transformer's "
+                          "sequence is split (its first stage shards the tokens, its last gathers the logits), and the "
+                          "stages of a model of your own are its own; set cp = 1 or pp = 1")
+    if degrees["pp"] > 1 and degrees["tp"] > 1:
+        raise ConfigError(f"{where} with pp = {degrees['pp']} and tp = {degrees['tp']}: context and tensor parallelism "
+                          "inside the same pipeline stages are not composed yet (issue 40); set tp = 1 or cp = 1")
     if degrees["tp"] > 1 and spec.owner != "dp_shard":
         raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': beside tensor and "
                           "context parallelism the gradients are averaged by FSDP2 over the dp x cp ranks; set "

@@ -141,6 +141,8 @@ def build_parallel(config: Config, ctx: DistContext, model: torch.nn.Module, *, 
     layout = resolve_layout(config.parallel, config.comm.strategy, ctx.world_size)
     ctx = ctx.on_layout(layout, config.parallel.tp_algorithm)
     if layout.cp > 1:  # the sequence split: ring attention in every block, the logits gathered back
+        # (Under pp the model's own hooks never run: the pipeline calls its stages, whose first shards the tokens
+        # and whose last gathers the logits, pipeline.SequenceSplit; the blocks' ring attention is this one.)
         split_context(model, ctx.mesh["cp"].get_group())
     checkpointed = apply_ac(model, config.train.activation_checkpointing)
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=ctx.mesh,

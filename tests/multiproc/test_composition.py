@@ -27,8 +27,9 @@ AdamW's update, and a clipped one, hardly see it (commit 6ece37c: a 4x normalise
 (``test_a_checkpoint_crosses_layouts``) run AdamW with the clip active, as `ringtrain train`'s debug jobs do.
 
 Context parallelism (cp 2, issue 40) is a dimension of the table too: cp alone and beside 2 data-parallel ranks of
-every strategy but DiLoCo; cp beside tp (under FSDP2), beside HSDP, cp 3 and Hugging Face models are in
-tests/multiproc/test_context_parallel.py.
+every strategy but DiLoCo, and cp inside the pipeline's stages (pp 2 x cp 2 under each schedule: the first stage
+shards each micro-batch's tokens, the last gathers its logits); cp beside tp (under FSDP2), beside HSDP, cp 3 and
+Hugging Face models are in tests/multiproc/test_context_parallel.py.
 
 Refused today (not built yet, issue 23; the config refuses them in one line, so they are not in the table;
 ``test_the_table_is_every_layout_the_config_accepts`` fails when one of them is built, or one in the table is
@@ -40,7 +41,7 @@ refused):
 - pp 2 (gpipe, 1f1b, interleaved_1f1b) beside 2 data-parallel ranks of zero1, zero2, zero3, diloco ("zero1/2/3 and
   'diloco' beside a pipeline are not built yet").
 - cp 2 beside diloco ("its workers step on their own"), beside tp 2 under ddp (FSDP2 averages over dp x cp), and
-  beside pp 2 (not composed yet, issue 40).
+  beside tp 2 inside pp 2 stages (world 8; not composed yet, issue 40).
 - (At world sizes above 4, not in this table: hsdp beside tp or pp, and dp 2 x tp 2 x pp 2.)
 """
 
@@ -164,8 +165,8 @@ REFUSED = {
     "diloco-dp2-cp2": "its workers step on their own",
     "tp2-cp2": "averaged by FSDP2 over the dp x cp ranks",  # the dp-1 cells run ddp; fsdp x cp x tp: test_context_parallel
     "tp2-sp-cp2": "averaged by FSDP2 over the dp x cp ranks",
-    **{f"{t}pp2-{p}-cp2": "not composed with pipeline parallelism yet (issue 40)" for t in ("", "tp2-", "tp2-sp-")
-       for p in ("gpipe", "1f1b", "interleaved_1f1b")},
+    **{f"{t}pp2-{p}-cp2": "context and tensor parallelism inside the same pipeline stages" for t in ("tp2-", "tp2-sp-")
+       for p in ("gpipe", "1f1b", "interleaved_1f1b")},  # (world 8)
 }
 """The candidates the config refuses today (the module docstring), by id: what the refusal says."""
 CELLS = [cell for cell in candidates() if cell.id not in REFUSED]
@@ -333,7 +334,7 @@ def test_the_table_is_every_layout_the_config_accepts():
         elif refused is not None and REFUSED[cell.id] not in refused:
             problems.append(f"{cell.id} is refused for another reason than {REFUSED[cell.id]!r}: {refused}")
     assert not problems, "\n".join(problems)
-    assert len(CELLS) == 39 and len(REFUSED) == 34
+    assert len(CELLS) == 42 and len(REFUSED) == 31
 
 
 # --- the layouts' options, beside the table: same oracle, one run each ------------------------------------------
