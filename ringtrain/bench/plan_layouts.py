@@ -289,8 +289,9 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, mi
                     m = max(d for d in _divisors(share) if d <= microbatches)
                 for data in strategies if dp * cp > 1 else ("ddp",):
                     if runs_in_ringtrain(tp, pp, dp, data, cp):
-                        # Under tp, sequence parallelism (the same bytes moved, less memory held), but not beside
-                        # cp, which ringtrain does not compose with it yet.
+                        # Under tp, sequence parallelism (the same bytes moved, less memory held); cp layouts are
+                        # listed without it (ringtrain runs the two sequence splits together, but the planner's
+                        # activation figures for them are not checked against a measurement).
                         found.extend(Layout(dp, tp, pp, data, checkpointing, m, sp=tp > 1 and cp == 1, cp=cp)
                                      for checkpointing in ac)
     return found
@@ -305,8 +306,8 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
         # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): beside pp
         # not with tp too (the pipeline's own rule, below, then holds), and beside tp alone the gradients are
         # averaged by a sharding strategy's FSDP2 (owner dp_shard, with "tp" in its spec: fsdp). Its other
-        # refusals (sequence parallelism, HSDP, dropout, heal, auto micro-batches) are not layouts the planner
-        # enumerates: cp layouts run without sp, and with one dp dimension.
+        # refusals (HSDP beside tp, dropout, heal, auto micro-batches) are not layouts the planner enumerates: cp
+        # layouts are listed without sp, and with one dp dimension.
         if "cp" not in spec.beside or (pp > 1 and tp > 1) or (pp == 1 and tp > 1 and spec.owner != "dp_shard"):
             return False
     if dp * cp == 1:

@@ -256,7 +256,8 @@ def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What context parallelism (``parallel/context_split.py``) runs with: the built-in transformer without
     dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
-    ranks of a strategy whose spec composes with cp, tp under FSDP2, pp (its stages' sequence split, the built-in
+    ranks of a strategy whose spec composes with cp, tp under FSDP2 (with sequence parallelism or without: cp splits
+    the sequence first, sp each cp part over the tp ranks), pp (its stages' sequence split, the built-in
     transformer; not beside tp yet), no heal."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
@@ -279,9 +280,6 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': beside tensor and "
                           "context parallelism the gradients are averaged by FSDP2 over the dp x cp ranks; set "
                           "comm.strategy = 'fsdp'")
-    if degrees["tp"] > 1 and config.parallel.sequence_parallel:
-        raise ConfigError(f"{where} with sequence_parallel = true: the tensor-parallel ranks' sequence split and the "
-                          "context-parallel one are not composed yet (issue 40); leave sequence_parallel unset")
     if "cp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': the ranks of a context-parallel group hold one "
                           f"replica's parts and sum their gradients, which {spec.summary} does not (its workers step "

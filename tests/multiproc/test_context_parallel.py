@@ -3,7 +3,8 @@ in-process harness, beyond the composition table's cp cells (cp 2 alone and besi
 strategy that composes with it: tests/multiproc/test_composition.py): the built-in transformer's sequence split
 over cp ranks trains as one worker does on the same batches (fp32: every step's loss rtol 1e-5, every parameter
 1e-5) at cp 3, whose sequences are padded to a multiple of 2 cp, beside tensor
-parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks) and beside FSDP2's HSDP (replicas of dp_shard x cp
+parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks; with sequence parallelism too: cp splits the sequence
+first, sp each cp rank's part over its tp ranks) and beside FSDP2's HSDP (replicas of dp_shard x cp
 shard groups); the cp ranks read the same samples (the ledger holds
 each sample once per step), the ring's waits are the step's cp_comm phase, and a checkpoint saved at cp 2 x dp 2
 or cp 2 x tp 2 resumes at one worker on the uninterrupted run's parameters."""
@@ -66,6 +67,8 @@ def one_worker(tmp_path_factory):
 CASES = {  # cp 2 alone and beside 2 data-parallel ranks of every strategy: the composition table
     "cp3-padded": (3, ["parallel.cp=3"]),
     "cp2-tp2-sgd": (4, ["parallel.cp=2", "parallel.tp=2", "comm.strategy='fsdp'", *SGD]),
+    "cp2-tp2-sp-sgd": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "comm.strategy='fsdp'",
+                           *SGD]),
     "hsdp2x1-cp2-sgd": (4, ["parallel.cp=2", "parallel.dp_replicate=2", "comm.strategy='fsdp'", *SGD]),
 }
 

@@ -218,7 +218,6 @@ def test_resolve_layout_on_its_own():
 @pytest.mark.parametrize("parallel, strategy, sections, world, says", [
     ({"cp": 2, "pp": 2, "tp": 2}, "ddp", {}, 8, "inside the same pipeline stages are not composed yet"),
     ({"cp": 2, "tp": 2}, "ddp", {}, 4, "averaged by FSDP2 over the dp x cp ranks; set comm.strategy = 'fsdp'"),
-    ({"cp": 2, "tp": 2, "sequence_parallel": True}, "fsdp", {}, 4, "leave sequence_parallel unset"),
     ({"cp": 2}, "diloco", {}, 2, "use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1"),
     ({"cp": 2, "dp_replicate": 2, "tp": 2}, "fsdp", {}, 8, "HSDP beside tensor and context parallelism"),
     ({"cp": 2}, "ddp", {"model": {"name": "transformer", "n_layers": 4, "dropout": 0.1}}, 2, "set model.dropout = 0"),
