@@ -284,9 +284,6 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': the ranks of a context-parallel group hold one "
                           f"replica's parts and sum their gradients, which {spec.summary} does not (its workers step "
                           "on their own); use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1")
-    if degrees["dp_replicate"] > 1 and spec.owner == "dp_shard" and degrees["tp"] > 1:
-        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} and tp = {degrees['tp']} (HSDP beside "
-                          "tensor and context parallelism) is not composed yet (issue 40); set dp_replicate = 1 or tp = 1")
     refuse_for_split_model(config, where, "a step without collectives until its end, and ring attention "
                                           "exchanges keys and values in every layer")
 

@@ -115,10 +115,13 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
                                 sequence_parallel=parallel.sequence_parallel, split=pp_split)
     if layout.tp > 1:
-        # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares).
+        # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares):
+        # one dimension, or HSDP's two (replicas of dp_shard x cp shard groups).
+        dp_mesh = None
+        if layout.cp > 1:
+            dp_mesh = mesh[("dp_replicate", "dp_shard_cp")] if layout.hsdp else mesh["dp_cp"]
         return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,
-                                      loss_parallel=parallel.loss_parallel,
-                                      dp_mesh=mesh["dp_cp"] if layout.cp > 1 else None)
+                                      loss_parallel=parallel.loss_parallel, dp_mesh=dp_mesh)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

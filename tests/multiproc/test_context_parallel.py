@@ -4,8 +4,9 @@ strategy that composes with it: tests/multiproc/test_composition.py): the built-
 over cp ranks trains as one worker does on the same batches (fp32: every step's loss rtol 1e-5, every parameter
 1e-5) at cp 3, whose sequences are padded to a multiple of 2 cp, beside tensor
 parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks; with sequence parallelism too: cp splits the sequence
-first, sp each cp rank's part over its tp ranks) and beside FSDP2's HSDP (replicas of dp_shard x cp
-shard groups); the cp ranks read the same samples (the ledger holds
+first, sp each cp rank's part over its tp ranks), beside FSDP2's HSDP (replicas of dp_shard x cp
+shard groups; beside tp too, at 8 ranks) and inside FSDP2-sharded pipeline stages (fsdp 2 x pp 2 x cp 2, 8 ranks:
+the composition table holds pp 2 x cp 2 alone); the cp ranks read the same samples (the ledger holds
 each sample once per step), the ring's waits are the step's cp_comm phase, and a checkpoint saved at cp 2 x dp 2
 or cp 2 x tp 2 resumes at one worker on the uninterrupted run's parameters."""
 
@@ -70,6 +71,11 @@ CASES = {  # cp 2 alone and beside 2 data-parallel ranks of every strategy: the 
     "cp2-tp2-sp-sgd": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "comm.strategy='fsdp'",
                            *SGD]),
     "hsdp2x1-cp2-sgd": (4, ["parallel.cp=2", "parallel.dp_replicate=2", "comm.strategy='fsdp'", *SGD]),
+    # HSDP beside tp and cp (8 ranks): replicas of 2-rank shard groups (dp_shard 1 x cp 2), each rank a tp half.
+    # FSDP2 shards each pipeline stage over its dp x cp ranks (8 ranks).
+    "fsdp2-pp2-cp2-sgd": (8, ["parallel.cp=2", "parallel.pp=2", "comm.strategy='fsdp'", *SGD]),
+    "hsdp2x1-cp2-tp2-sgd": (8, ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.tp=2", "comm.strategy='fsdp'",
+                                *SGD]),
 }
 
 
@@ -86,6 +92,10 @@ def test_a_sequence_split_over_cp_ranks_trains_as_one_worker(case, one_worker, t
     check_ledger(tmp_path / "ledger.jsonl")  # the cp peers' shared samples counted once
     steps = [r for r in records(tmp_path) if r.get("type") == "train"]
     assert all(r["time/cp_comm_s"] > 0 for r in steps), steps[0]
+    if case == "hsdp2x1-cp2-tp2-sgd":  # HSDP: a rank holds half its tp part (shard groups of 2), not a quarter
+        whole_mb = 2 * 4 * sum(value.size for value in reference.values()) / 2**20  # fp32 parameters and gradients
+        held = json.loads((tmp_path / "summary.json").read_text())["model_state_mb"] / whole_mb
+        assert 0.2 < held < 0.35, held
 
 
 def resume_at_one_worker(rank: int, world_size: int, overrides: list[str], run_dir: str):
