@@ -304,15 +304,16 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
     spec = strategy_spec(data)
     if cp > 1:
         # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): beside pp
-        # not with tp too (the pipeline's own rule, below, then holds), and beside tp alone the gradients are
-        # averaged by a sharding strategy's FSDP2 (owner dp_shard, with "tp" in its spec: fsdp). Its other
+        # the pipeline's own rule (below) holds, and beside tp without pp the gradients are averaged by a
+        # sharding strategy's FSDP2 (owner dp_shard, with "tp" in its spec: fsdp). Its other
         # refusals (HSDP beside tp, dropout, heal, auto micro-batches) are not layouts the planner enumerates: cp
         # layouts are listed without sp, and with one dp dimension.
-        if "cp" not in spec.beside or (pp > 1 and tp > 1) or (pp == 1 and tp > 1 and spec.owner != "dp_shard"):
+        if "cp" not in spec.beside or (pp == 1 and tp > 1 and spec.owner != "dp_shard"):
             return False
     if dp * cp == 1:
         return True
-    return (tp == 1 or "tp" in spec.beside) and (pp == 1 or "pp" in spec.beside)
+    # tp inside pipeline stages runs beside what the pipeline runs beside (its own gradient average).
+    return (tp == 1 or pp > 1 or "tp" in spec.beside) and (pp == 1 or "pp" in spec.beside)
 
 
 def plan_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, act_bytes: float = 2.0,

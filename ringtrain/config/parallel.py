@@ -258,7 +258,7 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
     ranks of a strategy whose spec composes with cp, tp under FSDP2 (with sequence parallelism or without: cp splits
     the sequence first, sp each cp part over the tp ranks), pp (its stages' sequence split, the built-in
-    transformer; not beside tp yet), no heal."""
+    transformer, its stages split over tp too), no heal."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
     if model.factory is None and model.name != "transformer":
@@ -273,10 +273,7 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} with pp = {degrees['pp']}: inside pipeline stages the built-in transformer's "
                           "sequence is split (its first stage shards the tokens, its last gathers the logits), and the "
                           "stages of a model of your own are its own; set cp = 1 or pp = 1")
-    if degrees["pp"] > 1 and degrees["tp"] > 1:
-        raise ConfigError(f"{where} with pp = {degrees['pp']} and tp = {degrees['tp']}: context and tensor parallelism "
-                          "inside the same pipeline stages are not composed yet (issue 40); set tp = 1 or cp = 1")
-    if degrees["tp"] > 1 and spec.owner != "dp_shard":
+    if degrees["tp"] > 1 and degrees["pp"] == 1 and spec.owner != "dp_shard":  # (a pipeline averages them itself)
         raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': beside tensor and "
                           "context parallelism the gradients are averaged by FSDP2 over the dp x cp ranks; set "
                           "comm.strategy = 'fsdp'")

@@ -40,7 +40,7 @@ stages pass the chunks on, the last gathers the logits; the gradients are averag
 
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
 user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not; cp: the built-in
-transformer, not beside tp), ddp or
+transformer, beside tp too: cp splits the sequence first, sp each cp part), ddp or
 FSDP2 beside it, no --heal, no automatic micro-batch shrinking. Every rank builds the whole
 model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
