@@ -121,7 +121,7 @@ class Layout:
         and for whole replicas beside tp, ``dp_replicate, dp_shard``), then the model-parallel degrees above 1,
         outermost first. A dimension of size 1 is kept only where the strategies beside it index it (``dp``)."""
         if (self.dp_replicate > 1 and (self.hsdp or self.tp > 1) and self.pp == 1
-                and (self.cp == 1 or (self.hsdp and self.tp == 1))):
+                and (self.cp == 1 or self.hsdp)):
             # FSDP2's 2-D data-parallel mesh (replicas of shard groups; shard groups of 1 rank: whole replicas).
             names, sizes = ["dp_replicate", "dp_shard"], [self.dp_replicate, self.dp_shard]
         else:
@@ -148,7 +148,7 @@ class Layout:
         if "dp_replicate" in names and self.model_parallel > 1:
             mesh[("dp_replicate", "dp_shard")]._flatten("dp")
         if self.cp > 1 and (self.tp > 1 or self.pp > 1):  # a wrapper's gradient average beside a split model
-            mesh[("dp", "cp")]._flatten("dp_cp")
-        if self.cp > 1 and "dp_replicate" in names:  # HSDP beside cp: each shard group is dp_shard x cp ranks
+            mesh[("dp_replicate", "dp_shard", "cp") if "dp_replicate" in names else ("dp", "cp")]._flatten("dp_cp")
+        if self.cp > 1 and "dp_replicate" in names:  # HSDP beside cp (and tp): each shard group is dp_shard x cp ranks
             mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
         return mesh

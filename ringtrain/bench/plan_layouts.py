@@ -289,8 +289,9 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, mi
                     m = max(d for d in _divisors(share) if d <= microbatches)
                 for data in strategies if dp * cp > 1 else ("ddp",):
                     if runs_in_ringtrain(tp, pp, dp, data, cp):
-                        # Under tp, sequence parallelism (the same bytes moved, less memory held), but not beside
-                        # cp, which ringtrain does not compose with it yet.
+                        # Under tp, sequence parallelism (the same bytes moved, less memory held); cp layouts are
+                        # listed without it (ringtrain runs the two sequence splits together, but the planner's
+                        # activation figures for them are not checked against a measurement).
                         found.extend(Layout(dp, tp, pp, data, checkpointing, m, sp=tp > 1 and cp == 1, cp=cp)
                                      for checkpointing in ac)
     return found
@@ -302,15 +303,21 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
     runs over the dp x cp ranks, so its spec matters even at dp 1."""
     spec = strategy_spec(data)
     if cp > 1:
-        # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): no pp yet,
-        # and beside tp the gradients are averaged by a sharding strategy's FSDP2 (owner dp_shard, with "tp" in
-        # its spec: fsdp). Its other refusals (sequence parallelism, HSDP, dropout, heal, auto micro-batches)
-        # are not layouts the planner enumerates: cp layouts run without sp, and with one dp dimension.
-        if "cp" not in spec.beside or pp > 1 or (tp > 1 and spec.owner != "dp_shard"):
+        # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): beside pp
+        # the pipeline's own rule (below) holds, and beside tp without pp the gradients are averaged by a
+        # sharding strategy's FSDP2 (owner dp_shard, with "tp" in its spec: fsdp). Its other
+        # refusals (HSDP beside tp, dropout, heal, auto micro-batches) are not layouts the planner enumerates: cp
+        # layouts are listed without sp, and with one dp dimension.
+        if "cp" not in spec.beside or (pp == 1 and tp > 1 and spec.owner != "dp_shard"):
             return False
+    # DiLoCo's replicas of a pipeline split again (by tp or cp): the pipeline's one gradient group (and its clip
+    # norm under tp) spans the replicas, which step on their own.
+    if spec.replicas_are_model_groups and dp > 1 and pp > 1 and (tp > 1 or cp > 1):
+        return False
     if dp * cp == 1:
         return True
-    return (tp == 1 or "tp" in spec.beside) and (pp == 1 or "pp" in spec.beside)
+    # tp inside pipeline stages runs beside what the pipeline runs beside (its own gradient average).
+    return (tp == 1 or pp > 1 or "tp" in spec.beside) and (pp == 1 or "pp" in spec.beside)
 
 
 def plan_layouts(shape: ModelShape, cluster: Cluster, global_batch: int, act_bytes: float = 2.0,

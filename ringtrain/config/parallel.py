@@ -262,7 +262,9 @@ def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What context parallelism (``parallel/context_split.py``) runs with: the built-in transformer without
     dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
-    ranks of a strategy whose spec composes with cp, tp under FSDP2, no pp yet, no heal."""
+    ranks of a strategy whose spec composes with cp, tp under FSDP2 (with sequence parallelism or without: cp splits
+    the sequence first, sp each cp part over the tp ranks), pp (its stages' sequence split, the built-in
+    transformer, its stages split over tp too), no heal."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
     if model.factory is None and model.name != "transformer":
@@ -273,23 +275,23 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} with model.dropout = {model.dropout}: ring attention has no attention dropout; set "
                           "model.dropout = 0, or cp = 1")
     spec = strategy_spec(strategy)
-    if degrees["pp"] > 1:
-        raise ConfigError(f"{where} with pp = {degrees['pp']}: context parallelism is not composed with pipeline "
-                          "parallelism yet (issue 40); set pp = 1, or cp = 1")
-    if degrees["tp"] > 1 and spec.owner != "dp_shard":
+    if degrees["pp"] > 1 and model.factory is not None:
+        raise ConfigError(f"{where} with pp = {degrees['pp']}: inside pipeline stages the built-in transformer's "
+                          "sequence is split (its first stage shards the tokens, its last gathers the logits), and the "
+                          "stages of a model of your own are its own; set cp = 1 or pp = 1")
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    if degrees["pp"] > 1 and spec.replicas_are_model_groups and dp > 1:
+        raise ConfigError(f"{where} with pp = {degrees['pp']} and {dp} DiLoCo replicas: a pipeline averages each "
+                          "stage's gradients over its data-parallel and context-parallel ranks in one group, where a "
+                          "DiLoCo replica must average over its cp ranks only; set cp = 1 or pp = 1")
+    if degrees["tp"] > 1 and degrees["pp"] == 1 and spec.owner != "dp_shard":  # (a pipeline averages them itself)
         raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': beside tensor and "
                           "context parallelism the gradients are averaged by FSDP2 over the dp x cp ranks; set "
                           "comm.strategy = 'fsdp'")
-    if degrees["tp"] > 1 and config.parallel.sequence_parallel:
-        raise ConfigError(f"{where} with sequence_parallel = true: the tensor-parallel ranks' sequence split and the "
-                          "context-parallel one are not composed yet (issue 40); leave sequence_parallel unset")
     if "cp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': the ranks of a context-parallel group hold one "
                           f"replica's parts and sum their gradients, which {spec.summary} does not (its workers step "
                           "on their own); use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1")
-    if degrees["dp_replicate"] > 1 and spec.owner == "dp_shard" and degrees["tp"] > 1:
-        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} and tp = {degrees['tp']} (HSDP beside "
-                          "tensor and context parallelism) is not composed yet (issue 40); set dp_replicate = 1 or tp = 1")
     refuse_for_split_model(config, where, "a step without collectives until its end, and ring attention "
                                           "exchanges keys and values in every layer")
 

@@ -123,10 +123,13 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
                                 sequence_parallel=parallel.sequence_parallel, split=pp_split, outer_loop=outer_loop)
     if layout.tp > 1:
-        # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares).
+        # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares):
+        # one dimension, or HSDP's two (replicas of dp_shard x cp shard groups).
+        dp_mesh = None
+        if layout.cp > 1:
+            dp_mesh = mesh[("dp_replicate", "dp_shard_cp")] if layout.hsdp else mesh["dp_cp"]
         return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,
-                                      loss_parallel=parallel.loss_parallel,
-                                      dp_mesh=mesh["dp_cp"] if layout.cp > 1 else None, outer_loop=outer_loop)
+                                      loss_parallel=parallel.loss_parallel, dp_mesh=dp_mesh, outer_loop=outer_loop)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(
@@ -151,6 +154,8 @@ def build_parallel(config: Config, ctx: DistContext, model: torch.nn.Module, *, 
     layout = resolve_layout(config.parallel, config.comm.strategy, ctx.world_size)
     ctx = ctx.on_layout(layout, config.parallel.tp_algorithm)
     if layout.cp > 1:  # the sequence split: ring attention in every block, the logits gathered back
+        # (Under pp the model's own hooks never run: the pipeline calls its stages, whose first shards the tokens
+        # and whose last gathers the logits, pipeline.SequenceSplit; the blocks' ring attention is this one.)
         split_context(model, ctx.mesh["cp"].get_group())
     checkpointed = apply_ac(model, config.train.activation_checkpointing)
     strategy = build_strategy(config.comm, ctx.device, config.diloco, heal=config.dist.heal, mesh=ctx.mesh,

@@ -30,7 +30,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.parallel.context import (ContextCommTimer, apply_context_parallel, ring_attention, sequence_positions,
                                         shard_sequence, unshard_sequence)
 
-__all__ = ["split_context", "hf_ring_attention"]
+__all__ = ["split_context", "shard_tokens_of", "gather_sequence", "hf_ring_attention"]
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -45,6 +45,28 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return shard_sequence(grad, 1, ctx.rank, ctx.size).contiguous(), None, None, None
+
+
+def shard_tokens_of(tokens: torch.Tensor, rank: int, size: int,
+                    max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's part of ``tokens`` ``[batch, seq]`` and its tokens' global positions: the sequence padded
+    to a multiple of ``2 size`` (after the last token: the causal mask hides it from every real one), then its
+    two load-balanced chunks (``context.shard_sequence``). The padding's positions (past the model's last one
+    when the sequence is full) are clamped to ``max_positions - 1``: no real token sees them, and their logits
+    are cut off (``gather_sequence``)."""
+    length = tokens.shape[1]
+    padded = -(-length // (2 * size)) * (2 * size)
+    if padded != length:
+        tokens = F.pad(tokens, (0, padded - length))
+    positions = sequence_positions(padded, rank, size, device=tokens.device).clamp(max=max_positions - 1)
+    return shard_sequence(tokens, 1, rank, size), positions
+
+
+def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int, length: int) -> torch.Tensor:
+    """Every cp rank's part of ``[batch, seq, ...]`` (``shard_tokens_of``'s order) as the whole sequence's first
+    ``length`` positions, on every rank; its backward keeps this rank's part of the gradient (every rank computes
+    the same loss from the same whole tensor)."""
+    return _GatherSequence.apply(local, group, rank, size)[:, :length]
 
 
 def split_context(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
@@ -75,24 +97,18 @@ def split_context(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         if kwargs.get("attention_mask") is not None:
             raise ConfigError(f"[parallel] cp = {size}: ring attention is causal over whole sequences and takes no "
                               "attention_mask; pass the tokens alone (padding at the end is fine), or set cp = 1")
-        length = tokens.shape[1]
-        padded = -(-length // (2 * size)) * (2 * size)
-        if padded != length:  # after the last token: the causal mask hides it from every real one
-            tokens = F.pad(tokens, (0, padded - length))
-        lengths.append(length)
-        # The global positions of this rank's chunks; the padding's (past the model's last position when the
-        # sequence is full) clamped: no real token sees it, and its logits are cut off.
-        positions = sequence_positions(padded, rank, size, device=tokens.device).clamp(max=max_positions - 1)
+        lengths.append(tokens.shape[1])
+        local, positions = shard_tokens_of(tokens, rank, size, max_positions)
         extra = {positions_kwarg: positions}
         if positions_kwarg == "position_ids":  # a Hugging Face model: (batch, seq) positions, no key/value cache
             extra = {"position_ids": positions.expand(tokens.shape[0], -1), "use_cache": False}
-        return (shard_sequence(tokens, 1, rank, size), *args[1:]), {**kwargs, **extra}
+        return (local, *args[1:]), {**kwargs, **extra}
 
     def gather_logits(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         length = lengths.pop()
         if isinstance(output, torch.Tensor):
-            return _GatherSequence.apply(output, group, rank, size)[:, :length]
-        output.logits = _GatherSequence.apply(output.logits, group, rank, size)[:, :length]  # a ModelOutput
+            return gather_sequence(output, group, rank, size, length)
+        output.logits = gather_sequence(output.logits, group, rank, size, length)  # a ModelOutput
         return output
 
     # First among the pre-hooks: the positions hook (apply_context_parallel's) sees this rank's chunks.

@@ -34,8 +34,13 @@ stages is split over ``mesh['tp']`` (``tensor.parallelize_stage``) before FSDP2,
 
     mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
+With ``cp`` > 1 (the mesh ``(dp, pp, cp)``) every stage's ranks split each micro-batch's sequence
+(``SequenceSplit``): the first stage keeps each cp rank's chunks of the tokens at their global positions, the
+stages pass the chunks on, the last gathers the logits; the gradients are averaged over dp x cp.
+
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
-user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not), ddp or
+user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not; cp: the built-in
+transformer, beside tp too: cp splits the sequence first, sp each cp part), ddp or
 FSDP2 beside it, no --heal, no automatic micro-batch shrinking. Every rank builds the whole
 model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
@@ -95,10 +100,13 @@ class TransformerStage(nn.Module):
     modules, under their whole-model names), with the embeddings before the first stage's and the final norm
     and ``head`` after the last stage's. The forward is ``TransformerLM.forward`` cut at the stage's edges."""
 
-    def __init__(self, model: nn.Module, index: int, stages: int, head: nn.Module | None = None):
+    def __init__(self, model: nn.Module, index: int, stages: int, head: nn.Module | None = None,
+                 context: SequenceSplit | None = None):
         super().__init__()
         per = model.n_layers // stages
         self.index, self.is_first, self.is_last = index, index == 0, index == stages - 1
+        object.__setattr__(self, "context", context)  # (not a child: it holds no parameters)
+        self.seq_len = model.seq_len
         if self.is_first:
             self.token_embedding, self.position_embedding, self.dropout = (
                 model.token_embedding, model.position_embedding, model.dropout)
@@ -107,12 +115,44 @@ class TransformerStage(nn.Module):
             self.norm, self.head = model.norm, head if head is not None else model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = self.context
         if self.is_first:
-            positions = torch.arange(x.shape[1], device=x.device)
+            if context is None:
+                positions = torch.arange(x.shape[1], device=x.device)
+            else:  # this cp rank's chunks of the tokens, at their global positions
+                x, positions = context.shard(x, self.seq_len)
             x = self.dropout(self.token_embedding(x) + self.position_embedding(positions))
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x)) if self.is_last else x
+        if not self.is_last:
+            return x
+        logits = self.head(self.norm(x))
+        return logits if context is None else context.gather(logits)
+
+
+class SequenceSplit:
+    """Context parallelism inside the pipeline (``[parallel] cp``): the ranks of ``group`` hold the same stages and
+    split every micro-batch's sequence. The first stage keeps this rank's two load-balanced chunks of the tokens
+    and their global positions (``context_split.shard_tokens_of``), the blocks' attention is ring attention over
+    ``group`` (``context.apply_context_parallel``, applied to the whole model before it is cut), the activations
+    passed between stages are the chunks, and the last stage gathers the logits back into the whole sequence
+    (``context_split.gather_sequence``: its backward keeps this rank's chunks of the gradient). ``length``: the
+    micro-batches' sequence length this step, which every rank of the pipeline is handed (the last stage cuts
+    the padding with it)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.length = 0
+
+    def shard(self, tokens: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from ringtrain.parallel.context_split import shard_tokens_of
+
+        return shard_tokens_of(tokens, self.rank, self.size, max_positions)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        from ringtrain.parallel.context_split import gather_sequence
+
+        return gather_sequence(logits, self.group, self.rank, self.size, self.length)
 
 
 class SequentialStage(nn.Module):
@@ -220,6 +260,15 @@ class PipelineStrategy(ReplicatedStrategy):
         self.pp, self.dp = mesh["pp"].size(), mesh["dp"].size()
         self.tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
         """Tensor parallelism inside every stage (the built-in transformer), over mesh['tp']."""
+        self.cp = mesh["cp"].size() if "cp" in mesh.mesh_dim_names else 1
+        self.context = SequenceSplit(mesh.get_group("cp")) if self.cp > 1 else None
+        """Context parallelism inside every stage (the built-in transformer): each micro-batch's sequence split over
+        mesh['cp'] (``SequenceSplit``)."""
+        self.grad_group = mesh.get_group("dp_cp") if self.cp > 1 else mesh.get_group("dp")
+        self.grad_ranks = self.dp * self.cp
+        """The ranks the gradients are averaged over: the replicas and, with cp, each one's cp ranks (each holds its
+        tokens' share: the step scales the loss by dp x cp, ``DistContext.gradient_ranks``, so the average over dp x
+        cp is the sum over cp and the mean over dp)."""
         self.sequence_parallel = sequence_parallel and self.tp > 1
         """The stages' residual stream split by sequence over tp (and passed between stages so)."""
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
@@ -238,7 +287,7 @@ class PipelineStrategy(ReplicatedStrategy):
         """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
         activations, which ``forward`` arranges."""
         self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else "diloco+pp" if outer_loop.syncs_replicas
-                     else "ddp+pp") + ("+tp" if self.tp > 1 else "")
+                     else "ddp+pp") + ("+tp" if self.tp > 1 else "") + ("+cp" if self.cp > 1 else "")
         self.comm_timer = CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
         self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
@@ -273,6 +322,10 @@ class PipelineStrategy(ReplicatedStrategy):
         if isinstance(model, nn.Sequential) and len(model) < self.stages:
             raise ConfigError(f"{where}: {self.stages} stages, but the nn.Sequential has {len(model)} children; "
                               "lower pp or stages_per_rank, or split the model into more children")
+        if self.cp > 1 and not (isinstance(model, TransformerLM) and self.split is None):
+            raise ConfigError(f"{where} with cp = {self.cp}: context parallelism inside pipeline stages splits the "
+                              "built-in transformer's sequence (its first stage shards the tokens, its last gathers the "
+                              f"logits), and a {type(model).__name__}'s stages are its own; set cp = 1 or pp = 1")
         model.to(self.device)
         _broadcast_from_rank0(model)  # every rank keeps its stages of one copy
         self._full = model
@@ -287,7 +340,7 @@ class PipelineStrategy(ReplicatedStrategy):
             if self.stages - 1 in self.indices and 0 not in self.indices:
                 head = nn.Linear(model.d_model, model.head.out_features, bias=False, device=self.device)
                 head.weight = self._clone = nn.Parameter(model.token_embedding.weight.detach().clone())
-            self.modules = [TransformerStage(model, index, self.stages, head) for index in self.indices]
+            self.modules = [TransformerStage(model, index, self.stages, head, self.context) for index in self.indices]
             self._make_tie_groups()
         elif self.split is not None:
             stages = self._user_stages(model, where)
@@ -332,10 +385,12 @@ class PipelineStrategy(ReplicatedStrategy):
             self._full.head.weight = self._full.token_embedding.weight
 
     def _fully_shard(self) -> None:
-        """FSDP2 per block, then per stage, over mesh['dp'] (the pipeline's schedule drives its gradient sync:
-        torch's stages know FSDP modules). Sharding makes new parameters: the tied copy is looked up again."""
+        """FSDP2 per block, then per stage, over mesh['dp'] (with cp: ``dp_cp``, each replica's cp ranks too: their
+        gradients are its tokens' shares) (the pipeline's schedule drives its gradient sync: torch's stages know
+        FSDP modules). Sharding makes new parameters: the tied copy is looked up again."""
         from torch.distributed.fsdp import fully_shard
 
+        mesh = self.mesh["dp_cp"] if self.cp > 1 else self.mesh["dp"]
         for module in self.modules:
             # A user's stage runs its own module: which of its submodules are called is its business, so it is one
             # FSDP2 unit (gathered whole for its forward and backward).
@@ -343,8 +398,8 @@ class PipelineStrategy(ReplicatedStrategy):
                       else () if isinstance(module, UserStage) else module.children())
             for block in blocks:
                 if any(True for _ in block.parameters()):
-                    fully_shard(block, mesh=self.mesh["dp"])
-            fully_shard(module, mesh=self.mesh["dp"])
+                    fully_shard(block, mesh=mesh)
+            fully_shard(module, mesh=mesh)
         self._relink_tied()
 
     def _user_stages(self, model: nn.Module, where: str) -> list[UserStage]:
@@ -479,6 +534,8 @@ class PipelineStrategy(ReplicatedStrategy):
                               f"{type(micro_batches[0][0]).__name__}; make each sample's input one tensor, or set pp = 1")
         rows = max(1, max(len(targets) for _, targets in micro_batches))
         inputs = [_pad_rows(x, rows) for x, _ in micro_batches]
+        if self.context is not None:  # the whole sequences' length, which the last stage's gathered logits keep
+            self.context.length = inputs[0].shape[1]
         key = (tuple(inputs[0].shape), inputs[0].dtype, len(inputs))
         schedule = self._schedules.get(key) or self._build_schedule(key, loss_fn)
         self._schedules.move_to_end(key)
@@ -542,14 +599,14 @@ class PipelineStrategy(ReplicatedStrategy):
             tied = self._clone if self._clone is not None else self._full.token_embedding.weight
             dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
         # (FSDP2 reduce-scattered them in the schedule's last backward; DiLoCo's replicas step on their own.)
-        if self.dp > 1 and not self.shard and not self.outer_loop.syncs_replicas:
+        if self.grad_ranks > 1 and not self.shard and not self.outer_loop.syncs_replicas:
             grads = [_local(p.grad) for p in params]  # (with tp: each rank its slice, like its replicas')
             flat = torch.cat([g.reshape(-1) for g in grads])
             if self.algorithm == "torch":
-                dist.all_reduce(flat, group=self.dp_group)
-                flat /= self.dp
+                dist.all_reduce(flat, group=self.grad_group)
+                flat /= self.grad_ranks
             else:  # ringtrain's collectives over the replicas (shm inside a host, ring across)
-                comm.all_reduce(flat, op="avg", algorithm=self.algorithm, group=self.dp_group, chunk_kb=self.chunk_kb)
+                comm.all_reduce(flat, op="avg", algorithm=self.algorithm, group=self.grad_group, chunk_kb=self.chunk_kb)
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
@@ -587,7 +644,7 @@ class PipelineStrategy(ReplicatedStrategy):
             dist.all_reduce(squares, group=None if self.shard else self.pp_group)
         else:  # the pipeline's and its tensor-parallel ranks: every rank, each replica's sum once
             dist.all_reduce(squares)
-            squares /= 1 if self.shard else self.dp
+            squares /= 1 if self.shard else self.grad_ranks  # (cp ranks, too, hold their replica's sum)
         norm = squares.sqrt().float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for param in params:
@@ -727,6 +784,8 @@ class PipelineStrategy(ReplicatedStrategy):
         first of its tensor-parallel ranks), None on the others. Every rank of the pipeline calls it with the same batch."""
         rows = len(inputs)
         x = inputs = _pad_rows(inputs, max(rows, 1))  # a replica with no batch left still runs the stages' gathers
+        if self.context is not None:
+            self.context.length = inputs.shape[1]
         for stage in range(self.stages):
             holder, before = self._stage_rank(stage), self._stage_rank(stage - 1) if stage else None
             if before is not None and before != holder:  # the activation crosses ranks
@@ -736,8 +795,10 @@ class PipelineStrategy(ReplicatedStrategy):
                     _send_tensor(x, holder, self.pp_group)
             if holder == self.pp_rank:
                 x = self.modules[self.indices.index(stage)](x)
-        # Under tensor parallelism every rank of the last stage holds the logits: the first of them answers.
-        answers = self._stage_rank(self.stages - 1) == self.pp_rank and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
+        # Under tensor and context parallelism every rank of the last stage holds the logits: the first answers.
+        answers = (self._stage_rank(self.stages - 1) == self.pp_rank
+                   and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
+                   and (self.cp == 1 or self.context.rank == 0))
         return x[:rows] if answers else None
 
 

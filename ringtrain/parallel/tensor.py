@@ -80,7 +80,7 @@ class TensorParallelStrategy(FSDPStrategy):
         groups, given as ``dp_mesh``)."""
         self.dp = self.dp_mesh.size()
         self.name = ("tp" if self.dp == 1 else "diloco+tp" if outer_loop.syncs_replicas else "fsdp+tp" if not replicas
-                     else "ddp+tp" if mesh["dp_shard"].size() == 1 else "hsdp+tp")
+                     else "ddp+tp" if self.dp_mesh.size(-1) == 1 else "hsdp+tp")  # (its shard groups' size)
         self.plan = plan
         """A user's plan (``fit(tp_plan=...)``): module paths (``*`` for any one name) to "colwise", "rowwise" or
         a torch ParallelStyle. None: the model's own (the built-in transformer's, or a Hugging Face model's)."""

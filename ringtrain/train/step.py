@@ -158,8 +158,9 @@ class GradientStep:
         of each, on the last stage, is the task's sum over its real rows (padding rows are not read) times the
         step's scale; the schedule runs every forward and backward. The time a rank waited on its neighbours
         is booked as ``pipeline_wait`` (the bubble and the activation transfers), its split layers' collectives
-        (tensor parallelism inside the stages) as ``tp_comm``; the tied weight's and the
-        replicas' gradient sums as exposed communication. Returns the loss sum on every rank of the pipeline."""
+        (tensor parallelism inside the stages) as ``tp_comm``, the ring's waits (context parallelism inside them)
+        as ``cp_comm``; the tied weight's and the replicas' gradient sums as exposed communication. Returns the
+        loss sum on every rank of the pipeline."""
         loss_scale = self.world_size / plan.global_items
         sums: list[torch.Tensor] = []
 
@@ -178,6 +179,8 @@ class GradientStep:
         tp_comm_s = self.strategy.collective_wait_s()  # tensor parallelism inside the stages (0 without)
         if tp_comm_s:
             self.clock.move("forward_backward", "tp_comm", tp_comm_s)
+        if self.cp_timer is not None:  # context parallelism inside the stages: the ring's waits
+            self.clock.move("forward_backward", "cp_comm", self.cp_timer.take_s())
         with self.clock.phase("comm_exposed"):
             self.strategy.synchronize_gradients()
             # The last stage's losses, one a micro-batch (the calls before them, on a new schedule's first step,

@@ -3,8 +3,11 @@ in-process harness, beyond the composition table's cp cells (cp 2 alone and besi
 strategy that composes with it: tests/multiproc/test_composition.py): the built-in transformer's sequence split
 over cp ranks trains as one worker does on the same batches (fp32: every step's loss rtol 1e-5, every parameter
 1e-5) at cp 3, whose sequences are padded to a multiple of 2 cp, beside tensor
-parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks) and beside FSDP2's HSDP (replicas of dp_shard x cp
-shard groups); the cp ranks read the same samples (the ledger holds
+parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks; with sequence parallelism too: cp splits the sequence
+first, sp each cp rank's part over its tp ranks), beside FSDP2's HSDP (replicas of dp_shard x cp
+shard groups; beside tp too, at 8 ranks) and inside pipeline stages, FSDP2-sharded (fsdp 2 x pp 2 x cp 2) or split
+over tp with sequence parallelism (pp 2 x cp 2 x tp 2 + sp), 8 ranks each (the composition table holds pp 2 x cp 2
+alone); the cp ranks read the same samples (the ledger holds
 each sample once per step), the ring's waits are the step's cp_comm phase, and a checkpoint saved at cp 2 x dp 2
 or cp 2 x tp 2 resumes at one worker on the uninterrupted run's parameters."""
 
@@ -29,7 +32,17 @@ BASE = [f"train.max_steps={STEPS}", "train.precision='fp32'", "train.auto_micro_
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str):
     trainer = build_test_trainer(rank, world_size, CONFIG, [*BASE, *overrides], run_dir)
+    strategy, norms = trainer.parts.strategy, []
+    clip = strategy.clip_grad_norm_
+
+    def recording_clip(model, optimizer, max_norm):  # the clip's global norm, every step (SGD: taken, not applied)
+        norm = clip(model, optimizer, max_norm)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        return norm
+
+    strategy.clip_grad_norm_ = recording_clip
     trainer.fit()
+    Path(run_dir, f"norms-{rank}.json").write_text(json.dumps(norms))
     full = trainer.parts.strategy.full_named_parameters(trainer.model)
     return {name: value.detach().numpy().copy() for name, value in full.items()}
 
@@ -58,15 +71,27 @@ def one_worker(tmp_path_factory):
             run_dir = tmp_path_factory.mktemp("one")
             params = run_distributed(train, 1, optimizer, str(run_dir), timeout_s=300)[0]
             made[key] = losses(run_dir), params
+            reference.run_dirs[key] = run_dir
         return made[key]
 
+    reference.run_dirs = {}
     return reference
 
 
 CASES = {  # cp 2 alone and beside 2 data-parallel ranks of every strategy: the composition table
     "cp3-padded": (3, ["parallel.cp=3"]),
     "cp2-tp2-sgd": (4, ["parallel.cp=2", "parallel.tp=2", "comm.strategy='fsdp'", *SGD]),
+    "cp2-tp2-sp-sgd": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "comm.strategy='fsdp'",
+                           *SGD]),
     "hsdp2x1-cp2-sgd": (4, ["parallel.cp=2", "parallel.dp_replicate=2", "comm.strategy='fsdp'", *SGD]),
+    # HSDP beside tp and cp (8 ranks): replicas of 2-rank shard groups (dp_shard 1 x cp 2), each rank a tp half.
+    # FSDP2 shards each pipeline stage over its dp x cp ranks (8 ranks).
+    "fsdp2-pp2-cp2-sgd": (8, ["parallel.cp=2", "parallel.pp=2", "comm.strategy='fsdp'", *SGD]),
+    # cp beside tp with sequence parallelism inside 1F1B pipeline stages (8 ranks).
+    "pp2-cp2-tp2-sp-sgd": (8, ["parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                               *SGD]),
+    "hsdp2x1-cp2-tp2-sgd": (8, ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.tp=2", "comm.strategy='fsdp'",
+                                *SGD]),
 }
 
 
@@ -83,6 +108,15 @@ def test_a_sequence_split_over_cp_ranks_trains_as_one_worker(case, one_worker, t
     check_ledger(tmp_path / "ledger.jsonl")  # the cp peers' shared samples counted once
     steps = [r for r in records(tmp_path) if r.get("type") == "train"]
     assert all(r["time/cp_comm_s"] > 0 for r in steps), steps[0]
+    if case == "pp2-cp2-tp2-sp-sgd":  # the pipeline's clip norm over tp and cp ranks: the one worker's, every rank
+        expected = json.loads((one_worker.run_dirs[tuple(o for o in overrides if o in SGD)] / "norms-0.json").read_text())
+        for rank in range(world_size):
+            norms = json.loads((tmp_path / f"norms-{rank}.json").read_text())
+            np.testing.assert_allclose(norms, expected, rtol=1e-5, err_msg=f"rank {rank}'s gradient norms")
+    if case == "hsdp2x1-cp2-tp2-sgd":  # HSDP: a rank holds half its tp part (shard groups of 2), not a quarter
+        whole_mb = 2 * 4 * sum(value.size for value in reference.values()) / 2**20  # fp32 parameters and gradients
+        held = json.loads((tmp_path / "summary.json").read_text())["model_state_mb"] / whole_mb
+        assert 0.2 < held < 0.35, held
 
 
 def resume_at_one_worker(rank: int, world_size: int, overrides: list[str], run_dir: str):

@@ -216,12 +216,10 @@ def test_resolve_layout_on_its_own():
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world, says", [
-    ({"cp": 2, "pp": 2}, "ddp", {}, 4, "not composed with pipeline parallelism yet"),
     ({"cp": 2, "tp": 2}, "ddp", {}, 4, "averaged by FSDP2 over the dp x cp ranks; set comm.strategy = 'fsdp'"),
-    ({"cp": 2, "tp": 2, "sequence_parallel": True}, "fsdp", {}, 4, "leave sequence_parallel unset"),
     ({"cp": 2}, "diloco", {"diloco": {"inner": "worker"}}, 4, "a DiLoCo replica is then its model-parallel group"),
     ({"cp": 2}, "diloco", {"diloco": {"inner": "host"}}, 4, "leave diloco.inner unset ('auto')"),
-    ({"cp": 2, "dp_replicate": 2, "tp": 2}, "fsdp", {}, 8, "HSDP beside tensor and context parallelism"),
+    ({"cp": 2, "pp": 2}, "diloco", {}, 8, "a DiLoCo replica must average over its cp ranks only; set cp = 1 or pp = 1"),
     ({"cp": 2}, "ddp", {"model": {"name": "transformer", "n_layers": 4, "dropout": 0.1}}, 2, "set model.dropout = 0"),
     ({"cp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2, "not model.name = 'mlp'"),
 ])
@@ -239,3 +237,7 @@ def test_context_parallel_ranks_are_a_model_dimension_of_the_layout():
     assert layout.mesh_shape() == (("dp", "cp", "tp"), (2, 2, 2))
     layout = check_parallel(config({"cp": 2, "dp_replicate": 2}, "fsdp"), 8)
     assert layout.mesh_shape() == (("dp_replicate", "dp_shard", "cp"), (2, 2, 2))
+    layout = check_parallel(config({"cp": 2, "pp": 2, "tp": 2}, "ddp"), 8)  # cp and tp inside pipeline stages
+    assert layout.mesh_shape() == (("dp", "pp", "cp", "tp"), (1, 2, 2, 2))
+    layout = check_parallel(config({"cp": 2, "dp_replicate": 2, "tp": 2}, "fsdp"), 8)  # HSDP beside tp and cp
+    assert layout.mesh_shape() == (("dp_replicate", "dp_shard", "cp", "tp"), (2, 1, 2, 2))

@@ -122,10 +122,12 @@ def test_cp_layouts_are_enumerated_where_ringtrain_composes_them():
     # Beside every data-parallel strategy the planner lists, even at dp 1 (the strategy runs over the cp ranks).
     assert {(4, 2, 1, 1, data) for data in ("ddp", "zero1", "zero2", "fsdp")} <= shapes
     assert {(1, 8, 1, 1, "ddp"), (1, 8, 1, 1, "fsdp")} <= shapes
-    # Beside tp: FSDP2 only, and without sequence parallelism; never beside pp.
+    # Beside tp: FSDP2 only (without pp), listed without sequence parallelism; beside pp: its strategies (ddp,
+    # fsdp), with tp inside the stages too.
     assert (2, 2, 2, 1, "fsdp") in shapes and (1, 4, 2, 1, "fsdp") in shapes
-    assert all(l.data == "fsdp" and not l.sp for l in found if l.cp > 1 and l.tp > 1)
-    assert not any(l.cp > 1 and l.pp > 1 for l in found)
+    assert all(l.data == "fsdp" and not l.sp for l in found if l.cp > 1 and l.tp > 1 and l.pp == 1)
+    assert {(2, 2, 1, 2, "ddp"), (2, 2, 1, 2, "fsdp"), (1, 2, 1, 4, "ddp"), (1, 2, 2, 2, "ddp")} <= shapes
+    assert all(l.data in ("ddp", "fsdp") and not l.sp for l in found if l.cp > 1 and l.pp > 1)
     assert all(32 % (2 * l.cp) == 0 for l in found) and not any(l.cp == 16 for l in found)  # 2 cp divides 32
     assert Layout(dp=2, tp=2, pp=1, data="fsdp", cp=2).name == "fsdp x2 + cp2 + tp2"
     assert Layout(dp=1, tp=1, pp=1, data="zero2", cp=4).name == "zero2 + cp4"
