@@ -4,7 +4,7 @@ Given the model's shape and a cluster (workers, workers per host, memory and ach
 links inside and between hosts), every layout ``dp x cp x tp x pp`` (tp inside a host, dividing the heads; cp
 with ``2 cp`` dividing the sequence; pp dividing the layers) with each data-parallel strategy (ddp, zero1, zero2,
 fsdp) and activation checkpointing off or full, as far as ringtrain composes them (``runs_in_ringtrain``: cp beside
-each of them, not beside pp, beside tp only under fsdp and without sequence parallelism), is given a memory per
+each of them, not beside pp, beside tp without sequence parallelism), is given a memory per
 worker and a step time; those that fit are listed fastest first, and the first is recommended.
 
 Memory per worker (bytes), the fullest rank (a pipeline's first stage, which also holds the embeddings):
@@ -302,11 +302,11 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
     runs over the dp x cp ranks, so its spec matters even at dp 1."""
     spec = strategy_spec(data)
     if cp > 1:
-        # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): no pp yet,
-        # and beside tp the gradients are averaged by a sharding strategy's FSDP2 (owner dp_shard, with "tp" in
-        # its spec: fsdp). Its other refusals (sequence parallelism, HSDP, dropout, heal, auto micro-batches)
-        # are not layouts the planner enumerates: cp layouts run without sp, and with one dp dimension.
-        if "cp" not in spec.beside or pp > 1 or (tp > 1 and spec.owner != "dp_shard"):
+        # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): no pp yet
+        # (beside tp the strategy averages over the dp x cp ranks, as its spec's "tp" says). Its other refusals
+        # (sequence parallelism, HSDP, dropout, heal, auto micro-batches) are not layouts the planner enumerates:
+        # cp layouts run without sp, and with one dp dimension.
+        if "cp" not in spec.beside or pp > 1:
             return False
     if dp * cp == 1:
         return True

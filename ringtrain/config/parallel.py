@@ -159,16 +159,15 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
     spec = strategy_spec(strategy)
-    if degrees["dp_replicate"] > 1 and "tp" not in spec.beside:
-        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} (comm.strategy = '{strategy}'): "
-                          "replicas beside tensor parallelism are FSDP2's (its replicate dimension); set "
-                          "comm.strategy = 'ddp' (whole replicas) or 'fsdp' (sharded ones), or tp = -1")
-    if degrees["dp_shard"] > 1 and "tp" not in spec.beside:
-        raise ConfigError(f"{where} with dp_shard = {degrees['dp_shard']} under comm.strategy = '{strategy}': only "
-                          "FSDP2 shards beside tensor parallelism so far (issue 23); set comm.strategy = 'fsdp'")
     if "tp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}' ({spec.summary}): it is not composed with tensor "
-                          "parallelism yet (issue 40); set comm.strategy = 'fsdp' or 'ddp', or tp = 1")
+                          "parallelism yet (issue 40); set comm.strategy = 'ddp', 'manual', 'zero1'-'zero3' or "
+                          "'fsdp', or tp = 1")
+    if config.checkpoint.sharded and not spec.dtensors:
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}' and checkpoint.sharded = true: sharded "
+                          "checkpoints of a tensor-parallel model are written from DTensors, which FSDP2 holds and "
+                          f"'{strategy}' (plain local parts) does not (issue 40); set checkpoint.sharded = false "
+                          "(full checkpoints load into any layout) or comm.strategy = 'fsdp'")
     refuse_for_split_model(config, where, "a step without collectives until its end, and a tensor-parallel "
                                           "forward all-reduces in every block")
 
@@ -270,10 +269,6 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     if degrees["pp"] > 1:
         raise ConfigError(f"{where} with pp = {degrees['pp']}: context parallelism is not composed with pipeline "
                           "parallelism yet (issue 40); set pp = 1, or cp = 1")
-    if degrees["tp"] > 1 and spec.owner != "dp_shard":
-        raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': beside tensor and "
-                          "context parallelism the gradients are averaged by FSDP2 over the dp x cp ranks; set "
-                          "comm.strategy = 'fsdp'")
     if degrees["tp"] > 1 and config.parallel.sequence_parallel:
         raise ConfigError(f"{where} with sequence_parallel = true: the tensor-parallel ranks' sequence split and the "
                           "context-parallel one are not composed yet (issue 40); leave sequence_parallel unset")

@@ -34,6 +34,7 @@ from ringtrain.parallel.fsdp import FSDPStrategy
 from ringtrain.parallel.manual import ManualStrategy
 from ringtrain.parallel.pipeline import PipelineStrategy
 from ringtrain.parallel.tensor import TensorParallelStrategy
+from ringtrain.parallel.tensor_data import TensorBesideData
 from ringtrain.parallel.zero import ZeroStrategy
 from ringtrain.strategies import strategy_spec
 from ringtrain.testing import faults
@@ -115,10 +116,15 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
                                 sequence_parallel=parallel.sequence_parallel, split=pp_split)
     if layout.tp > 1:
-        # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares).
-        return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,
-                                      loss_parallel=parallel.loss_parallel,
-                                      dp_mesh=mesh["dp_cp"] if layout.cp > 1 else None)
+        # The gradients are averaged over the dp ranks, or beside context parallelism over the dp x cp ranks (the cp
+        # ranks' shares). FSDP2 takes the split model's DTensors (ddp's whole replicas: its replicate dimension, on
+        # the 2-D mesh built beside tp alone); the others train its local parts (tensor_data.py).
+        tensor = dict(plan=tp_plan, sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
+        dp_mesh = mesh["dp_cp"] if layout.cp > 1 else mesh["dp"]
+        if spec.dtensors and (spec.owner == "dp_shard" or layout.cp == 1):
+            return TensorParallelStrategy(device, mesh, dp_mesh=dp_mesh if layout.cp > 1 else None, **tensor)
+        data = spec.build(config, device, diloco=diloco, heal=heal, mesh=dp_mesh)
+        return TensorBesideData(device, mesh, data=data, **tensor)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

@@ -99,6 +99,19 @@ class TensorParallelStrategy(FSDPStrategy):
         return {} if calls is None else {"tp_shm_all_reduces": calls}
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """The tensor-parallel transform (``split``), then FSDP2 over ``dp_mesh`` when it has more than one rank."""
+        self.split(model)
+        if self.dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in block_units(model):
+                fully_shard(block, mesh=self.dp_mesh)
+            fully_shard(model, mesh=self.dp_mesh)
+        return model
+
+    def split(self, model: nn.Module) -> nn.Module:
+        """The transform alone: ``model`` on this rank's device, rank 0's weights cut by the plan over
+        ``mesh['tp']`` (every parameter a DTensor: the split ones sharded, the rest replicated)."""
         from ringtrain.models.transformer import TransformerLM
 
         builtin = self.plan is None and isinstance(model, TransformerLM)
@@ -126,12 +139,6 @@ class TensorParallelStrategy(FSDPStrategy):
             if self.loss_parallel:
                 plan = {**plan, **vocabulary_split_output(model)}
             apply_plan(model, plan, self.mesh["tp"])
-        if self.dp > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in block_units(model):
-                fully_shard(block, mesh=self.dp_mesh)
-            fully_shard(model, mesh=self.dp_mesh)
         self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
                        if self._fused_dim(name) is not None}
         self._waits.install()

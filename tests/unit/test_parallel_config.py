@@ -146,10 +146,20 @@ def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
     assert degrees_of(config({"tp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
 
 
+@pytest.mark.parametrize("strategy, expected", [
+    ("manual", {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}),
+    ("zero1", {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}),
+    ("zero3", {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}),
+])
+def test_tensor_parallelism_beside_ringtrains_own_data_parallelism_passes_the_checks(strategy, expected):
+    assert degrees_of(config({"tp": 2}, strategy), 4) == expected
+    assert degrees_of(config({"tp": 2, "cp": 2}, strategy), 8) == {**expected, "cp": 2}
+
+
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
-    ({"tp": 2}, "manual", {}, 4, r"^\[parallel\] tp = 2 with dp_replicate = 2 \(comm.strategy = 'manual'\): replicas "
-                                 r"beside tensor parallelism are FSDP2's .* set comm.strategy = 'ddp'"),
-    ({"tp": 2}, "zero2", {}, 4, r"tp = 2 with dp_shard = 2 under comm.strategy = 'zero2': only FSDP2 shards"),
+    ({"tp": 2}, "zero2", {"checkpoint": {"sharded": True}}, 4,
+     r"^\[parallel\] tp = 2 with comm.strategy = 'zero2' and checkpoint.sharded = true: .*set checkpoint.sharded = false"),
+    ({"tp": 2}, "manual", {"checkpoint": {"sharded": True}}, 4, r"tp = 2 with comm.strategy = 'manual' and checkpoint"),
     ({"tp": -1}, "diloco", {}, 2, r"tp = 2 with comm.strategy = 'diloco'"),
     ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
     ({"tp": 2}, "fsdp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
@@ -217,7 +227,6 @@ def test_resolve_layout_on_its_own():
 
 @pytest.mark.parametrize("parallel, strategy, sections, world, says", [
     ({"cp": 2, "pp": 2}, "ddp", {}, 4, "not composed with pipeline parallelism yet"),
-    ({"cp": 2, "tp": 2}, "ddp", {}, 4, "averaged by FSDP2 over the dp x cp ranks; set comm.strategy = 'fsdp'"),
     ({"cp": 2, "tp": 2, "sequence_parallel": True}, "fsdp", {}, 4, "leave sequence_parallel unset"),
     ({"cp": 2}, "diloco", {}, 2, "use 'ddp', 'manual', 'zero1'-'zero3' or 'fsdp', or cp = 1"),
     ({"cp": 2, "dp_replicate": 2, "tp": 2}, "fsdp", {}, 8, "HSDP beside tensor and context parallelism"),
