@@ -107,7 +107,12 @@ class TensorParallelStrategy(FSDPStrategy):
             for block in block_units(model):
                 fully_shard(block, mesh=self.dp_mesh)
             fully_shard(model, mesh=self.dp_mesh)
+            self._index_fused(model)  # FSDP2's parameters are new DTensors
         return model
+
+    def _index_fused(self, model: nn.Module) -> None:
+        self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
+                       if self._fused_dim(name) is not None}
 
     def split(self, model: nn.Module) -> nn.Module:
         """The transform alone: ``model`` on this rank's device, rank 0's weights cut by the plan over
@@ -139,8 +144,7 @@ class TensorParallelStrategy(FSDPStrategy):
             if self.loss_parallel:
                 plan = {**plan, **vocabulary_split_output(model)}
             apply_plan(model, plan, self.mesh["tp"])
-        self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
-                       if self._fused_dim(name) is not None}
+        self._index_fused(model)
         self._waits.install()
         return model
 
