@@ -163,11 +163,7 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}' ({spec.summary}): it is not composed with tensor "
                           "parallelism yet (issue 40); set comm.strategy = 'ddp', 'manual', 'zero1'-'zero3' or "
                           "'fsdp', or tp = 1")
-    if config.checkpoint.sharded and not spec.dtensors:
-        raise ConfigError(f"{where} with comm.strategy = '{strategy}' and checkpoint.sharded = true: sharded "
-                          "checkpoints of a tensor-parallel model are written from DTensors, which FSDP2 holds and "
-                          f"'{strategy}' (plain local parts) does not (issue 40); set checkpoint.sharded = false "
-                          "(full checkpoints load into any layout) or comm.strategy = 'fsdp'")
+
     refuse_for_split_model(config, where, "a step without collectives until its end, and a tensor-parallel "
                                           "forward all-reduces in every block")
 

@@ -126,8 +126,7 @@ class TensorBesideData(TensorParallelStrategy):
         self._specs = localize_parameters(model)
         self._names = {name: self._specs[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
         self._model_names = list(model.named_parameters())
-        self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
-                       if self._fused_dim(name) is not None}
+        self._index_fused(model)  # the local parameters
         return self.data.wrap(model)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
@@ -230,11 +229,46 @@ class TensorBesideData(TensorParallelStrategy):
         return self._model_names
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        raise NotImplementedError  # refused by the config (sharded checkpoints beside tp are FSDP2's)
+        """The sharded (DCP) form in ``get_state_dict``'s keys: every parameter and elementwise optimizer state
+        as a DTensor on the tp mesh, made of this rank's local part (gathered over dp where the strategy shards
+        it: a collective), qkv ones re-cut in natural order. The dp ranks hold the same DTensors; DCP writes each
+        piece once, and reshards it into any layout."""
+        from ringtrain.parallel.tensor import _recut
+
+        def tp_form(name: str, value: Any, spec: LocalSpec | None) -> Any:
+            if spec is None or not isinstance(value, torch.Tensor):
+                return value
+            dtensor = spec.dtensor(value.detach())
+            dim = self._fused_dim(name)
+            return dtensor if dim is None else _recut(dtensor, _to_natural(dtensor.full_tensor(), self.tp, dim))
+
+        model_sd = {key: tp_form(key, value, self._names.get(key))
+                    for key, value in self.data.model_state_dict(model).items()}
+        full = self.data.optimizer_state_dict(optimizer)
+        names = {id(p): name for name, p in self._model_names}
+        fqn = [names[id(p)] for p in self._optimizer_params]
+        state = {fqn[int(index)]: entry for index, entry in self._map_entries(full["state"], tp_form).items()}
+        groups = [{**group, "params": [fqn[int(i)] for i in group["params"]]} for group in full["param_groups"]]
+        return {"model": model_sd, "optimizer": {"state": state, "param_groups": groups}}
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                               load: Callable[[dict[str, Any]], None]) -> None:
-        raise NotImplementedError
+        """Read a sharded checkpoint (any layout's) into ``checkpoint_state``'s form, then set it through the full
+        forms (cut over tp, then by the data-parallel strategy); this run's hyperparameters are kept."""
+        from ringtrain.parallel.zero_state import materialize_optimizer_state
+
+        materialize_optimizer_state(optimizer)  # the moments to read into (Adam makes them on its first step)
+        state = self.checkpoint_state(model, optimizer)
+        load(state)
+        whole = lambda value: value.full_tensor() if hasattr(value, "full_tensor") else value  # noqa: E731
+        self.load_model_state_dict(model, {key: whole(value) for key, value in state["model"].items()})
+        current = self.data.optimizer_state_dict(optimizer)
+        index = {name: i for i, name in enumerate(
+            {id(p): n for n, p in self._model_names}[id(p)] for p in self._optimizer_params)}
+        entries = {index[name]: {key: whole(value) for key, value in entry.items()}
+                   for name, entry in state["optimizer"]["state"].items()}
+        optimizer.load_state_dict(self.shard_optimizer_state(optimizer, {"state": entries,
+                                                                         "param_groups": current["param_groups"]}))
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
         return self.data.state_tensors(model, optimizer)

@@ -154,12 +154,10 @@ def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
 def test_tensor_parallelism_beside_ringtrains_own_data_parallelism_passes_the_checks(strategy, expected):
     assert degrees_of(config({"tp": 2}, strategy), 4) == expected
     assert degrees_of(config({"tp": 2, "cp": 2}, strategy), 8) == {**expected, "cp": 2}
+    assert degrees_of(config({"tp": 2}, strategy, checkpoint={"sharded": True}), 4) == expected
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
-    ({"tp": 2}, "zero2", {"checkpoint": {"sharded": True}}, 4,
-     r"^\[parallel\] tp = 2 with comm.strategy = 'zero2' and checkpoint.sharded = true: .*set checkpoint.sharded = false"),
-    ({"tp": 2}, "manual", {"checkpoint": {"sharded": True}}, 4, r"tp = 2 with comm.strategy = 'manual' and checkpoint"),
     ({"tp": -1}, "diloco", {}, 2, r"tp = 2 with comm.strategy = 'diloco'"),
     ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
     ({"tp": 2}, "fsdp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
