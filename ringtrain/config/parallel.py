@@ -61,7 +61,8 @@ class ParallelConfig(Section):
     tp: int = 1
     """Tensor-parallel degree (-1: the rest): the built-in transformer's attention and MLP split over tp ranks,
     with FSDP2 on the other ranks (comm.strategy = 'fsdp', HSDP with dp_replicate > 1), whole replicas
-    (comm.strategy = 'ddp': FSDP2's replicate dimension), or inside pipeline stages (pp > 1)."""
+    (comm.strategy = 'ddp': FSDP2's replicate dimension), ringtrain's own data parallelism on each rank's local
+    part ('manual', 'zero1'-'zero3'), or inside pipeline stages (pp > 1)."""
 
     tp_algorithm: Literal["torch", "shm"] = "torch"
     """How the tensor-parallel ranks all-reduce the split layers' activations and gradients: 'torch' (the
@@ -147,8 +148,8 @@ def resolve_layout(parallel: ParallelConfig, strategy: str, world_size: int) -> 
 
 def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What tensor parallelism (``parallel/tensor.py``) runs with: the built-in transformer (whole heads per
-    rank) or a model of your own (its plan checked when it is built), FSDP2 on a data-parallel dimension, no
-    heal."""
+    rank) or a model of your own (its plan checked when it is built), any data-parallel strategy whose spec
+    composes with tp (``beside``), no heal."""
     tp, model, strategy = degrees["tp"], config.model, config.comm.strategy
     where = f"[parallel] tp = {tp}"
     if model.factory is None and model.name != "transformer":
@@ -251,7 +252,7 @@ def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What context parallelism (``parallel/context_split.py``) runs with: the built-in transformer without
     dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
-    ranks of a strategy whose spec composes with cp, tp under FSDP2, no pp yet, no heal."""
+    ranks of a strategy whose spec composes with cp (beside tp: over the dp x cp ranks), no pp yet, no heal."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
     if model.factory is None and model.name != "transformer":

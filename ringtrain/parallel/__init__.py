@@ -8,7 +8,8 @@ the model and optimizer state, and the bytes of model state. The training loop o
 Replicated: 'ddp' (torch DDP), 'manual' (ringtrain's buckets); 'diloco' (``diloco.py``: no gradient sync,
 an outer step on the averaged pseudo-gradient every H steps). Sharded: 'zero1', 'zero2', 'zero3'
 (ringtrain's collectives, ``zero.py``), 'fsdp' (PyTorch's FSDP2, ``fsdp.py``). Model-parallel: ``[parallel] tp``
-(``tensor.py``: DTensor's tensor parallelism of the built-in transformer, under FSDP2 on a 2-D mesh), ``[parallel]
+(``tensor.py``: DTensor's tensor parallelism of the built-in transformer, under FSDP2 on a 2-D mesh; beside manual,
+zero1-3 or DDP over dp x cp, ``tensor_data.py``: those strategies on each rank's local part), ``[parallel]
 pp`` (``pipeline.py``: torch's pipeline schedules over the built-in transformer's stages, replicas over dp).
 """
 

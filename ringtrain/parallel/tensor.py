@@ -23,7 +23,8 @@ split without moving rows, but FSDP2's sharding on top of it gathers back wrong:
 
 Gradients of a tensor-parallel group are not averaged over it: each of its ranks holds the exact gradient of
 its own slice (of the replicated parameters, the same gradient as its peers). Across the data-parallel
-dimension FSDP2 averages, as the loss is scaled for (``GradientStep``: the data-parallel size).
+dimension FSDP2 averages, as the loss is scaled for (``GradientStep``: the data-parallel size). ``split`` is the
+transform alone: ``tensor_data.py`` puts any other data-parallel strategy (manual, zero1-3, DDP beside cp) after it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ squares of the rank's gradient shard are summed over the data-parallel ranks too
 
 Full forms (the checkpoint's model and optimizer state, ``full_named_parameters``) are gathered over tp from
 the data-parallel strategy's full form (over dp), qkv rows put back in q | k | v order; loading cuts them the
-same way back.
+same way back. A sharded (DCP) checkpoint holds DTensors on the tp mesh made of the local parts (gathered over
+dp), qkv re-cut in natural order, in ``get_state_dict``'s keys: it loads into any layout, and any layout's into it.
 """
 
 from __future__ import annotations
@@ -147,6 +148,17 @@ class TensorBesideData(TensorParallelStrategy):
 
     def close(self) -> None:
         self.data.close()
+
+    @property
+    def has_rank_state(self) -> bool:
+        """DDP's PowerSGD state beside tp x cp: the data-parallel strategy's per-rank state, checkpointed as its own."""
+        return self.data.has_rank_state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.data.load_state_dict(saved)
 
     # --- the global norm: each element of the unsplit model once ------------------------------------------
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
