@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.parallel.tensor import TensorParallelStrategy, _to_natural, _to_ranks
+from ringtrain.parallel.tensor import TensorParallelStrategy, _recut, _to_natural
 
 __all__ = ["LocalSpec", "TensorBesideData", "localize_parameters"]
 
@@ -107,14 +107,14 @@ class TensorBesideData(TensorParallelStrategy):
     """Tensor parallelism over ``mesh['tp']`` with ``data``, a data-parallel strategy over plain tensors (manual,
     zero1/2/3, DDP), on the data-parallel (or dp x cp) ranks it was built with."""
 
-    def __init__(self, device: torch.device, mesh: Any, data: Any, tp_group_size: int | None = None, **tensor: Any):
+    def __init__(self, device: torch.device, mesh: Any, data: Any, **tensor: Any):
         super().__init__(device, mesh, **tensor)
         self.data = data
         self.name = f"{data.name}+tp"
         self.comm_timer = data.comm_timer
-        self.dp_group = getattr(data, "group", None)
         self.tp_group = mesh["tp"].get_group()
         self._specs: dict[int, LocalSpec] = {}
+        """Each local parameter's spec by id (a layer a user's plan leaves whole stays a plain tensor: none)."""
         self._names: dict[str, LocalSpec] = {}
         """Every name a local parameter has (a tied weight under each), to its spec."""
         self._optimizer_params: list[nn.Parameter] = []
@@ -188,8 +188,8 @@ class TensorBesideData(TensorParallelStrategy):
         return norm
 
     def _weight(self, param: nn.Parameter) -> float:
-        spec = self._specs[id(param)]
-        return 1.0 if spec.split else 1.0 / self.tp
+        spec = self._specs.get(id(param))
+        return 1.0 if spec is not None and spec.split else 1.0 / self.tp
 
     # --- full forms: the data-parallel strategy's, gathered over tp ---------------------------------------
     def _gathered(self, name: str, value: Any, spec: LocalSpec | None) -> Any:
@@ -228,24 +228,20 @@ class TensorBesideData(TensorParallelStrategy):
     def _map_entries(self, state: dict, move: Callable[[str, Any, LocalSpec | None], Any]) -> dict:
         """Each entry's elementwise tensors (shaped like the parameter, local or whole) moved by ``move``, the
         parameters taken by their index in the optimizer's groups, in one order on every rank."""
-        names = {id(p): name for name, p in self._named_locals()}
+        names = {id(p): name for name, p in self._model_names}
         mapped = {}
         for index in sorted(state, key=int):
             param = self._optimizer_params[int(index)]
-            spec, name = self._specs[id(param)], names[id(param)]
+            spec, name = self._specs.get(id(param)), names[id(param)]
             mapped[index] = {key: move(name, value, spec) if _elementwise(value, param, spec) else value
                              for key, value in state[index].items()}
         return mapped
-
-    def _named_locals(self) -> Iterable[tuple[str, nn.Parameter]]:
-        return self._model_names
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The sharded (DCP) form in ``get_state_dict``'s keys: every parameter and elementwise optimizer state
         as a DTensor on the tp mesh, made of this rank's local part (gathered over dp where the strategy shards
         it: a collective), qkv ones re-cut in natural order. The dp ranks hold the same DTensors; DCP writes each
         piece once, and reshards it into any layout."""
-        from ringtrain.parallel.tensor import _recut
 
         def tp_form(name: str, value: Any, spec: LocalSpec | None) -> Any:
             if spec is None or not isinstance(value, torch.Tensor):
@@ -294,6 +290,7 @@ class TensorBesideData(TensorParallelStrategy):
             yield module
 
 
-def _elementwise(value: Any, param: nn.Parameter, spec: LocalSpec) -> bool:
+def _elementwise(value: Any, param: nn.Parameter, spec: LocalSpec | None) -> bool:
     """An optimizer state tensor shaped like its parameter: this rank's local part, or the unsplit whole."""
-    return isinstance(value, torch.Tensor) and tuple(value.shape) in (tuple(param.shape), tuple(spec.shape))
+    whole = tuple(param.shape) if spec is None else tuple(spec.shape)
+    return isinstance(value, torch.Tensor) and tuple(value.shape) in (tuple(param.shape), whole)
