@@ -39,6 +39,10 @@ class StrategySpec:
     """What it composes with on the mesh: ``tp`` (tensor parallelism on the same ranks), ``pp`` (pipeline stages),
     ``cp`` (context-parallel groups: their gradients averaged with the data-parallel ranks'),
     ``hsdp`` (replicas of its shard groups: a second data-parallel dimension)."""
+    dtensors: bool = False
+    """Beside tensor parallelism it takes the split model's DTensor parameters as they are (FSDP2's fully_shard;
+    ddp's whole replicas are FSDP2's replicate dimension); the others train each rank's local parts
+    (``parallel/tensor_data.py``)."""
     heals: bool = False
     """``--heal`` heals a lost worker in place."""
     reloads: bool = False
@@ -103,22 +107,22 @@ _OWN = ("torch", "ring", "ring_chunked", "shm")
 register(StrategySpec(
     "ddp", "ringtrain.parallel.ddp:from_config", "dp_replicate",
     "PyTorch's DDP, its gradient all-reduce a comm hook (comm.algorithm)",
-    algorithms=(*_OWN, "fp16", "bf16", "powersgd"), beside=frozenset({"tp", "pp", "cp"}), heals=True,
+    algorithms=(*_OWN, "fp16", "bf16", "powersgd"), beside=frozenset({"tp", "pp", "cp"}), dtensors=True, heals=True,
     module_is_users=True, leaves_group=True))
 register(StrategySpec(
     "manual", "ringtrain.parallel.manual:from_config", "dp_replicate",
-    "ringtrain's own buckets and all-reduce after backward", algorithms=_OWN, beside=frozenset({"pp", "cp"}),
+    "ringtrain's own buckets and all-reduce after backward", algorithms=_OWN, beside=frozenset({"tp", "pp", "cp"}),
     heals=True, module_is_users=True, leaves_group=True))
 for _stage in (1, 2, 3):
     register(StrategySpec(
         f"zero{_stage}", "ringtrain.parallel.zero:from_config", "dp_shard",
         f"ZeRO stage {_stage}: {('optimizer state', 'optimizer state and gradients', 'optimizer state, gradients and parameters')[_stage - 1]} sharded",
-        algorithms=_OWN, beside=frozenset({"cp"}), heals=True, reloads=True, module_is_users=_stage < 3,
+        algorithms=_OWN, beside=frozenset({"tp", "cp"}), heals=True, reloads=True, module_is_users=_stage < 3,
         gathers_in_forward=_stage == 3, comm_volume=1.5 if _stage == 3 else 1.0,
         default_bucket_mb=4.0 if _stage < 3 else 25.0, options={"stage": _stage}))
 register(StrategySpec(
     "fsdp", "ringtrain.parallel.fsdp:from_config", "dp_shard", "PyTorch's FSDP2 (fully_shard)",
-    algorithms=("torch",), beside=frozenset({"tp", "pp", "cp", "hsdp"}), gathers_in_forward=True,
+    algorithms=("torch",), beside=frozenset({"tp", "pp", "cp", "hsdp"}), dtensors=True, gathers_in_forward=True,
     comm_volume=1.5))
 register(StrategySpec(
     "diloco", "ringtrain.parallel.diloco:from_config", "dp_replicate",

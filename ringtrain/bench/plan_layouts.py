@@ -4,7 +4,7 @@ Given the model's shape and a cluster (workers, workers per host, memory and ach
 links inside and between hosts), every layout ``dp x cp x tp x pp`` (tp inside a host, dividing the heads; cp
 with ``2 cp`` dividing the sequence; pp dividing the layers) with each data-parallel strategy (ddp, zero1, zero2,
 fsdp) and activation checkpointing off or full, as far as ringtrain composes them (``runs_in_ringtrain``: cp beside
-each of them, not beside pp, beside tp only under fsdp and without sequence parallelism), is given a memory per
+each of them, not beside pp, beside tp without sequence parallelism), is given a memory per
 worker and a step time; those that fit are listed fastest first, and the first is recommended.
 
 Memory per worker (bytes), the fullest rank (a pipeline's first stage, which also holds the embeddings):
@@ -304,15 +304,14 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
     spec = strategy_spec(data)
     if cp > 1:
         # The rest of the rule is ringtrain/config/parallel.py's check_context_parallel (mirrored here): beside pp
-        # the pipeline's own rule (below) holds, and beside tp without pp the gradients are averaged by a
-        # sharding strategy's FSDP2 (owner dp_shard, with "tp" in its spec: fsdp). Its other
-        # refusals (HSDP beside tp, dropout, heal, auto micro-batches) are not layouts the planner enumerates: cp
-        # layouts are listed without sp, and with one dp dimension.
-        if "cp" not in spec.beside or (pp == 1 and tp > 1 and spec.owner != "dp_shard"):
+        # the pipeline's own rule (below) holds, beside tp the strategy averages over the dp x cp ranks (its spec's
+        # "tp", below). Its other refusals (HSDP beside tp, dropout, heal, auto micro-batches) are not layouts the
+        # planner enumerates: cp layouts are listed without sp, and with one dp dimension.
+        if "cp" not in spec.beside:
             return False
-    # DiLoCo's replicas of a pipeline split again (by tp or cp): the pipeline's one gradient group (and its clip
+    # DiLoCo's replicas split in two model dimensions: the split model's one gradient group (and the pipeline's clip
     # norm under tp) spans the replicas, which step on their own.
-    if spec.replicas_are_model_groups and dp > 1 and pp > 1 and (tp > 1 or cp > 1):
+    if spec.replicas_are_model_groups and dp > 1 and sum(d > 1 for d in (tp, pp, cp)) > 1:
         return False
     if dp * cp == 1:
         return True

@@ -61,7 +61,8 @@ class ParallelConfig(Section):
     tp: int = 1
     """Tensor-parallel degree (-1: the rest): the built-in transformer's attention and MLP split over tp ranks,
     with FSDP2 on the other ranks (comm.strategy = 'fsdp', HSDP with dp_replicate > 1), whole replicas
-    (comm.strategy = 'ddp': FSDP2's replicate dimension), or inside pipeline stages (pp > 1)."""
+    (comm.strategy = 'ddp': FSDP2's replicate dimension), ringtrain's own data parallelism on each rank's local
+    part ('manual', 'zero1'-'zero3'), or inside pipeline stages (pp > 1)."""
 
     tp_algorithm: Literal["torch", "shm"] = "torch"
     """How the tensor-parallel ranks all-reduce the split layers' activations and gradients: 'torch' (the
@@ -147,8 +148,8 @@ def resolve_layout(parallel: ParallelConfig, strategy: str, world_size: int) -> 
 
 def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What tensor parallelism (``parallel/tensor.py``) runs with: the built-in transformer (whole heads per
-    rank) or a model of your own (its plan checked when it is built), FSDP2 on a data-parallel dimension, no
-    heal."""
+    rank) or a model of your own (its plan checked when it is built), any data-parallel strategy whose spec
+    composes with tp (``beside``), no heal."""
     tp, model, strategy = degrees["tp"], config.model, config.comm.strategy
     where = f"[parallel] tp = {tp}"
     if model.factory is None and model.name != "transformer":
@@ -159,16 +160,11 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
     spec = strategy_spec(strategy)
-    if degrees["dp_replicate"] > 1 and "tp" not in spec.beside:
-        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} (comm.strategy = '{strategy}'): "
-                          "replicas beside tensor parallelism are FSDP2's (its replicate dimension); set "
-                          "comm.strategy = 'ddp' (whole replicas) or 'fsdp' (sharded ones), or tp = -1")
-    if degrees["dp_shard"] > 1 and "tp" not in spec.beside:
-        raise ConfigError(f"{where} with dp_shard = {degrees['dp_shard']} under comm.strategy = '{strategy}': only "
-                          "FSDP2 shards beside tensor parallelism so far (issue 23); set comm.strategy = 'fsdp'")
     if "tp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}' ({spec.summary}): it is not composed with tensor "
-                          "parallelism yet (issue 40); set comm.strategy = 'fsdp' or 'ddp', or tp = 1")
+                          "parallelism yet (issue 40); set comm.strategy = 'ddp', 'manual', 'zero1'-'zero3' or "
+                          "'fsdp', or tp = 1")
+
     refuse_for_split_model(config, where, "a step without collectives until its end, and a tensor-parallel "
                                           "forward all-reduces in every block")
 
@@ -262,9 +258,9 @@ def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What context parallelism (``parallel/context_split.py``) runs with: the built-in transformer without
     dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
-    ranks of a strategy whose spec composes with cp, tp under FSDP2 (with sequence parallelism or without: cp splits
-    the sequence first, sp each cp part over the tp ranks), pp (its stages' sequence split, the built-in
-    transformer, its stages split over tp too), no heal."""
+    ranks of a strategy whose spec composes with cp (beside tp: over the dp x cp ranks), tp (with sequence
+    parallelism or without: cp splits the sequence first, sp each cp part over the tp ranks), pp (its stages'
+    sequence split, the built-in transformer, its stages split over tp too), no heal."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
     if model.factory is None and model.name != "transformer":
@@ -280,14 +276,11 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
                           "sequence is split (its first stage shards the tokens, its last gathers the logits), and the "
                           "stages of a model of your own are its own; set cp = 1 or pp = 1")
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    if degrees["pp"] > 1 and spec.replicas_are_model_groups and dp > 1:
-        raise ConfigError(f"{where} with pp = {degrees['pp']} and {dp} DiLoCo replicas: a pipeline averages each "
-                          "stage's gradients over its data-parallel and context-parallel ranks in one group, where a "
-                          "DiLoCo replica must average over its cp ranks only; set cp = 1 or pp = 1")
-    if degrees["tp"] > 1 and degrees["pp"] == 1 and spec.owner != "dp_shard":  # (a pipeline averages them itself)
-        raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': beside tensor and "
-                          "context parallelism the gradients are averaged by FSDP2 over the dp x cp ranks; set "
-                          "comm.strategy = 'fsdp'")
+    split = " and ".join(f"{d} = {degrees[d]}" for d in ("tp", "pp") if degrees[d] > 1)
+    if split and spec.replicas_are_model_groups and dp > 1:
+        raise ConfigError(f"{where} with {split} and {dp} DiLoCo replicas: the split model averages its gradients over "
+                          "its data-parallel and context-parallel ranks in one group, where a DiLoCo replica must "
+                          "average over its cp ranks only; set cp = 1, or tp = 1 and pp = 1")
     if "cp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': the ranks of a context-parallel group hold one "
                           f"replica's parts and sum their gradients, which {spec.summary} does not (its workers step "

@@ -8,7 +8,8 @@ the model and optimizer state, and the bytes of model state. The training loop o
 Replicated: 'ddp' (torch DDP), 'manual' (ringtrain's buckets); 'diloco' (``diloco.py``: no gradient sync,
 an outer step on the averaged pseudo-gradient every H steps). Sharded: 'zero1', 'zero2', 'zero3'
 (ringtrain's collectives, ``zero.py``), 'fsdp' (PyTorch's FSDP2, ``fsdp.py``). Model-parallel: ``[parallel] tp``
-(``tensor.py``: DTensor's tensor parallelism of the built-in transformer, under FSDP2 on a 2-D mesh), ``[parallel]
+(``tensor.py``: DTensor's tensor parallelism of the built-in transformer, under FSDP2 on a 2-D mesh; beside manual,
+zero1-3 or DDP over dp x cp, ``tensor_data.py``: those strategies on each rank's local part), ``[parallel]
 pp`` (``pipeline.py``: torch's pipeline schedules over the built-in transformer's stages, replicas over dp).
 """
 
@@ -35,6 +36,7 @@ from ringtrain.parallel.manual import ManualStrategy
 from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
 from ringtrain.parallel.pipeline import PipelineStrategy
 from ringtrain.parallel.tensor import TensorParallelStrategy
+from ringtrain.parallel.tensor_data import TensorBesideData
 from ringtrain.parallel.zero import ZeroStrategy
 from ringtrain.strategies import strategy_spec
 from ringtrain.testing import faults
@@ -123,13 +125,21 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
                                 sequence_parallel=parallel.sequence_parallel, split=pp_split, outer_loop=outer_loop)
     if layout.tp > 1:
-        # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares):
-        # one dimension, or HSDP's two (replicas of dp_shard x cp shard groups).
-        dp_mesh = None
-        if layout.cp > 1:
-            dp_mesh = mesh[("dp_replicate", "dp_shard_cp")] if layout.hsdp else mesh["dp_cp"]
-        return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,
-                                      loss_parallel=parallel.loss_parallel, dp_mesh=dp_mesh, outer_loop=outer_loop)
+        # The gradients are averaged over the dp ranks, or beside context parallelism over the dp x cp ranks (the cp
+        # ranks' shares). FSDP2 takes the split model's DTensors (ddp's whole replicas: its replicate dimension, on
+        # the 2-D mesh built beside tp alone; HSDP's two dimensions beside cp: replicas of dp_shard x cp shard
+        # groups); the others train its local parts (tensor_data.py). DiLoCo's replicas are tp groups: the outer
+        # loop (above) is attached to the split model's parts.
+        tensor = dict(plan=tp_plan, sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
+        if outer_loop is not NO_OUTER_LOOP:
+            return TensorParallelStrategy(device, mesh, outer_loop=outer_loop, **tensor)
+        if spec.dtensors and (spec.owner == "dp_shard" or layout.cp == 1):
+            fsdp_mesh = None
+            if layout.cp > 1:
+                fsdp_mesh = mesh[("dp_replicate", "dp_shard_cp")] if layout.hsdp else mesh["dp_cp"]
+            return TensorParallelStrategy(device, mesh, dp_mesh=fsdp_mesh, **tensor)
+        data = spec.build(config, device, diloco=diloco, heal=heal, mesh=mesh["dp_cp"] if layout.cp > 1 else mesh["dp"])
+        return TensorBesideData(device, mesh, data=data, **tensor)
     if config.algorithm == "shm" and device.type != "cpu":
         # dist.backend = 'auto' resolves to NCCL only here, on a worker that found a GPU.
         raise ConfigError(

@@ -143,6 +143,8 @@ def _to_cpu(tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
 
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DDPStrategy:
-    """``comm.strategy = 'ddp'`` (the registry's builder, ``ringtrain/strategies.py``)."""
+    """``comm.strategy = 'ddp'`` (the registry's builder, ``ringtrain/strategies.py``) over the 1-D ``mesh``'s ranks
+    (beside tensor and context parallelism: the dp x cp sub-mesh), or every rank."""
     return DDPStrategy(device, bucket_mb=comm.resolved_bucket_mb, algorithm=comm.algorithm, chunk_kb=comm.chunk_kb,
-                       powersgd_rank=comm.powersgd_rank, powersgd_start_iter=comm.powersgd_start_iter)
+                       powersgd_rank=comm.powersgd_rank, powersgd_start_iter=comm.powersgd_start_iter,
+                       group=None if mesh is None else mesh.get_group())

@@ -233,8 +233,11 @@ class ManualStrategy(ReplicatedStrategy):
     name = "manual"
     step_operation = "all_reduce (ringtrain's gradient buckets)"
 
-    def __init__(self, device: torch.device, bucket_mb: float = 25.0, algorithm: str = "torch", chunk_kb: int | None = None):
+    def __init__(self, device: torch.device, bucket_mb: float = 25.0, algorithm: str = "torch", chunk_kb: int | None = None,
+                 group: dist.ProcessGroup | None = None):
         self.device = device
+        self.group = group
+        """The data-parallel ranks (None: every rank; beside tensor parallelism the dp sub-mesh's)."""
         self.bucket_mb = bucket_mb
         self.algorithm = algorithm
         self.chunk_kb = chunk_kb
@@ -242,7 +245,8 @@ class ManualStrategy(ReplicatedStrategy):
 
     def wrap(self, model: nn.Module) -> BucketedDataParallel:
         model.to(self.device)
-        return BucketedDataParallel(model, self.bucket_mb, self.algorithm, self.chunk_kb, comm_timer=self.comm_timer)
+        return BucketedDataParallel(model, self.bucket_mb, self.algorithm, self.chunk_kb, group=self.group,
+                                    comm_timer=self.comm_timer)
 
     def no_sync(self, model: BucketedDataParallel) -> AbstractContextManager:
         """Skip gradient synchronisation for the backward passes inside (accumulation micro-steps)."""
@@ -256,5 +260,7 @@ class ManualStrategy(ReplicatedStrategy):
 
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> ManualStrategy:
-    """``comm.strategy = 'manual'`` (the registry's builder, ``ringtrain/strategies.py``)."""
-    return ManualStrategy(device, bucket_mb=comm.resolved_bucket_mb, algorithm=comm.algorithm, chunk_kb=comm.chunk_kb)
+    """``comm.strategy = 'manual'`` (the registry's builder, ``ringtrain/strategies.py``) over the 1-D ``mesh``'s
+    ranks (beside tensor parallelism: the data-parallel sub-mesh), or every rank."""
+    return ManualStrategy(device, bucket_mb=comm.resolved_bucket_mb, algorithm=comm.algorithm, chunk_kb=comm.chunk_kb,
+                          group=None if mesh is None else mesh.get_group())

@@ -23,7 +23,8 @@ split without moving rows, but FSDP2's sharding on top of it gathers back wrong:
 
 Gradients of a tensor-parallel group are not averaged over it: each of its ranks holds the exact gradient of
 its own slice (of the replicated parameters, the same gradient as its peers). Across the data-parallel
-dimension FSDP2 averages, as the loss is scaled for (``GradientStep``: the data-parallel size).
+dimension FSDP2 averages, as the loss is scaled for (``GradientStep``: the data-parallel size). ``split`` is the
+transform alone: ``tensor_data.py`` puts any other data-parallel strategy (manual, zero1-3, DDP beside cp) after it.
 """
 
 from __future__ import annotations
@@ -104,6 +105,25 @@ class TensorParallelStrategy(FSDPStrategy):
         return {**super().figures(), **({} if calls is None else {"tp_shm_all_reduces": calls})}
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """The tensor-parallel transform (``split``), then FSDP2 over ``dp_mesh`` when it has more than one rank."""
+        self.split(model)
+        if self.dp > 1 and not self.outer_loop.syncs_replicas:  # (DiLoCo's replicas step on their own)
+            from torch.distributed.fsdp import fully_shard
+
+            for block in block_units(model):
+                fully_shard(block, mesh=self.dp_mesh)
+            fully_shard(model, mesh=self.dp_mesh)
+            self._index_fused(model)  # FSDP2's parameters are new DTensors
+        self.outer_loop.attach(model, list(model.parameters()), self.mesh["dp"].get_group())  # DiLoCo's, or none
+        return model
+
+    def _index_fused(self, model: nn.Module) -> None:
+        self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
+                       if self._fused_dim(name) is not None}
+
+    def split(self, model: nn.Module) -> nn.Module:
+        """The transform alone: ``model`` on this rank's device, rank 0's weights cut by the plan over
+        ``mesh['tp']`` (every parameter a DTensor: the split ones sharded, the rest replicated)."""
         from ringtrain.models.transformer import TransformerLM
 
         builtin = self.plan is None and isinstance(model, TransformerLM)
@@ -133,16 +153,8 @@ class TensorParallelStrategy(FSDPStrategy):
             if self.loss_parallel:
                 plan = {**plan, **vocabulary_split_output(model)}
             apply_plan(model, plan, self.mesh["tp"])
-        if self.dp > 1 and not self.outer_loop.syncs_replicas:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in block_units(model):
-                fully_shard(block, mesh=self.dp_mesh)
-            fully_shard(model, mesh=self.dp_mesh)
-        self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
-                       if self._fused_dim(name) is not None}
+        self._index_fused(model)
         self._waits.install()
-        self.outer_loop.attach(model, list(model.parameters()), self.mesh["dp"].get_group())
         return model
 
     def loss_context(self):

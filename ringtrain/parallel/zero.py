@@ -307,8 +307,10 @@ class ZeroStrategy(ReplicatedStrategy):
     gradients_replicated = False
 
     def __init__(self, device: torch.device, stage: int, bucket_mb: float = 4.0, algorithm: str = "torch",
-                 chunk_kb: int | None = None, prefetch: bool = True):
+                 chunk_kb: int | None = None, prefetch: bool = True, group: dist.ProcessGroup | None = None):
         self.device = device
+        self.group = group
+        """The data-parallel ranks (None: every rank; beside tensor parallelism the dp sub-mesh's)."""
         self.prefetch = prefetch
         self.stage = stage
         self.name = f"zero{stage}"
@@ -326,7 +328,7 @@ class ZeroStrategy(ReplicatedStrategy):
     def wrap(self, model: nn.Module) -> ZeroDataParallel:
         model.to(self.device)
         self._wrapped = ZeroDataParallel(model, self.stage, self.bucket_mb, self.algorithm, self.chunk_kb,
-                                         comm_timer=self.comm_timer, prefetch=self.prefetch)
+                                         group=self.group, comm_timer=self.comm_timer, prefetch=self.prefetch)
         return self._wrapped
 
     def no_sync(self, model: ZeroDataParallel) -> AbstractContextManager:
@@ -468,6 +470,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> ZeroStrategy:
-    """``comm.strategy = 'zero1' | 'zero2' | 'zero3'`` (the registry's builder; the stage is the spec's)."""
+    """``comm.strategy = 'zero1' | 'zero2' | 'zero3'`` (the registry's builder; the stage is the spec's) over the
+    1-D ``mesh``'s ranks (beside tensor parallelism: the data-parallel sub-mesh), or every rank."""
     return ZeroStrategy(device, stage=spec.options["stage"], bucket_mb=comm.resolved_bucket_mb,
-                        algorithm=comm.algorithm, chunk_kb=comm.chunk_kb, prefetch=comm.prefetch)
+                        algorithm=comm.algorithm, chunk_kb=comm.chunk_kb, prefetch=comm.prefetch,
+                        group=None if mesh is None else mesh.get_group())

@@ -146,10 +146,18 @@ def test_tensor_parallelism_alone_and_beside_fsdp_passes_the_checks():
     assert degrees_of(config({"tp": 2}, "fsdp"), 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
 
 
+@pytest.mark.parametrize("strategy, expected", [
+    ("manual", {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}),
+    ("zero1", {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}),
+    ("zero3", {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}),
+])
+def test_tensor_parallelism_beside_ringtrains_own_data_parallelism_passes_the_checks(strategy, expected):
+    assert degrees_of(config({"tp": 2}, strategy), 4) == expected
+    assert degrees_of(config({"tp": 2, "cp": 2}, strategy), 8) == {**expected, "cp": 2}
+    assert degrees_of(config({"tp": 2}, strategy, checkpoint={"sharded": True}), 4) == expected
+
+
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
-    ({"tp": 2}, "manual", {}, 4, r"^\[parallel\] tp = 2 with dp_replicate = 2 \(comm.strategy = 'manual'\): replicas "
-                                 r"beside tensor parallelism are FSDP2's .* set comm.strategy = 'ddp'"),
-    ({"tp": 2}, "zero2", {}, 4, r"tp = 2 with dp_shard = 2 under comm.strategy = 'zero2': only FSDP2 shards"),
     ({"tp": 2}, "diloco", {"diloco": {"inner": "host"}}, 4, r"diloco.inner = 'host' beside a split model"),
     ({"tp": 3}, "fsdp", {}, 3, r"tp = 3 does not divide model.n_heads \(4\): each rank computes whole heads"),
     ({"tp": 2}, "fsdp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
@@ -216,10 +224,10 @@ def test_resolve_layout_on_its_own():
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world, says", [
-    ({"cp": 2, "tp": 2}, "ddp", {}, 4, "averaged by FSDP2 over the dp x cp ranks; set comm.strategy = 'fsdp'"),
     ({"cp": 2}, "diloco", {"diloco": {"inner": "worker"}}, 4, "a DiLoCo replica is then its model-parallel group"),
     ({"cp": 2}, "diloco", {"diloco": {"inner": "host"}}, 4, "leave diloco.inner unset ('auto')"),
-    ({"cp": 2, "pp": 2}, "diloco", {}, 8, "a DiLoCo replica must average over its cp ranks only; set cp = 1 or pp = 1"),
+    ({"cp": 2, "pp": 2}, "diloco", {}, 8, "a DiLoCo replica must average over its cp ranks only"),
+    ({"cp": 2, "tp": 2}, "diloco", {}, 8, "with tp = 2 and 2 DiLoCo replicas"),
     ({"cp": 2}, "ddp", {"model": {"name": "transformer", "n_layers": 4, "dropout": 0.1}}, 2, "set model.dropout = 0"),
     ({"cp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2, "not model.name = 'mlp'"),
 ])

@@ -78,8 +78,8 @@ def test_layouts_are_those_ringtrain_composes_and_a_tight_memory_rules_some_out(
     assert {(2, 2, 2, "ddp"), (2, 2, 2, "fsdp"), (1, 4, 2, "ddp")} <= shapes
     assert all(l.sp for l in found if l.tp > 1 and l.cp == 1)  # not beside cp: ringtrain refuses sp with it
     assert not any(l.pp > 1 and l.data not in ("ddp", "fsdp") for l in found)
-    # tp beside data-parallel ranks: FSDP2 (its shard dimension) or whole replicas (ddp); zero1/2 are not composed.
-    assert not any(l.tp > 1 and l.pp == 1 and l.dp > 1 and l.data not in ("ddp", "fsdp") for l in found)
+    # tp beside data-parallel ranks of every strategy (zero1/2 on the tp ranks' local parts, parallel/tensor_data.py).
+    assert {(2, 4, 1, data) for data in ("ddp", "zero1", "zero2", "fsdp")} <= shapes
     assert (2, 4, 1, "ddp") in shapes
     assert not any(l.tp > 4 for l in found)  # a tp group stays inside a host
     assert all(16 // l.dp % l.microbatches == 0 for l in found)
@@ -122,10 +122,11 @@ def test_cp_layouts_are_enumerated_where_ringtrain_composes_them():
     # Beside every data-parallel strategy the planner lists, even at dp 1 (the strategy runs over the cp ranks).
     assert {(4, 2, 1, 1, data) for data in ("ddp", "zero1", "zero2", "fsdp")} <= shapes
     assert {(1, 8, 1, 1, "ddp"), (1, 8, 1, 1, "fsdp")} <= shapes
-    # Beside tp: FSDP2 only (without pp), listed without sequence parallelism; beside pp: its strategies (ddp,
-    # fsdp), with tp inside the stages too.
-    assert (2, 2, 2, 1, "fsdp") in shapes and (1, 4, 2, 1, "fsdp") in shapes
-    assert all(l.data == "fsdp" and not l.sp for l in found if l.cp > 1 and l.tp > 1 and l.pp == 1)
+    # Beside tp: every strategy over the dp x cp ranks, without sequence parallelism; beside pp: its strategies
+    # (ddp, fsdp), with tp inside the stages too.
+    assert {(2, 2, 2, 1, data) for data in ("ddp", "zero1", "zero2", "fsdp")} <= shapes
+    assert (1, 4, 2, 1, "fsdp") in shapes and (1, 4, 2, 1, "ddp") in shapes
+    assert not any(l.sp for l in found if l.cp > 1 and l.tp > 1)
     assert {(2, 2, 1, 2, "ddp"), (2, 2, 1, 2, "fsdp"), (1, 2, 1, 4, "ddp"), (1, 2, 2, 2, "ddp")} <= shapes
     assert all(l.data in ("ddp", "fsdp") and not l.sp for l in found if l.cp > 1 and l.pp > 1)
     assert all(32 % (2 * l.cp) == 0 for l in found) and not any(l.cp == 16 for l in found)  # 2 cp divides 32
