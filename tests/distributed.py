@@ -40,10 +40,11 @@ from typing import Any
 __all__ = ["run_distributed", "DistributedTestError"]
 
 _CONTEXT = mp.get_context("forkserver")
-# Also what building a trainer imports: torch._dynamo (DDP's constructor imports it: seconds), sklearn, ringtrain.
-_CONTEXT.set_forkserver_preload(
-    ["torch", "torch.distributed", "numpy", "torch._dynamo", "sklearn.datasets", "ringtrain.train.build"]
-)
+_PRELOAD = ["tests.rank_preload"]
+"""What the forkserver imports before it forks a rank (tests/rank_preload.py: torch, ringtrain's trainer, pytest).
+One forkserver serves a test process: set again before every start (``run_distributed``), so a test module
+that sets its own list cannot leave every later rank importing torch._dynamo and ringtrain on its own."""
+_CONTEXT.set_forkserver_preload(_PRELOAD)
 
 
 # The default start method of a launched worker (the platform's: fork on Linux with Python 3.11), which its
@@ -96,6 +97,7 @@ class _GroupNotFormed(Exception):
 
 def _run_once(fn, world_size: int, args: tuple, timeout_s: float, collective_timeout_s: float,
               lost_ranks: Collection[int]) -> list[Any]:
+    _CONTEXT.set_forkserver_preload(_PRELOAD)  # no effect once the forkserver runs
     with tempfile.TemporaryDirectory(prefix="ringtrain-test-") as tmp:
         init_file = os.path.join(tmp, "store")
         results: mp.Queue = _CONTEXT.Queue()

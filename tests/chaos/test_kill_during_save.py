@@ -19,9 +19,11 @@ import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import manifest_path
+from tests import distributed  # noqa: F401 - sets the forkserver's preload
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch"])
+"""The test process's one forkserver, with the harness's preload (tests/distributed.py): a list set here would
+replace it for every later rank of the test process (each would import torch._dynamo and ringtrain on its own)."""
 
 
 def state_for(step: int, numel: int) -> dict:

@@ -5,7 +5,8 @@ A cell is a data-parallel strategy (ddp, manual, zero1, zero2, zero3, fsdp, hsdp
 dp_shard 2, diloco with sync_every 1) over 2 data-parallel ranks (hsdp: 4), or a model-parallel group alone (dp 1),
 x tensor parallelism (tp 1, 2, 2 with sequence_parallel) x pipeline parallelism (pp 1, 2 under gpipe, 1f1b and
 interleaved_1f1b at stages_per_rank 2). Each trains configs/debug_lm.toml's transformer (4 blocks, so every
-schedule cuts it) 5 steps in fp32 and must match the one worker:
+schedule cuts it; sequences of SEQ_LEN 64 bytes, evaluated on EVAL_SET's one file) 5 steps in fp32 and must match
+the one worker:
 
 - every step's loss (rank 0's metrics.jsonl: the global mean) within rtol 1e-5;
 - every step's global gradient norm, on every rank, within rtol 1e-5 (the clip's norm: ``grad_clip_norm`` is set
@@ -71,9 +72,14 @@ from tests.trainers import REPO, build_test_trainer
 
 CONFIG = "configs/debug_lm.toml"
 STEPS = 5
+SEQ_LEN = 64
+"""Half debug_lm's 128 (the token budget, 4 sequences a micro-batch, kept): a rank's training costs a quarter less."""
+EVAL_SET = ["data.path='{stdlib}/asyncio/[!s]*.py'", "data.test_fraction=0.13"]
+"""debug_lm's corpus but the files named s*, split at 13 %: the evaluation holds runners.py alone (67 sequences at 128
+bytes), not sslproto.py (301): the closing evaluation cost a cell as much as its training did."""
 JOB = ["model.n_layers=4", "train.precision='fp32'", "train.auto_micro_batch=false", f"train.max_steps={STEPS}",
        "train.global_batch_size=16", "train.local_batch_size=4", "data.ledger=true", "monitor.log_every_steps=1",
-       f"checkpoint.every_steps={STEPS}"]
+       f"checkpoint.every_steps={STEPS}", *EVAL_SET, f"data.seq_len={SEQ_LEN}", f"train.max_tokens={4 * SEQ_LEN}"]
 SGD = ["train.optimizer='sgd'", "train.lr=0.1", "train.momentum=0.9", "train.weight_decay=0.01",
        "train.grad_clip_norm=1e9"]
 """Linear in the gradient (the module's docstring); the clip's norm taken, never applied."""
@@ -312,7 +318,7 @@ def test_a_layout_trains_as_one_worker(cell: Cell):
 
 
 def pipeline_microbatches(cell: Cell) -> int:
-    """A step's micro-batches through the pipeline: debug_lm's token budget (max_tokens 512: 4 sequences of 128) on
+    """A step's micro-batches through the pipeline: JOB's token budget (max_tokens 256: 4 sequences of 64) on
     the pipeline's share, one per stage at least (pp_microbatches unset), in rounds of pp when interleaved."""
     by_budget = -(-16 // cell.dp // 4)
     least = max(by_budget, cell.pp * cell.stages_per_rank)
@@ -460,7 +466,7 @@ LAYOUTS = {  # name: (workers, overrides, `ringtrain plan layouts`' model of it,
     # (The planner leaves out zero2's gradient staging, one bucket: here the whole local model, 1.4x its figure.)
     "zero2-dp2-tp2": (4, ["comm.strategy='zero2'", "parallel.tp=2"], None),
 }
-SHAPE = ModelShape(layers=4, hidden=64, heads=2, seq=128, vocab=256)  # JOB's model
+SHAPE = ModelShape(layers=4, hidden=64, heads=2, seq=SEQ_LEN, vocab=256)  # JOB's model
 CROSSINGS = [  # (form, saved by, resumed by): "train at tp2 x dp2, resume at dp4 or pp2, and back", both ways
     ("full", "one", "tp2"), ("full", "tp2", "ddp-dp2"), ("full", "one", "pp2-zbv"), ("full", "pp2", "one"),
     ("full", "pp2", "pp2"),
