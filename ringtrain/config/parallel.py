@@ -226,12 +226,16 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
     if "pp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
                           "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "
-                          "'manual') or shard its stages (FSDP2, 'fsdp'); zero1/2/3 and 'diloco' beside a pipeline are "
+                          "'manual') or shard its stages ('zero1'-'zero3', 'fsdp'); 'diloco' beside a pipeline is "
                           "not built yet (issue 23); set comm.strategy = 'ddp' or 'fsdp'")
+    if spec.owner == "dp_shard" and "tp" not in spec.beside and degrees["tp"] > 1:
+        raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': ringtrain's ZeRO shards "
+                          "flat buffers of plain tensors, and tensor parallelism makes the stages' parameters DTensors; "
+                          "set comm.strategy = 'fsdp' (FSDP2 shards DTensors), or tp = 1")
     if spec.owner == "dp_shard" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
-        raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first "
-                          "and last stages on one rank, where they share the tied embedding, which FSDP2 cannot shard "
-                          "in two modules; use '1f1b' or 'interleaved_1f1b', or comm.strategy = 'ddp'")
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}' and pp_schedule = 'zbv_zero_bubble': the V puts the "
+                          "first and last stages on one rank, where they share the tied embedding, which cannot be "
+                          "sharded in two modules; use '1f1b' or 'interleaved_1f1b', or comm.strategy = 'ddp'")
     if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         microbatches = parallel.pp_microbatches or pp * parallel.stages_per_rank
         if microbatches % pp:

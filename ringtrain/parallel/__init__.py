@@ -110,10 +110,13 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
     parallel = parallel or ParallelConfig()
     layout = layout or Layout(owner=spec.owner)
     if layout.pp > 1:
+        # ringtrain's ZeRO (a spec with a stage) wraps each stage; FSDP2 shards them; the replicas' all-reduce is
+        # the pipeline's own.
+        zero = spec.build(config, device) if "stage" in spec.options else None
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
-                                stages_per_rank=parallel.stages_per_rank, shard=spec.owner == "dp_shard",
+                                stages_per_rank=parallel.stages_per_rank, shard=spec.owner == "dp_shard" and zero is None,
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
-                                sequence_parallel=parallel.sequence_parallel, split=pp_split)
+                                sequence_parallel=parallel.sequence_parallel, split=pp_split, zero=zero)
     if layout.tp > 1:
         # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares).
         return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,

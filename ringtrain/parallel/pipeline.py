@@ -35,8 +35,9 @@ stages is split over ``mesh['tp']`` (``tensor.parallelize_stage``) before FSDP2,
     mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
-user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not), ddp or
-FSDP2 beside it, no --heal, no automatic micro-batch shrinking. Every rank builds the whole
+user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not), ddp, manual,
+zero1-3 (each stage wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp) or FSDP2 beside it,
+no --heal, no automatic micro-batch shrinking. Every rank builds the whole
 model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
 
@@ -204,7 +205,8 @@ class PipelineStrategy(ReplicatedStrategy):
 
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
                  stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None,
-                 sequence_parallel: bool = False, split: Callable[[nn.Module, int], list[nn.Module]] | None = None):
+                 sequence_parallel: bool = False, split: Callable[[nn.Module, int], list[nn.Module]] | None = None,
+                 zero: Any = None):
         self.device = device
         self.split = split
         """A user's split function (``fit(pp_split=...)``): ``split(model, stages)`` -> the stage modules, in order."""
@@ -229,11 +231,16 @@ class PipelineStrategy(ReplicatedStrategy):
         self.indices = stage_indices(self.pp_rank, self.pp, stages_per_rank, schedule)
         self.shard = shard and self.dp > 1
         """FSDP2 over mesh['dp'] on every stage (each replica holds 1/dp of its stages' state)."""
-        self.forward_is_collective = self.shard
+        from ringtrain.parallel.pipeline_zero import StageZero
+
+        self.zero = StageZero(zero, self.dp_group) if zero is not None and self.dp > 1 else None
+        """The registry's zero strategy on every stage over mesh['dp'] (``pipeline_zero.py``)."""
+        self.forward_is_collective = self.shard or (self.zero is not None and self.zero.stage == 3)
         """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
         activations, which ``forward`` arranges."""
-        self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else "ddp+pp") + ("+tp" if self.tp > 1 else "")
-        self.comm_timer = CommTimer()
+        self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else f"{zero.name}+pp" if self.zero else
+                     "ddp+pp") + ("+tp" if self.tp > 1 else "")
+        self.comm_timer = zero.comm_timer if self.zero is not None else CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
         self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
         """The split layers' collectives under tp (their ``tp_comm`` phase)."""
@@ -272,9 +279,9 @@ class PipelineStrategy(ReplicatedStrategy):
         self._full = model
         self._parameter_names = [name for name, _ in model.named_parameters()]  # the tied weight once
         self._tied = isinstance(model, TransformerLM) and self.split is None
-        if self.shard and self._tied and 0 in self.indices and self.stages - 1 in self.indices:
-            raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = '{self.schedule}': the first and "
-                              "last stages on one rank share the tied embedding, which FSDP2 cannot shard in two "
+        if (self.shard or self.zero) and self._tied and 0 in self.indices and self.stages - 1 in self.indices:
+            raise ConfigError(f"{where} with a sharding comm.strategy and pp_schedule = '{self.schedule}': the first and "
+                              "last stages on one rank share the tied embedding, which cannot be sharded in two "
                               "modules; use another schedule (1f1b, interleaved_1f1b), or comm.strategy = 'ddp'")
         if self._tied:
             head = None
@@ -294,9 +301,11 @@ class PipelineStrategy(ReplicatedStrategy):
             self._split_stages(where)
         if self.shard:
             self._fully_shard()
+        self._runs = self.zero.wrap(self.modules) if self.zero is not None else self.modules
+        """What the schedule runs, one a stage: the stages, or their zero wrappers."""
         if self.tp > 1:
             self._waits.install()
-        return nn.ModuleList(self.modules)
+        return nn.ModuleList(self._runs)
 
     def _split_stages(self, where: str) -> None:
         """Tensor parallelism inside each of this rank's stages over mesh['tp'] (``tensor.parallelize_stage``):
@@ -443,7 +452,11 @@ class PipelineStrategy(ReplicatedStrategy):
             if self._clone is not None and any(names[id(p)] == "token_embedding.weight" for p in group["params"]):
                 kept.append(self._clone)
             group["params"] = kept
-        return optimizer
+        return self.zero.shard_optimizer(optimizer) if self.zero is not None else optimizer
+
+    def take_step_comm_s(self) -> float:
+        """zero1/2's all-gather of the stepped shards (0 for the other data-parallel strategies)."""
+        return self.zero.take_step_comm_s() if self.zero is not None else 0.0
 
     def collective_wait_s(self) -> float:
         """Seconds this rank spent in the split layers' collectives since the last call (tp > 1; 0 without):
@@ -489,10 +502,10 @@ class PipelineStrategy(ReplicatedStrategy):
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
 
-        stages = [PipelineStage(module, module.index, self.stages, self.device, group=self.pp_group)
-                  for module in self.modules]
-        for stage in stages:
-            self._time_chunks(stage)
+        stages = [PipelineStage(run, module.index, self.stages, self.device, group=self.pp_group)
+                  for run, module in zip(self._runs, self.modules)]
+        for stage, run in zip(stages, self._runs):
+            self._time_chunks(stage, run)
         cls = getattr(pipelining, SCHEDULES[self.schedule])
         count = key[-1]
         if self.schedule in _MULTI:
@@ -506,18 +519,25 @@ class PipelineStrategy(ReplicatedStrategy):
         self._schedules[key] = schedule
         return schedule
 
-    def _time_chunks(self, stage: Any) -> None:
+    def _time_chunks(self, stage: Any, run: nn.Module) -> None:
         """Count the seconds the stage computes (its forward, input-gradient and weight-gradient chunks); the
-        schedule's sends and receives run between them."""
+        schedule's sends and receives run between them. Under zero each backward is told whether it is the stage's
+        last of the step (zero1 reduces then)."""
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             method = getattr(stage, name)
 
-            def timed(*args, _method=method, **kwargs):
+            def timed(*args, _method=method, _name=name, **kwargs):
+                backward = self.zero is not None and _name == "backward_one_chunk"
+                last = backward and kwargs.get("last_backward", False)
+                if backward:
+                    self.zero.before_backward(run, last)
                 start = time.perf_counter()
                 try:
                     return _method(*args, **kwargs)
                 finally:
                     self._compute_s += time.perf_counter() - start
+                    if backward:
+                        self.zero.after_backward(run, last)
 
             setattr(stage, name, timed)
 
@@ -526,6 +546,11 @@ class PipelineStrategy(ReplicatedStrategy):
         data-parallel replicas. Returns the seconds it took (exposed communication)."""
         start = time.perf_counter()
         params = self._own_parameters()
+        if self.zero is not None:  # the replicas' sums were zero's reduce-scatters, in the schedule's backwards
+            if self._tie_group is not None:
+                self.zero.sum_tied(self._clone if self._clone is not None else self._full.token_embedding.weight,
+                                   self._tie_group)
+            return time.perf_counter() - start
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -559,13 +584,19 @@ class PipelineStrategy(ReplicatedStrategy):
         return self._full if self._full is not None else model
 
     def gradient_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        return self._own_parameters()
+        return self.zero.gradient_parameters(optimizer) if self.zero is not None else self._own_parameters()
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The whole model's gradient norm: each rank's squares (the tied weight counted on the first stage
         only), summed over the pipeline (replicas hold the same gradients). A gradient that is a DTensor
         replicated over some mesh dimensions (tensor parallelism's whole layers) is counted once: its squares
         divided by the ranks holding the same copy."""
+        if self.zero is not None:  # each rank's shards of its stages (the tied copy's stretch left out), over all
+            squares = self.zero.squares(self._clone)
+            dist.all_reduce(squares)
+            norm = squares.sqrt().float()
+            self.zero.scale(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            return norm
         params = self._own_parameters()
         counted = [p for p in params if p is not self._clone and p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -594,17 +625,24 @@ class PipelineStrategy(ReplicatedStrategy):
         CPU tensors, never pickled: ``_all_gather_tensors``; a model that fits one process's memory, as the full
         checkpoint does anyway)."""
         mine = {}
-        for module in self.modules:  # (FSDP2's shards gathered over the replicas: every rank calls this)
-            mine.update({name: self._natural(name, _full(value)).detach().cpu()
-                         for name, value in module.state_dict().items()})
+        with self._full_parameters():
+            for module in self.modules:  # (FSDP2's shards gathered over the replicas: every rank calls this)
+                mine.update({name: self._natural(name, _full(value)).detach().cpu()
+                             for name, value in module.state_dict().items()})
+            if self.zero is not None:  # copies: zero3's gathered storage goes at the block's end
+                mine = {name: value.clone() for name, value in mine.items()}
         parts = _all_gather_tensors(mine, self.pp_group)
         merged = {name: value for part in parts for name, value in part.items()}
         if self._tied:
             merged["head.weight"] = merged["token_embedding.weight"]  # one weight, stored twice as torch does
         return {name: merged[name].to(self.device) for name in self._full.state_dict()}
 
+    def _full_parameters(self) -> AbstractContextManager:
+        """zero3's stages gathered (and, when written, their shards updated); nothing to do for the others."""
+        return self.zero.full_parameters() if self.zero is not None else nullcontext()
+
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self._full_parameters():
             for module in self.modules:
                 for name, tensor in module.state_dict(keep_vars=True).items():
                     source = state["token_embedding.weight"] if self._tied and name == "head.weight" else state[name]
@@ -614,8 +652,11 @@ class PipelineStrategy(ReplicatedStrategy):
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """torch's form of one optimizer over the whole model: every rank's states by parameter name, gathered
         over the pipeline, indexed as the unsplit model's optimizer numbers them."""
-        local = optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.zero is not None:  # the shards' state gathered over dp, as the unsharded optimizer's
+            local, params = self.zero.full_optimizer_state(optimizer)
+        else:
+            local = optimizer.state_dict()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
         names = self._names
         mine = {names[id(params[int(i)])]: {key: self._natural(names[id(params[int(i)])], _full(value))
                                             if _is_moment(value, params[int(i)]) else _full(value)
@@ -635,9 +676,10 @@ class PipelineStrategy(ReplicatedStrategy):
         full = {flat_names[int(i)]: entry for i, entry in state["state"].items()}
         names = self._names
         local_state, groups, offset = {}, [], 0
-        for group, full_group in zip(optimizer.param_groups, state["param_groups"]):
+        mine = self.zero.param_groups() if self.zero is not None else [g["params"] for g in optimizer.param_groups]
+        for group, full_group in zip(mine, state["param_groups"]):
             indices = []
-            for param in group["params"]:
+            for param in group:
                 name = "token_embedding.weight" if param is self._clone else names[id(param)]
                 if name in full:
                     local_state[offset] = {key: _shard_like(self._ranked(name, value.to(self.device)), param)
@@ -646,7 +688,8 @@ class PipelineStrategy(ReplicatedStrategy):
                 indices.append(offset)
                 offset += 1
             groups.append({**full_group, "params": indices})
-        return {"state": local_state, "param_groups": groups}
+        local = {"state": local_state, "param_groups": groups}
+        return self.zero.shard_optimizer_state(optimizer, local) if self.zero is not None else local
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's stages' tensors for a sharded (DCP) checkpoint, named as the whole model's (torch's
@@ -708,6 +751,8 @@ class PipelineStrategy(ReplicatedStrategy):
         yield from (_local(p) for p in params)
         yield from (_local(p.grad) for p in params if p.grad is not None)
         yield from (_local(t) for t in optimizer_tensors(optimizer))
+        if self.zero is not None:  # the flat units (zero1's whole gradient, zero2/3's shards)
+            yield from self.zero.state_tensors()
 
     # --- evaluation ----------------------------------------------------------------------------------------
     @torch.no_grad()
