@@ -78,12 +78,13 @@ class ParallelConfig(Section):
     """With tp > 1 and a model whose output layer is its own (a Hugging Face Llama-style model built from a
     config: ``lm_head`` not tied to the embeddings), that layer is split by vocabulary over the tp ranks and the
     cross-entropy is computed on the logits' shards (torch's ``loss_parallel``): the whole logits are never
-    gathered. Needs loss 'cross_entropy'."""
+    gathered. Inside a pipeline (pp > 1, the built-in transformer) the last stage's own copy of the tied output
+    layer is the one split (not under pp_schedule 'zbv_zero_bubble' or FSDP2). Needs loss 'cross_entropy'."""
 
     pp: int = 1
     """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest): the built-in
     transformer's blocks in pp x stages_per_rank stages, its pipelines replicated over the other ranks
-    (comm.strategy = 'ddp')."""
+    (comm.strategy = 'ddp' or 'manual') or its stages sharded over them ('zero1'-'zero3', 'fsdp')."""
 
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining's): 'gpipe' and '1f1b' run one stage per rank;
@@ -174,16 +175,24 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 
 def check_loss_parallel(config: Config, degrees: dict[str, int]) -> None:
-    """``loss_parallel``: tensor parallelism without a pipeline, a model of the user's own (its output layer
-    untied: checked when it is split), the cross-entropy loss."""
+    """``loss_parallel``: tensor parallelism, a model of the user's own (its output layer untied: checked when it
+    is split) or, inside a pipeline, the built-in transformer (its last stage holds its own copy of the tied output
+    layer when the first stage is on another rank), the cross-entropy loss."""
     where = "[parallel] loss_parallel = true"
     if degrees["tp"] == 1:
         raise ConfigError(f"{where} with tp = 1: the output layer is split over the tensor-parallel ranks; set tp to 2 "
                           "or more, or leave loss_parallel unset")
-    if degrees["pp"] > 1:
-        raise ConfigError(f"{where} with pp = {degrees['pp']}: a vocabulary-split output layer inside a pipeline stage "
-                          "is not built yet (issue 23); leave loss_parallel unset")
-    if config.model.factory is None:
+    pp, schedule = degrees["pp"], config.parallel.pp_schedule
+    if pp > 1 and schedule == "zbv_zero_bubble":
+        raise ConfigError(f"{where} with pp_schedule = 'zbv_zero_bubble': the V puts the first and last stages on one "
+                          "rank, where the output layer is the token embedding itself (tied), which a vocabulary split "
+                          "would split too; use '1f1b' or 'interleaved_1f1b', or leave loss_parallel unset")
+    if pp > 1 and degrees["dp_shard"] > 1:
+        raise ConfigError(f"{where} with pp = {pp} and dp_shard = {degrees['dp_shard']}: FSDP2 would shard the first "
+                          "stage's embedding and the last stage's vocabulary-split copy of it by different rows, so the "
+                          "tie's two gradients cannot be added shard by shard; use comm.strategy = 'ddp', or leave "
+                          "loss_parallel unset")
+    if pp == 1 and config.model.factory is None:
         raise ConfigError(f"{where}: the built-in '{config.model.name}' model's output layer is its token embedding "
                           "(tied), which a vocabulary split would split too; leave loss_parallel unset (it is built "
                           "for models whose output layer is their own, such as a Hugging Face Llama)")

@@ -116,7 +116,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
                                 stages_per_rank=parallel.stages_per_rank, shard=spec.owner == "dp_shard" and zero is None,
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
-                                sequence_parallel=parallel.sequence_parallel, split=pp_split, zero=zero)
+                                sequence_parallel=parallel.sequence_parallel, split=pp_split, zero=zero,
+                                loss_parallel=parallel.loss_parallel)
     if layout.tp > 1:
         # Beside context parallelism FSDP2 averages the gradients over the dp x cp ranks (the cp ranks' shares).
         return TensorParallelStrategy(device, mesh, plan=tp_plan, sequence_parallel=parallel.sequence_parallel,

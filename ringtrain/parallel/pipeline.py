@@ -206,7 +206,7 @@ class PipelineStrategy(ReplicatedStrategy):
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
                  stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None,
                  sequence_parallel: bool = False, split: Callable[[nn.Module, int], list[nn.Module]] | None = None,
-                 zero: Any = None):
+                 zero: Any = None, loss_parallel: bool = False):
         self.device = device
         self.split = split
         """A user's split function (``fit(pp_split=...)``): ``split(model, stages)`` -> the stage modules, in order."""
@@ -218,6 +218,9 @@ class PipelineStrategy(ReplicatedStrategy):
         self.tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
         """Tensor parallelism inside every stage (the built-in transformer), over mesh['tp']."""
         self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.loss_parallel = loss_parallel and self.tp > 1
+        """The last stage's own copy of the tied output layer split by vocabulary over tp, the loss computed on the
+        logits' shards (torch's ``loss_parallel`` around the schedule)."""
         """The stages' residual stream split by sequence over tp (and passed between stages so)."""
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.pp_rank = mesh.get_local_rank("pp")
@@ -319,9 +322,14 @@ class PipelineStrategy(ReplicatedStrategy):
         if self._full.n_heads % self.tp:
             raise ConfigError(f"[parallel] tp = {self.tp} does not divide model.n_heads ({self._full.n_heads}): each "
                               f"rank computes whole heads; set n_heads to a multiple of {self.tp}")
+        if self.loss_parallel and not (self._tied and self._stage_rank(0) != self._stage_rank(self.stages - 1)):
+            raise ConfigError(f"{where} with loss_parallel = true: the vocabulary split is of the last stage's own copy "
+                              "of the built-in transformer's tied output layer, which a rank holding the first stage too "
+                              "does not have; use pp_schedule = '1f1b' or 'interleaved_1f1b', or leave loss_parallel unset")
         replicated: dict[int, nn.Parameter] = {}
         for module in self.modules:
-            parallelize_stage(module, self.mesh["tp"], replicated, self.sequence_parallel)
+            parallelize_stage(module, self.mesh["tp"], replicated, self.sequence_parallel,
+                              vocabulary_split=self.loss_parallel and module.is_last)
         self._relink_tied()
 
     def _relink_tied(self) -> None:
@@ -491,7 +499,7 @@ class PipelineStrategy(ReplicatedStrategy):
         first = 0 in self.indices
         last = self.stages - 1 in self.indices
         self._compute_s = 0.0
-        with autocast():
+        with autocast(), self.loss_context():
             schedule.step(arg_mbs=[(x,) for x in inputs] if first else None,
                           kwarg_mbs=[{} for _ in inputs] if first else None,
                           target_mbs=[t for _, t in micro_batches] if last else None,
@@ -556,7 +564,10 @@ class PipelineStrategy(ReplicatedStrategy):
                 param.grad = torch.zeros_like(param)
         if self._tie_group is not None:
             tied = self._clone if self._clone is not None else self._full.token_embedding.weight
-            dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
+            if self.loss_parallel:
+                self._sum_vocabulary_split_tie(tied)
+            else:
+                dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
         if self.dp > 1 and not self.shard:  # (FSDP2 reduce-scattered them in the schedule's last backward)
             grads = [_local(p.grad) for p in params]  # (with tp: each rank its slice, like its replicas')
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -571,8 +582,35 @@ class PipelineStrategy(ReplicatedStrategy):
                 offset += grad.numel()
         return time.perf_counter() - start
 
+    def _sum_vocabulary_split_tie(self, tied: nn.Parameter) -> None:
+        """``loss_parallel``: the last stage's copy holds tp rank t's rows of the vocabulary, the first stage's
+        embedding all of them (replicated over tp). Rank t's rows are added over the tie group, then the first
+        stage's tp ranks put their rows together (each its own, disjoint) into the whole gradient."""
+        grad = _local(tied.grad)
+        if tied is self._clone:
+            dist.all_reduce(grad, group=self._tie_group)
+            return
+        t = self.mesh.get_local_rank("tp")
+        rows = grad.chunk(self.tp)[t].clone()  # DTensor's Shard(0) cut: torch.chunk's
+        dist.all_reduce(rows, group=self._tie_group)
+        whole = torch.zeros_like(grad)
+        whole.chunk(self.tp)[t].copy_(rows)
+        dist.all_reduce(whole, group=self.mesh["tp"].get_group())
+        grad.copy_(whole)
+
+    def loss_context(self) -> AbstractContextManager:
+        """torch's ``loss_parallel`` (the logits split by vocabulary): around the schedule, whose last stage computes
+        each micro-batch's loss and its backward."""
+        if not self.loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def share_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The step's loss sum (known on the last stage) on every rank of the pipeline."""
+        if hasattr(loss_sum, "full_tensor"):  # loss_parallel's losses are DTensors (replicated over tp)
+            loss_sum = loss_sum.full_tensor()
         dist.broadcast(loss_sum, group_src=self._stage_rank(self.stages - 1), group=self.pp_group)
         return loss_sum
 
@@ -771,8 +809,12 @@ class PipelineStrategy(ReplicatedStrategy):
                     _send_tensor(x, holder, self.pp_group)
             if holder == self.pp_rank:
                 x = self.modules[self.indices.index(stage)](x)
-        # Under tensor parallelism every rank of the last stage holds the logits: the first of them answers.
-        answers = self._stage_rank(self.stages - 1) == self.pp_rank and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
+        # Under tensor parallelism every rank of the last stage holds the logits (split by vocabulary under
+        # loss_parallel: put together, every tp rank joins): the first of them answers.
+        last = self._stage_rank(self.stages - 1) == self.pp_rank
+        if last and hasattr(x, "full_tensor"):
+            x = x.full_tensor()
+        answers = last and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
         return x[:rows] if answers else None
 
 

@@ -350,6 +350,9 @@ VARIANTS = {  # id: (workers, overrides, the batch (the oracle's too))
     "tp2-pp2-zbv_zero_bubble-shm": (4, [*ZBV, "parallel.tp=2", SHM], []),
     "tp2-sp-pp2-interleaved_1f1b-shm": (4, ["parallel.pp=2", "parallel.pp_schedule='interleaved_1f1b'",
                                             "parallel.stages_per_rank=2", "parallel.tp=2", SHM, SP], []),
+    # loss_parallel inside the pipeline: the last stage's copy of the tied output layer split by vocabulary over tp,
+    # the loss on the logits' shards; the tie's gradients added row block by row block.
+    "tp2-pp2-1f1b-loss_parallel": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.loss_parallel=true"], []),
     # The pipelines' replicas averaged by ringtrain's ring (ddp's comm hook) or shared memory (manual); the control:
     # the backend's own all-reduce, where the ring is never reached.
     "ddp-dp2-pp2-1f1b-ring": (4, ["parallel.pp=2", "comm.algorithm='ring'"], []),
