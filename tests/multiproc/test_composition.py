@@ -429,6 +429,7 @@ LAYOUTS = {  # name: (workers, overrides, `ringtrain plan layouts`' model of it,
     "fsdp-dp4": (4, ["comm.strategy='fsdp'"], Layout(4, 1, 1, "fsdp")),
     "fsdp-dp2-tp2": (4, ["comm.strategy='fsdp'", "parallel.tp=2"], Layout(2, 2, 1, "fsdp")),
     "hsdp-dp4": (4, ["comm.strategy='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"], None),
+    "zero2-dp2-pp2": (4, ["comm.strategy='zero2'", "parallel.pp=2"], None),
 }
 SHAPE = ModelShape(layers=4, hidden=64, heads=2, seq=128, vocab=256)  # JOB's model
 CROSSINGS = [  # (form, saved by, resumed by): "train at tp2 x dp2, resume at dp4 or pp2, and back", both ways
@@ -437,7 +438,7 @@ CROSSINGS = [  # (form, saved by, resumed by): "train at tp2 x dp2, resume at dp
     ("sharded", "fsdp-dp2-tp2", "fsdp-dp2-tp2"), ("sharded", "fsdp-dp2-tp2", "fsdp-dp4"),
     ("sharded", "fsdp-dp2-tp2", "pp2"), ("sharded", "fsdp-dp2-tp2", "tp2-pp2"), ("sharded", "pp2", "tp2"),
     ("sharded", "pp2", "one"), ("sharded", "pp2", "pp2"), ("sharded", "one", "pp2-zbv"),
-    ("sharded", "hsdp-dp4", "fsdp-dp4"),
+    ("sharded", "hsdp-dp4", "fsdp-dp4"), ("full", "zero2-dp2-pp2", "one"),
 ]
 
 
