@@ -737,6 +737,8 @@ class PipelineStrategy(ReplicatedStrategy):
         model's optimizer has: the two are equal."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.zero is not None:
+            return self.zero.checkpoint_state(self._view(), optimizer, "head.weight" if self._clone is not None else None)
         model_sd, optim_sd = get_state_dict(self._view(), optimizer)
         if self._clone is not None:
             _rename(optim_sd, "head.weight", "token_embedding.weight")
@@ -750,6 +752,10 @@ class PipelineStrategy(ReplicatedStrategy):
                               load: Callable[[dict[str, Any]], None]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        if self.zero is not None:
+            self.zero.load_checkpoint_state(self._view(), optimizer, load, "head.weight" if self._clone is not None
+                                            else None, "token_embedding.weight")
+            return
         state = self.checkpoint_state(model, optimizer)
         load(state)
         if self.tp > 1:

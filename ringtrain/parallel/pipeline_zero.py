@@ -33,6 +33,7 @@ from torch import nn
 from ringtrain import comm
 from ringtrain.parallel.zero import ZeroDataParallel, ZeroStrategy
 from ringtrain.parallel.zero_flat import FlatUnit, full_optimizer_state, shard_optimizer, sharded_optimizer_state
+from ringtrain.parallel.zero_state import materialize_optimizer_state, settle_empty_runs, zero_checkpoint_state
 
 __all__ = ["StageZero"]
 
@@ -165,6 +166,32 @@ class StageZero:
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, local: dict[str, Any]) -> dict[str, Any]:
         """``full_optimizer_state``'s form cut to this rank's runs."""
         return sharded_optimizer_state(optimizer, self.units, [[id(p) for p in group] for group in self._params], local)
+
+    # --- sharded checkpoints -------------------------------------------------------------------------------
+    def checkpoint_state(self, view: nn.Module, optimizer: torch.optim.Optimizer, copy: str | None) -> dict[str, Any]:
+        """zero's DCP form (``zero_state``: each rank's stretches with global offsets) of the stages in ``view``
+        (named as the whole model). ``copy``: the name of the last stage's copy of the tied weight, whose optimizer
+        entry is left out: the first stage writes the weight's (equal, but cut by another unit's stretches)."""
+        state = zero_checkpoint_state(view, optimizer, self.units, self.wrappers[0].shard_of, full_model=False,
+                                       global_ranks=self._global_ranks())
+        if copy is not None:
+            state["optimizer"]["state"].pop(copy, None)
+        return state
+
+    def load_checkpoint_state(self, view: nn.Module, optimizer: torch.optim.Optimizer, load: Any,
+                              copy: str | None, tied: str) -> None:
+        """Read a sharded checkpoint into this rank's shards and optimizer state in place (the copy's optimizer
+        state from the tied weight's entry); zero1/2 read whole parameters."""
+        materialize_optimizer_state(optimizer)
+        state = zero_checkpoint_state(view, optimizer, self.units, self.wrappers[0].shard_of,
+                                      full_model=self.stage < 3, global_ranks=self._global_ranks())
+        if copy is not None and copy in state["optimizer"]["state"]:
+            state["optimizer"]["state"][tied] = state["optimizer"]["state"].pop(copy)
+        load(state)
+        settle_empty_runs(optimizer, self.units)
+
+    def _global_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.group)
 
     def state_tensors(self) -> Iterable[torch.Tensor]:
         for unit in self.units:

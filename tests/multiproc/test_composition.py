@@ -438,7 +438,7 @@ CROSSINGS = [  # (form, saved by, resumed by): "train at tp2 x dp2, resume at dp
     ("sharded", "fsdp-dp2-tp2", "fsdp-dp2-tp2"), ("sharded", "fsdp-dp2-tp2", "fsdp-dp4"),
     ("sharded", "fsdp-dp2-tp2", "pp2"), ("sharded", "fsdp-dp2-tp2", "tp2-pp2"), ("sharded", "pp2", "tp2"),
     ("sharded", "pp2", "one"), ("sharded", "pp2", "pp2"), ("sharded", "one", "pp2-zbv"),
-    ("sharded", "hsdp-dp4", "fsdp-dp4"), ("full", "zero2-dp2-pp2", "one"),
+    ("sharded", "hsdp-dp4", "fsdp-dp4"), ("full", "zero2-dp2-pp2", "one"), ("sharded", "zero2-dp2-pp2", "one"),
 ]
 
 
