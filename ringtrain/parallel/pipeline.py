@@ -234,6 +234,8 @@ class PipelineStrategy(ReplicatedStrategy):
         self.indices = stage_indices(self.pp_rank, self.pp, stages_per_rank, schedule)
         self.shard = shard and self.dp > 1
         """FSDP2 over mesh['dp'] on every stage (each replica holds 1/dp of its stages' state)."""
+        self.replicas = mesh["dp_replicate"].size() if self.shard and "dp_replicate" in mesh.mesh_dim_names else 1
+        """HSDP: FSDP2's replicas of each stage's shard groups (its 2-D mesh, dp_replicate x dp_shard)."""
         from ringtrain.parallel.pipeline_zero import StageZero
 
         self.zero = StageZero(zero, self.dp_group) if zero is not None and self.dp > 1 else None
@@ -241,7 +243,7 @@ class PipelineStrategy(ReplicatedStrategy):
         self.forward_is_collective = self.shard or (self.zero is not None and self.zero.stage == 3)
         """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
         activations, which ``forward`` arranges."""
-        self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else f"{zero.name}+pp" if self.zero else
+        self.name = ("pp" if self.dp == 1 else "hsdp+pp" if self.replicas > 1 else "fsdp+pp" if self.shard else f"{zero.name}+pp" if self.zero else
                      "ddp+pp") + ("+tp" if self.tp > 1 else "")
         self.comm_timer = zero.comm_timer if self.zero is not None else CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
@@ -345,6 +347,7 @@ class PipelineStrategy(ReplicatedStrategy):
         torch's stages know FSDP modules). Sharding makes new parameters: the tied copy is looked up again."""
         from torch.distributed.fsdp import fully_shard
 
+        mesh = self.mesh[("dp_replicate", "dp_shard")] if self.replicas > 1 else self.mesh["dp"]
         for module in self.modules:
             # A user's stage runs its own module: which of its submodules are called is its business, so it is one
             # FSDP2 unit (gathered whole for its forward and backward).
@@ -352,8 +355,8 @@ class PipelineStrategy(ReplicatedStrategy):
                       else () if isinstance(module, UserStage) else module.children())
             for block in blocks:
                 if any(True for _ in block.parameters()):
-                    fully_shard(block, mesh=self.mesh["dp"])
-            fully_shard(module, mesh=self.mesh["dp"])
+                    fully_shard(block, mesh=mesh)
+            fully_shard(module, mesh=mesh)
         self._relink_tied()
 
     def _user_stages(self, model: nn.Module, where: str) -> list[UserStage]:
@@ -490,6 +493,8 @@ class PipelineStrategy(ReplicatedStrategy):
             raise ConfigError(f"a pipeline's first stage takes one tensor, and this data's inputs are a "
                               f"{type(micro_batches[0][0]).__name__}; make each sample's input one tensor, or set pp = 1")
         rows = max(1, max(len(targets) for _, targets in micro_batches))
+        if self.forward_is_collective and self.dp > 1:
+            micro_batches, rows = self._agree_shapes(micro_batches, rows)
         inputs = [_pad_rows(x, rows) for x, _ in micro_batches]
         key = (tuple(inputs[0].shape), inputs[0].dtype, len(inputs))
         schedule = self._schedules.get(key) or self._build_schedule(key, loss_fn)
@@ -505,6 +510,28 @@ class PipelineStrategy(ReplicatedStrategy):
                           target_mbs=[t for _, t in micro_batches] if last else None,
                           return_outputs=False)
         return self._compute_s
+
+    def _agree_shapes(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      rows: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """FSDP2 or zero3 beside the pipeline gather parameters in every stage forward, the schedule's shape
+        inference included (a new micro-batch shape or count builds a new schedule): every data-parallel rank must
+        run the same forwards. So the ranks agree on the step's micro-batch count, rows and, for token ids, width
+        (each rank's share of ragged text is as wide as its own longest sequence): sequences padded on the right
+        (tokens 0, targets ignored: the causal model's earlier positions do not see them), micro-batches of
+        padding rows added (their loss is 0)."""
+        from ringtrain.data.text import IGNORE_INDEX
+
+        x0, t0 = micro_batches[0]
+        tokens = x0.dim() == 2 and t0.dim() == 2 and not x0.is_floating_point()
+        need = torch.tensor([len(micro_batches), rows, x0.shape[1] if tokens else 0], dtype=torch.int64,
+                            device=x0.device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.dp_group)
+        count, rows, width = need.tolist()
+        if tokens:
+            micro_batches = [(nn.functional.pad(x, (0, width - x.shape[1])),
+                              nn.functional.pad(t, (0, width - t.shape[1]), value=IGNORE_INDEX)) for x, t in micro_batches]
+        x0, t0 = micro_batches[0]
+        return micro_batches + [(x0[:0], t0[:0])] * (count - len(micro_batches)), rows
 
     def _build_schedule(self, key: tuple, loss_fn: Callable) -> Any:
         import torch.distributed.pipelining as pipelining
@@ -643,7 +670,7 @@ class PipelineStrategy(ReplicatedStrategy):
             squares += _local(grad).double().pow(2).sum() / _copies(grad)
         # Replicas hold the same gradients (the pipeline's ranks); shards hold parts of them (every rank).
         if self.tp == 1:
-            dist.all_reduce(squares, group=None if self.shard else self.pp_group)
+            dist.all_reduce(squares, group=None if self.shard else self.pp_group)  # (HSDP's replicas: _copies)
         else:  # the pipeline's and its tensor-parallel ranks: every rank, each replica's sum once
             dist.all_reduce(squares)
             squares /= 1 if self.shard else self.dp

@@ -335,6 +335,21 @@ def test_the_table_is_every_layout_the_config_accepts():
     assert len(CELLS) == 48 and len(REFUSED) == 25
 
 
+def test_hsdp_beside_a_pipeline_trains_as_one_worker():
+    """HSDP (dp_replicate 2 x dp_shard 2) beside pp 2 under 1F1B: 8 ranks, above the table's 4. Each stage sharded
+    over its shard group, the groups' gradients all-reduced, the clip's norm counted once per replica."""
+    run = train("hsdp-dp4-pp2-1f1b", 8, [*SGD, *Cell("hsdp", 4, pp=2).overrides()])
+    reference = oracle(tuple(SGD))
+    assert run.summary["world_size"] == 8
+    assert_same_run(run, reference)
+    for rank, result in enumerate(run.ranks):
+        assert result["norms"] == pytest.approx(reference.ranks[0]["norms"], rel=RTOL), f"rank {rank}'s gradient norms"
+    # Each rank holds its shard group's half of its stage's state (the replicas hold the same shards): what FSDP2 over
+    # 2 ranks beside the pipeline holds (the table's cell, cached), not the quarter of FSDP2 over all 4.
+    halves = cell_run(Cell("fsdp", 2, pp=2)).summary["model_state_mb"]
+    assert run.summary["model_state_mb"] == pytest.approx(halves, rel=0.1)
+
+
 # --- the layouts' options, beside the table: same oracle, one run each ------------------------------------------
 BLOCKS = 4  # JOB's model.n_layers
 SHM, SP = "parallel.tp_algorithm='shm'", "parallel.sequence_parallel=true"
