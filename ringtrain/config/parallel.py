@@ -189,8 +189,8 @@ def check_loss_parallel(config: Config, degrees: dict[str, int]) -> None:
                           "would split too; use '1f1b' or 'interleaved_1f1b', or leave loss_parallel unset")
     if pp > 1 and degrees["dp_shard"] > 1:
         raise ConfigError(f"{where} with pp = {pp} and dp_shard = {degrees['dp_shard']}: FSDP2 would shard the first "
-                          "stage's embedding and the last stage's vocabulary-split copy of it by different rows, so the "
-                          "tie's two gradients cannot be added shard by shard; use comm.strategy = 'ddp', or leave "
+                          "stage's embedding and the last stage's vocabulary-split copy of it by different rows, so "
+                          "the tie's two gradients cannot be added shard by shard; use comm.strategy = 'ddp', or leave "
                           "loss_parallel unset")
     if pp == 1 and config.model.factory is None:
         raise ConfigError(f"{where}: the built-in '{config.model.name}' model's output layer is its token embedding "
@@ -229,22 +229,23 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
                           f"model.name = '{model.name}'; set pp = 1")
     spec = strategy_spec(strategy)
     if spec.owner == "dp_shard" and degrees["dp_replicate"] > 1 and degrees["tp"] > 1:
-        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']}, tp = {degrees['tp']} and comm.strategy "
-                          "= 'fsdp': replicas of sharded tensor-parallel pipeline stages (HSDP x tp x pp) are not "
-                          "composed yet (issue 40); set dp_replicate = 1 (FSDP2 over every pipeline), tp = 1, or "
-                          "comm.strategy = 'ddp'")
+        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']}, tp = {degrees['tp']} and "
+                          "comm.strategy = 'fsdp': replicas of sharded tensor-parallel pipeline stages "
+                          "(HSDP x tp x pp) are not composed yet (issue 40); set dp_replicate = 1 (FSDP2 over every "
+                          "pipeline), tp = 1, or comm.strategy = 'ddp'")
     if "pp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
                           "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "
                           "'manual') or shard its stages ('zero1'-'zero3', 'fsdp'); 'diloco' beside a pipeline is "
                           "not built yet (issue 23); set comm.strategy = 'ddp' or 'fsdp'")
     if spec.owner == "dp_shard" and "tp" not in spec.beside and degrees["tp"] > 1:
-        raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': ringtrain's ZeRO shards "
-                          "flat buffers of plain tensors, and tensor parallelism makes the stages' parameters DTensors; "
+        raise ConfigError(f"{where} with tp = {degrees['tp']} and comm.strategy = '{strategy}': ringtrain's ZeRO "
+                          "shards flat buffers of plain tensors, and tensor parallelism makes the stages' parameters "
+                          "DTensors; "
                           "set comm.strategy = 'fsdp' (FSDP2 shards DTensors), or tp = 1")
     if spec.owner == "dp_shard" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
-        raise ConfigError(f"{where} with comm.strategy = '{strategy}' and pp_schedule = 'zbv_zero_bubble': the V puts the "
-                          "first and last stages on one rank, where they share the tied embedding, which cannot be "
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}' and pp_schedule = 'zbv_zero_bubble': the V puts "
+                          "the first and last stages on one rank, where they share the tied embedding, which cannot be "
                           "sharded in two modules; use '1f1b' or 'interleaved_1f1b', or comm.strategy = 'ddp'")
     if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         microbatches = parallel.pp_microbatches or pp * parallel.stages_per_rank

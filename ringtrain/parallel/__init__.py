@@ -114,7 +114,8 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         # the pipeline's own.
         zero = spec.build(config, device) if "stage" in spec.options else None
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
-                                stages_per_rank=parallel.stages_per_rank, shard=spec.owner == "dp_shard" and zero is None,
+                                stages_per_rank=parallel.stages_per_rank,
+                                shard=spec.owner == "dp_shard" and zero is None,
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
                                 sequence_parallel=parallel.sequence_parallel, split=pp_split, zero=zero,
                                 loss_parallel=parallel.loss_parallel)

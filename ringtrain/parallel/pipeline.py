@@ -36,8 +36,10 @@ stages is split over ``mesh['tp']`` (``tensor.parallelize_stage``) before FSDP2,
 
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
 user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not), ddp, manual,
-zero1-3 (each stage wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp) or FSDP2 beside it,
-no --heal, no automatic micro-batch shrinking. Every rank builds the whole
+zero1-3 (each stage wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp) or FSDP2 beside it
+(HSDP too, without tp: FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``; under FSDP2 and zero3 the dp ranks agree on
+each step's micro-batch shapes, ``_agree_shapes``), loss_parallel with tp (the last stage's own copy of the tied
+output layer split by vocabulary; not under zbv or FSDP2), no --heal, no automatic micro-batch shrinking. Every rank builds the whole
 model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
 
@@ -243,8 +245,9 @@ class PipelineStrategy(ReplicatedStrategy):
         self.forward_is_collective = self.shard or (self.zero is not None and self.zero.stage == 3)
         """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
         activations, which ``forward`` arranges."""
-        self.name = ("pp" if self.dp == 1 else "hsdp+pp" if self.replicas > 1 else "fsdp+pp" if self.shard else f"{zero.name}+pp" if self.zero else
-                     "ddp+pp") + ("+tp" if self.tp > 1 else "")
+        data = ("" if self.dp == 1 else "hsdp+" if self.replicas > 1 else "fsdp+" if self.shard
+                else f"{zero.name}+" if self.zero else "ddp+")
+        self.name = f"{data}pp" + ("+tp" if self.tp > 1 else "")
         self.comm_timer = zero.comm_timer if self.zero is not None else CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
         self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
@@ -285,8 +288,8 @@ class PipelineStrategy(ReplicatedStrategy):
         self._parameter_names = [name for name, _ in model.named_parameters()]  # the tied weight once
         self._tied = isinstance(model, TransformerLM) and self.split is None
         if (self.shard or self.zero) and self._tied and 0 in self.indices and self.stages - 1 in self.indices:
-            raise ConfigError(f"{where} with a sharding comm.strategy and pp_schedule = '{self.schedule}': the first and "
-                              "last stages on one rank share the tied embedding, which cannot be sharded in two "
+            raise ConfigError(f"{where} with a sharding comm.strategy and pp_schedule = '{self.schedule}': the first "
+                              "and last stages on one rank share the tied embedding, which cannot be sharded in two "
                               "modules; use another schedule (1f1b, interleaved_1f1b), or comm.strategy = 'ddp'")
         if self._tied:
             head = None
@@ -325,9 +328,10 @@ class PipelineStrategy(ReplicatedStrategy):
             raise ConfigError(f"[parallel] tp = {self.tp} does not divide model.n_heads ({self._full.n_heads}): each "
                               f"rank computes whole heads; set n_heads to a multiple of {self.tp}")
         if self.loss_parallel and not (self._tied and self._stage_rank(0) != self._stage_rank(self.stages - 1)):
-            raise ConfigError(f"{where} with loss_parallel = true: the vocabulary split is of the last stage's own copy "
-                              "of the built-in transformer's tied output layer, which a rank holding the first stage too "
-                              "does not have; use pp_schedule = '1f1b' or 'interleaved_1f1b', or leave loss_parallel unset")
+            raise ConfigError(f"{where} with loss_parallel = true: the vocabulary split is of the last stage's own "
+                              "copy of the built-in transformer's tied output layer, which a rank holding the first "
+                              "stage too does not have; use pp_schedule = '1f1b' or 'interleaved_1f1b', or leave "
+                              "loss_parallel unset")
         replicated: dict[int, nn.Parameter] = {}
         for module in self.modules:
             parallelize_stage(module, self.mesh["tp"], replicated, self.sequence_parallel,
