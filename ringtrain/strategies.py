@@ -117,7 +117,7 @@ for _stage in (1, 2, 3):
     register(StrategySpec(
         f"zero{_stage}", "ringtrain.parallel.zero:from_config", "dp_shard",
         f"ZeRO stage {_stage}: {('optimizer state', 'optimizer state and gradients', 'optimizer state, gradients and parameters')[_stage - 1]} sharded",
-        algorithms=_OWN, beside=frozenset({"tp", "cp"}), heals=True, reloads=True, module_is_users=_stage < 3,
+        algorithms=_OWN, beside=frozenset({"tp", "cp", "pp"}), heals=True, reloads=True, module_is_users=_stage < 3,
         gathers_in_forward=_stage == 3, comm_volume=1.5 if _stage == 3 else 1.0,
         default_bucket_mb=4.0 if _stage < 3 else 25.0, options={"stage": _stage}))
 register(StrategySpec(

@@ -313,6 +313,9 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
     # norm under tp) spans the replicas, which step on their own.
     if spec.replicas_are_model_groups and dp > 1 and sum(d > 1 for d in (tp, pp, cp)) > 1:
         return False
+    # ringtrain's ZeRO wraps a pipeline's stages over the dp ranks only: not beside tp's DTensors or cp's shares.
+    if "stage" in spec.options and pp > 1 and (tp > 1 or cp > 1):
+        return False
     if dp * cp == 1:
         return True
     # tp inside pipeline stages runs beside what the pipeline runs beside (its own gradient average).

@@ -79,12 +79,13 @@ class ParallelConfig(Section):
     """With tp > 1 and a model whose output layer is its own (a Hugging Face Llama-style model built from a
     config: ``lm_head`` not tied to the embeddings), that layer is split by vocabulary over the tp ranks and the
     cross-entropy is computed on the logits' shards (torch's ``loss_parallel``): the whole logits are never
-    gathered. Needs loss 'cross_entropy'."""
+    gathered. Inside a pipeline (pp > 1, the built-in transformer) the last stage's own copy of the tied output
+    layer is the one split (not under pp_schedule 'zbv_zero_bubble' or FSDP2). Needs loss 'cross_entropy'."""
 
     pp: int = 1
     """Pipeline-parallel degree, the ranks a model's stages are spread over (-1: the rest): the built-in
     transformer's blocks in pp x stages_per_rank stages, its pipelines replicated over the other ranks
-    (comm.strategy = 'ddp')."""
+    (comm.strategy = 'ddp' or 'manual') or its stages sharded over them ('zero1'-'zero3', 'fsdp')."""
 
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining's): 'gpipe' and '1f1b' run one stage per rank;
@@ -170,16 +171,24 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 
 def check_loss_parallel(config: Config, degrees: dict[str, int]) -> None:
-    """``loss_parallel``: tensor parallelism without a pipeline, a model of the user's own (its output layer
-    untied: checked when it is split), the cross-entropy loss."""
+    """``loss_parallel``: tensor parallelism, a model of the user's own (its output layer untied: checked when it
+    is split) or, inside a pipeline, the built-in transformer (its last stage holds its own copy of the tied output
+    layer when the first stage is on another rank), the cross-entropy loss."""
     where = "[parallel] loss_parallel = true"
     if degrees["tp"] == 1:
         raise ConfigError(f"{where} with tp = 1: the output layer is split over the tensor-parallel ranks; set tp to 2 "
                           "or more, or leave loss_parallel unset")
-    if degrees["pp"] > 1:
-        raise ConfigError(f"{where} with pp = {degrees['pp']}: a vocabulary-split output layer inside a pipeline stage "
-                          "is not built yet (issue 23); leave loss_parallel unset")
-    if config.model.factory is None:
+    pp, schedule = degrees["pp"], config.parallel.pp_schedule
+    if pp > 1 and schedule == "zbv_zero_bubble":
+        raise ConfigError(f"{where} with pp_schedule = 'zbv_zero_bubble': the V puts the first and last stages on one "
+                          "rank, where the output layer is the token embedding itself (tied), which a vocabulary split "
+                          "would split too; use '1f1b' or 'interleaved_1f1b', or leave loss_parallel unset")
+    if pp > 1 and degrees["dp_shard"] > 1:
+        raise ConfigError(f"{where} with pp = {pp} and dp_shard = {degrees['dp_shard']}: FSDP2 would shard the first "
+                          "stage's embedding and the last stage's vocabulary-split copy of it by different rows, so "
+                          "the tie's two gradients cannot be added shard by shard; use comm.strategy = 'ddp', or leave "
+                          "loss_parallel unset")
+    if pp == 1 and config.model.factory is None:
         raise ConfigError(f"{where}: the built-in '{config.model.name}' model's output layer is its token embedding "
                           "(tied), which a vocabulary split would split too; leave loss_parallel unset (it is built "
                           "for models whose output layer is their own, such as a Hugging Face Llama)")
@@ -202,9 +211,9 @@ def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> Non
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if strategy_spec(config.comm.strategy).replicas_are_model_groups and dp > 1:
-        raise ConfigError(f"{where} and {dp} DiLoCo replicas: not built yet (the pipeline's clip norm under tp adds "
+        raise ConfigError(f"{where} and {dp} DiLoCo replicas: the pipeline's clip norm under tp adds "
                           "every rank's squares over the replicas, which holds where they share one gradient, not "
-                          "where each DiLoCo replica holds its own); set tp = 1 or pp = 1")
+                          "where each DiLoCo replica holds its own; set tp = 1 or pp = 1")
 
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
@@ -220,20 +229,26 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
                           f"or a model of your own that is an nn.Sequential (model.factory, fit) into stages, not "
                           f"model.name = '{model.name}'; set pp = 1")
     spec = strategy_spec(strategy)
-    if spec.owner == "dp_shard" and degrees["dp_replicate"] > 1:
-        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']} and comm.strategy = 'fsdp': replicas "
-                          "of sharded pipeline stages (HSDP beside a pipeline) are not built yet (issue 23); set "
-                          "dp_replicate = 1 (FSDP2 over every pipeline) or comm.strategy = 'ddp'")
+    if spec.owner == "dp_shard" and degrees["dp_replicate"] > 1 and degrees["tp"] > 1:
+        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']}, tp = {degrees['tp']} and "
+                          "comm.strategy = 'fsdp': replicas of sharded tensor-parallel pipeline stages "
+                          "(HSDP x tp x pp) are not composed yet (issue 40); set dp_replicate = 1 (FSDP2 over every "
+                          "pipeline), tp = 1, or comm.strategy = 'ddp'")
     if "pp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
                           "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "
-                          "'manual') or shard its stages (FSDP2, 'fsdp'), or DiLoCo's replicas are whole pipelines "
-                          "('diloco'); zero1/2/3 beside a pipeline are not built yet (issue 23); set comm.strategy = "
-                          "'ddp' or 'fsdp'")
+                          "'manual') or shard its stages ('zero1'-'zero3', 'fsdp'), or DiLoCo's replicas are whole "
+                          f"pipelines ('diloco'), not {spec.summary}; set comm.strategy = 'ddp' or 'fsdp'")
+    if "stage" in spec.options and (degrees["tp"] > 1 or degrees["cp"] > 1):
+        split = " and ".join(f"{d} = {degrees[d]}" for d in ("tp", "cp") if degrees[d] > 1)
+        raise ConfigError(f"{where} with {split} and comm.strategy = '{strategy}': ringtrain's ZeRO wraps each stage "
+                          "over the data-parallel ranks only (its flat buffers of plain tensors, beside tp's DTensors "
+                          "and cp's tokens' shares, are not composed); set comm.strategy = 'fsdp' (FSDP2 shards "
+                          "DTensors over dp x cp), or tp = 1 and cp = 1")
     if spec.owner == "dp_shard" and parallel.pp_schedule == "zbv_zero_bubble" and model.factory is None:
-        raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first "
-                          "and last stages on one rank, where they share the tied embedding, which FSDP2 cannot shard "
-                          "in two modules; use '1f1b' or 'interleaved_1f1b', or comm.strategy = 'ddp'")
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}' and pp_schedule = 'zbv_zero_bubble': the V puts "
+                          "the first and last stages on one rank, where they share the tied embedding, which cannot be "
+                          "sharded in two modules; use '1f1b' or 'interleaved_1f1b', or comm.strategy = 'ddp'")
     if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         microbatches = parallel.pp_microbatches or pp * parallel.stages_per_rank
         if microbatches % pp:

@@ -120,10 +120,15 @@ def build_strategy(config: CommConfig, device: torch.device, diloco: DiLoCoConfi
         # outer loop over the dp ranks is attached to the parts the split model's strategy makes (its wrap).
         outer_loop = spec.build(config, device, diloco=diloco, heal=heal).outer_loop
     if layout.pp > 1:
+        # ringtrain's ZeRO (a spec with a stage) wraps each stage; FSDP2 shards them; the replicas' all-reduce is
+        # the pipeline's own.
+        zero = spec.build(config, device) if "stage" in spec.options else None
         return PipelineStrategy(device, mesh, schedule=parallel.pp_schedule, microbatches=parallel.pp_microbatches,
-                                stages_per_rank=parallel.stages_per_rank, shard=spec.owner == "dp_shard",
+                                stages_per_rank=parallel.stages_per_rank,
+                                shard=spec.owner == "dp_shard" and zero is None,
                                 algorithm=config.algorithm, chunk_kb=config.chunk_kb,
-                                sequence_parallel=parallel.sequence_parallel, split=pp_split, outer_loop=outer_loop)
+                                sequence_parallel=parallel.sequence_parallel, split=pp_split, outer_loop=outer_loop,
+                                zero=zero, loss_parallel=parallel.loss_parallel)
     if layout.tp > 1:
         # The gradients are averaged over the dp ranks, or beside context parallelism over the dp x cp ranks (the cp
         # ranks' shares). FSDP2 takes the split model's DTensors (ddp's whole replicas: its replicate dimension, on

@@ -40,8 +40,12 @@ stages pass the chunks on, the last gathers the logits; the gradients are averag
 
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
 user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not; cp: the built-in
-transformer, beside tp too: cp splits the sequence first, sp each cp part), ddp or
-FSDP2 beside it, no --heal, no automatic micro-batch shrinking. Every rank builds the whole
+transformer, beside tp too: cp splits the sequence first, sp each cp part), ddp, manual, zero1-3 (each stage
+wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp or cp) or FSDP2 beside it (HSDP too,
+without tp or cp: FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``; under FSDP2 and zero3 the dp ranks agree on each
+step's micro-batch shapes, ``_agree_shapes``), DiLoCo's replicas of whole pipelines, loss_parallel with tp (the last
+stage's own copy of the tied output layer split by vocabulary; not under zbv or FSDP2), no --heal, no automatic
+micro-batch shrinking. Every rank builds the whole
 model, keeps its stages and moves the rest to the meta device (shapes without memory).
 """
 
@@ -246,7 +250,7 @@ class PipelineStrategy(ReplicatedStrategy):
     def __init__(self, device: torch.device, mesh: Any, schedule: str = "1f1b", microbatches: int | None = None,
                  stages_per_rank: int = 1, shard: bool = False, algorithm: str = "torch", chunk_kb: int | None = None,
                  sequence_parallel: bool = False, split: Callable[[nn.Module, int], list[nn.Module]] | None = None,
-                 outer_loop: OuterLoop = NO_OUTER_LOOP):
+                 outer_loop: OuterLoop = NO_OUTER_LOOP, zero: Any = None, loss_parallel: bool = False):
         self.device = device
         self.outer_loop = outer_loop
         """DiLoCo's beside pp: a replica is a pipeline, the replicas kept together by outer steps over dp (their
@@ -270,6 +274,9 @@ class PipelineStrategy(ReplicatedStrategy):
         tokens' share: the step scales the loss by dp x cp, ``DistContext.gradient_ranks``, so the average over dp x
         cp is the sum over cp and the mean over dp)."""
         self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.loss_parallel = loss_parallel and self.tp > 1
+        """The last stage's own copy of the tied output layer split by vocabulary over tp, the loss computed on the
+        logits' shards (torch's ``loss_parallel`` around the schedule)."""
         """The stages' residual stream split by sequence over tp (and passed between stages so)."""
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.pp_rank = mesh.get_local_rank("pp")
@@ -283,12 +290,19 @@ class PipelineStrategy(ReplicatedStrategy):
         self.indices = stage_indices(self.pp_rank, self.pp, stages_per_rank, schedule)
         self.shard = shard and self.dp > 1
         """FSDP2 over mesh['dp'] on every stage (each replica holds 1/dp of its stages' state)."""
-        self.forward_is_collective = self.shard
+        self.replicas = mesh["dp_replicate"].size() if self.shard and "dp_replicate" in mesh.mesh_dim_names else 1
+        """HSDP: FSDP2's replicas of each stage's shard groups (its 2-D mesh, dp_replicate x dp_shard)."""
+        from ringtrain.parallel.pipeline_zero import StageZero
+
+        self.zero = StageZero(zero, self.dp_group) if zero is not None and self.dp > 1 else None
+        """The registry's zero strategy on every stage over mesh['dp'] (``pipeline_zero.py``)."""
+        self.forward_is_collective = self.shard or (self.zero is not None and self.zero.stage == 3)
         """Across the replicas (FSDP2 gathers each block's parameters); a pipeline's own ranks always pass
         activations, which ``forward`` arranges."""
-        self.name = ("pp" if self.dp == 1 else "fsdp+pp" if self.shard else "diloco+pp" if outer_loop.syncs_replicas
-                     else "ddp+pp") + ("+tp" if self.tp > 1 else "") + ("+cp" if self.cp > 1 else "")
-        self.comm_timer = CommTimer()
+        data = ("" if self.dp == 1 else "hsdp+" if self.replicas > 1 else "fsdp+" if self.shard
+                else f"{zero.name}+" if self.zero else "diloco+" if outer_loop.syncs_replicas else "ddp+")
+        self.name = f"{data}pp" + ("+tp" if self.tp > 1 else "") + ("+cp" if self.cp > 1 else "")
+        self.comm_timer = zero.comm_timer if self.zero is not None else CommTimer()
         """The pipeline's sends and receives are not hook-timed: they are the step's ``pipeline_wait`` phase."""
         self._waits = CollectiveWaits(mesh["tp"].get_group()) if self.tp > 1 else None
         """The split layers' collectives under tp (their ``tp_comm`` phase)."""
@@ -331,9 +345,9 @@ class PipelineStrategy(ReplicatedStrategy):
         self._full = model
         self._parameter_names = [name for name, _ in model.named_parameters()]  # the tied weight once
         self._tied = isinstance(model, TransformerLM) and self.split is None
-        if self.shard and self._tied and 0 in self.indices and self.stages - 1 in self.indices:
-            raise ConfigError(f"{where} with comm.strategy = 'fsdp' and pp_schedule = '{self.schedule}': the first and "
-                              "last stages on one rank share the tied embedding, which FSDP2 cannot shard in two "
+        if (self.shard or self.zero) and self._tied and 0 in self.indices and self.stages - 1 in self.indices:
+            raise ConfigError(f"{where} with a sharding comm.strategy and pp_schedule = '{self.schedule}': the first "
+                              "and last stages on one rank share the tied embedding, which cannot be sharded in two "
                               "modules; use another schedule (1f1b, interleaved_1f1b), or comm.strategy = 'ddp'")
         if self._tied:
             head = None
@@ -353,9 +367,11 @@ class PipelineStrategy(ReplicatedStrategy):
             self._split_stages(where)
         if self.shard:
             self._fully_shard()
+        self._runs = self.zero.wrap(self.modules) if self.zero is not None else self.modules
+        """What the schedule runs, one a stage: the stages, or their zero wrappers."""
         if self.tp > 1:
             self._waits.install()
-        stages = nn.ModuleList(self.modules)
+        stages = nn.ModuleList(self._runs)
         self.outer_loop.attach(stages, self._own_parameters(), self.dp_group)
         return stages
 
@@ -371,9 +387,15 @@ class PipelineStrategy(ReplicatedStrategy):
         if self._full.n_heads % self.tp:
             raise ConfigError(f"[parallel] tp = {self.tp} does not divide model.n_heads ({self._full.n_heads}): each "
                               f"rank computes whole heads; set n_heads to a multiple of {self.tp}")
+        if self.loss_parallel and not (self._tied and self._stage_rank(0) != self._stage_rank(self.stages - 1)):
+            raise ConfigError(f"{where} with loss_parallel = true: the vocabulary split is of the last stage's own "
+                              "copy of the built-in transformer's tied output layer, which a rank holding the first "
+                              "stage too does not have; use pp_schedule = '1f1b' or 'interleaved_1f1b', or leave "
+                              "loss_parallel unset")
         replicated: dict[int, nn.Parameter] = {}
         for module in self.modules:
-            parallelize_stage(module, self.mesh["tp"], replicated, self.sequence_parallel)
+            parallelize_stage(module, self.mesh["tp"], replicated, self.sequence_parallel,
+                              vocabulary_split=self.loss_parallel and module.is_last)
         self._relink_tied()
 
     def _relink_tied(self) -> None:
@@ -390,7 +412,10 @@ class PipelineStrategy(ReplicatedStrategy):
         FSDP modules). Sharding makes new parameters: the tied copy is looked up again."""
         from torch.distributed.fsdp import fully_shard
 
-        mesh = self.mesh["dp_cp"] if self.cp > 1 else self.mesh["dp"]
+        if self.replicas > 1:
+            mesh = self.mesh[("dp_replicate", "dp_shard")]
+        else:
+            mesh = self.mesh["dp_cp"] if self.cp > 1 else self.mesh["dp"]
         for module in self.modules:
             # A user's stage runs its own module: which of its submodules are called is its business, so it is one
             # FSDP2 unit (gathered whole for its forward and backward).
@@ -506,7 +531,11 @@ class PipelineStrategy(ReplicatedStrategy):
             if self._clone is not None and any(names[id(p)] == "token_embedding.weight" for p in group["params"]):
                 kept.append(self._clone)
             group["params"] = kept
-        return optimizer
+        return self.zero.shard_optimizer(optimizer) if self.zero is not None else optimizer
+
+    def take_step_comm_s(self) -> float:
+        """zero1/2's all-gather of the stepped shards (0 for the other data-parallel strategies)."""
+        return self.zero.take_step_comm_s() if self.zero is not None else 0.0
 
     def collective_wait_s(self) -> float:
         """Seconds this rank spent in the split layers' collectives since the last call (tp > 1; 0 without):
@@ -533,6 +562,8 @@ class PipelineStrategy(ReplicatedStrategy):
             raise ConfigError(f"a pipeline's first stage takes one tensor, and this data's inputs are a "
                               f"{type(micro_batches[0][0]).__name__}; make each sample's input one tensor, or set pp = 1")
         rows = max(1, max(len(targets) for _, targets in micro_batches))
+        if self.forward_is_collective and self.dp > 1:
+            micro_batches, rows = self._agree_shapes(micro_batches, rows)
         inputs = [_pad_rows(x, rows) for x, _ in micro_batches]
         if self.context is not None:  # the whole sequences' length, which the last stage's gathered logits keep
             self.context.length = inputs[0].shape[1]
@@ -544,21 +575,43 @@ class PipelineStrategy(ReplicatedStrategy):
         first = 0 in self.indices
         last = self.stages - 1 in self.indices
         self._compute_s = 0.0
-        with autocast():
+        with autocast(), self.loss_context():
             schedule.step(arg_mbs=[(x,) for x in inputs] if first else None,
                           kwarg_mbs=[{} for _ in inputs] if first else None,
                           target_mbs=[t for _, t in micro_batches] if last else None,
                           return_outputs=False)
         return self._compute_s
 
+    def _agree_shapes(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      rows: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """FSDP2 or zero3 beside the pipeline gather parameters in every stage forward, the schedule's shape
+        inference included (a new micro-batch shape or count builds a new schedule): every data-parallel rank must
+        run the same forwards. So the ranks agree on the step's micro-batch count, rows and, for token ids, width
+        (each rank's share of ragged text is as wide as its own longest sequence): sequences padded on the right
+        (tokens 0, targets ignored: the causal model's earlier positions do not see them), micro-batches of
+        padding rows added (their loss is 0)."""
+        from ringtrain.data.text import IGNORE_INDEX
+
+        x0, t0 = micro_batches[0]
+        tokens = x0.dim() == 2 and t0.dim() == 2 and not x0.is_floating_point()
+        need = torch.tensor([len(micro_batches), rows, x0.shape[1] if tokens else 0], dtype=torch.int64,
+                            device=x0.device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.dp_group)
+        count, rows, width = need.tolist()
+        if tokens:
+            micro_batches = [(nn.functional.pad(x, (0, width - x.shape[1])),
+                              nn.functional.pad(t, (0, width - t.shape[1]), value=IGNORE_INDEX)) for x, t in micro_batches]
+        x0, t0 = micro_batches[0]
+        return micro_batches + [(x0[:0], t0[:0])] * (count - len(micro_batches)), rows
+
     def _build_schedule(self, key: tuple, loss_fn: Callable) -> Any:
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
 
-        stages = [PipelineStage(module, module.index, self.stages, self.device, group=self.pp_group)
-                  for module in self.modules]
-        for stage in stages:
-            self._time_chunks(stage)
+        stages = [PipelineStage(run, module.index, self.stages, self.device, group=self.pp_group)
+                  for run, module in zip(self._runs, self.modules)]
+        for stage, run in zip(stages, self._runs):
+            self._time_chunks(stage, run)
         cls = getattr(pipelining, SCHEDULES[self.schedule])
         count = key[-1]
         if self.schedule in _MULTI:
@@ -572,18 +625,25 @@ class PipelineStrategy(ReplicatedStrategy):
         self._schedules[key] = schedule
         return schedule
 
-    def _time_chunks(self, stage: Any) -> None:
+    def _time_chunks(self, stage: Any, run: nn.Module) -> None:
         """Count the seconds the stage computes (its forward, input-gradient and weight-gradient chunks); the
-        schedule's sends and receives run between them."""
+        schedule's sends and receives run between them. Under zero each backward is told whether it is the stage's
+        last of the step (zero1 reduces then)."""
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             method = getattr(stage, name)
 
-            def timed(*args, _method=method, **kwargs):
+            def timed(*args, _method=method, _name=name, **kwargs):
+                backward = self.zero is not None and _name == "backward_one_chunk"
+                last = backward and kwargs.get("last_backward", False)
+                if backward:
+                    self.zero.before_backward(run, last)
                 start = time.perf_counter()
                 try:
                     return _method(*args, **kwargs)
                 finally:
                     self._compute_s += time.perf_counter() - start
+                    if backward:
+                        self.zero.after_backward(run, last)
 
             setattr(stage, name, timed)
 
@@ -592,12 +652,20 @@ class PipelineStrategy(ReplicatedStrategy):
         data-parallel replicas. Returns the seconds it took (exposed communication)."""
         start = time.perf_counter()
         params = self._own_parameters()
+        if self.zero is not None:  # the replicas' sums were zero's reduce-scatters, in the schedule's backwards
+            if self._tie_group is not None:
+                self.zero.sum_tied(self._clone if self._clone is not None else self._full.token_embedding.weight,
+                                   self._tie_group)
+            return time.perf_counter() - start
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         if self._tie_group is not None:
             tied = self._clone if self._clone is not None else self._full.token_embedding.weight
-            dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
+            if self.loss_parallel:
+                self._sum_vocabulary_split_tie(tied)
+            else:
+                dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
         # (FSDP2 reduce-scattered them in the schedule's last backward; DiLoCo's replicas step on their own.)
         if self.grad_ranks > 1 and not self.shard and not self.outer_loop.syncs_replicas:
             grads = [_local(p.grad) for p in params]  # (with tp: each rank its slice, like its replicas')
@@ -613,8 +681,35 @@ class PipelineStrategy(ReplicatedStrategy):
                 offset += grad.numel()
         return time.perf_counter() - start
 
+    def _sum_vocabulary_split_tie(self, tied: nn.Parameter) -> None:
+        """``loss_parallel``: the last stage's copy holds tp rank t's rows of the vocabulary, the first stage's
+        embedding all of them (replicated over tp). Rank t's rows are added over the tie group, then the first
+        stage's tp ranks put their rows together (each its own, disjoint) into the whole gradient."""
+        grad = _local(tied.grad)
+        if tied is self._clone:
+            dist.all_reduce(grad, group=self._tie_group)
+            return
+        t = self.mesh.get_local_rank("tp")
+        rows = grad.chunk(self.tp)[t].clone()  # DTensor's Shard(0) cut: torch.chunk's
+        dist.all_reduce(rows, group=self._tie_group)
+        whole = torch.zeros_like(grad)
+        whole.chunk(self.tp)[t].copy_(rows)
+        dist.all_reduce(whole, group=self.mesh["tp"].get_group())
+        grad.copy_(whole)
+
+    def loss_context(self) -> AbstractContextManager:
+        """torch's ``loss_parallel`` (the logits split by vocabulary): around the schedule, whose last stage computes
+        each micro-batch's loss and its backward."""
+        if not self.loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def share_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The step's loss sum (known on the last stage) on every rank of the pipeline."""
+        if hasattr(loss_sum, "full_tensor"):  # loss_parallel's losses are DTensors (replicated over tp)
+            loss_sum = loss_sum.full_tensor()
         dist.broadcast(loss_sum, group_src=self._stage_rank(self.stages - 1), group=self.pp_group)
         return loss_sum
 
@@ -626,13 +721,19 @@ class PipelineStrategy(ReplicatedStrategy):
         return self._full if self._full is not None else model
 
     def gradient_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        return self._own_parameters()
+        return self.zero.gradient_parameters(optimizer) if self.zero is not None else self._own_parameters()
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The whole model's gradient norm: each rank's squares (the tied weight counted on the first stage
         only), summed over the pipeline (replicas hold the same gradients). A gradient that is a DTensor
         replicated over some mesh dimensions (tensor parallelism's whole layers) is counted once: its squares
         divided by the ranks holding the same copy."""
+        if self.zero is not None:  # each rank's shards of its stages (the tied copy's stretch left out), over all
+            squares = self.zero.squares(self._clone)
+            dist.all_reduce(squares)
+            norm = squares.sqrt().float()
+            self.zero.scale(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            return norm
         params = self._own_parameters()
         counted = [p for p in params if p is not self._clone and p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -641,7 +742,7 @@ class PipelineStrategy(ReplicatedStrategy):
             squares += _local(grad).double().pow(2).sum() / _copies(grad)
         # Replicas hold the same gradients (the pipeline's ranks); shards hold parts of them (every rank).
         if self.tp == 1:
-            dist.all_reduce(squares, group=None if self.shard else self.pp_group)
+            dist.all_reduce(squares, group=None if self.shard else self.pp_group)  # (HSDP's replicas: _copies)
         else:  # the pipeline's and its tensor-parallel ranks: every rank, each replica's sum once
             dist.all_reduce(squares)
             squares /= 1 if self.shard else self.grad_ranks  # (cp ranks, too, hold their replica's sum)
@@ -661,17 +762,24 @@ class PipelineStrategy(ReplicatedStrategy):
         CPU tensors, never pickled: ``_all_gather_tensors``; a model that fits one process's memory, as the full
         checkpoint does anyway)."""
         mine = {}
-        for module in self.modules:  # (FSDP2's shards gathered over the replicas: every rank calls this)
-            mine.update({name: self._natural(name, _full(value)).detach().cpu()
-                         for name, value in module.state_dict().items()})
+        with self._full_parameters():
+            for module in self.modules:  # (FSDP2's shards gathered over the replicas: every rank calls this)
+                mine.update({name: self._natural(name, _full(value)).detach().cpu()
+                             for name, value in module.state_dict().items()})
+            if self.zero is not None:  # copies: zero3's gathered storage goes at the block's end
+                mine = {name: value.clone() for name, value in mine.items()}
         parts = _all_gather_tensors(mine, self.pp_group)
         merged = {name: value for part in parts for name, value in part.items()}
         if self._tied:
             merged["head.weight"] = merged["token_embedding.weight"]  # one weight, stored twice as torch does
         return {name: merged[name].to(self.device) for name in self._full.state_dict()}
 
+    def _full_parameters(self) -> AbstractContextManager:
+        """zero3's stages gathered (and, when written, their shards updated); nothing to do for the others."""
+        return self.zero.full_parameters() if self.zero is not None else nullcontext()
+
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self._full_parameters():
             for module in self.modules:
                 for name, tensor in module.state_dict(keep_vars=True).items():
                     source = state["token_embedding.weight"] if self._tied and name == "head.weight" else state[name]
@@ -681,8 +789,11 @@ class PipelineStrategy(ReplicatedStrategy):
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """torch's form of one optimizer over the whole model: every rank's states by parameter name, gathered
         over the pipeline, indexed as the unsplit model's optimizer numbers them."""
-        local = optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.zero is not None:  # the shards' state gathered over dp, as the unsharded optimizer's
+            local, params = self.zero.full_optimizer_state(optimizer)
+        else:
+            local = optimizer.state_dict()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
         names = self._names
         mine = {names[id(params[int(i)])]: {key: self._natural(names[id(params[int(i)])], _full(value))
                                             if _is_moment(value, params[int(i)]) else _full(value)
@@ -702,9 +813,10 @@ class PipelineStrategy(ReplicatedStrategy):
         full = {flat_names[int(i)]: entry for i, entry in state["state"].items()}
         names = self._names
         local_state, groups, offset = {}, [], 0
-        for group, full_group in zip(optimizer.param_groups, state["param_groups"]):
+        mine = self.zero.param_groups() if self.zero is not None else [g["params"] for g in optimizer.param_groups]
+        for group, full_group in zip(mine, state["param_groups"]):
             indices = []
-            for param in group["params"]:
+            for param in group:
                 name = "token_embedding.weight" if param is self._clone else names[id(param)]
                 if name in full:
                     local_state[offset] = {key: _shard_like(self._ranked(name, value.to(self.device)), param)
@@ -713,7 +825,8 @@ class PipelineStrategy(ReplicatedStrategy):
                 indices.append(offset)
                 offset += 1
             groups.append({**full_group, "params": indices})
-        return {"state": local_state, "param_groups": groups}
+        local = {"state": local_state, "param_groups": groups}
+        return self.zero.shard_optimizer_state(optimizer, local) if self.zero is not None else local
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's stages' tensors for a sharded (DCP) checkpoint, named as the whole model's (torch's
@@ -723,6 +836,8 @@ class PipelineStrategy(ReplicatedStrategy):
         model's optimizer has: the two are equal."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.zero is not None:
+            return self.zero.checkpoint_state(self._view(), optimizer, "head.weight" if self._clone is not None else None)
         model_sd, optim_sd = get_state_dict(self._view(), optimizer)
         if self._clone is not None:
             _rename(optim_sd, "head.weight", "token_embedding.weight")
@@ -736,6 +851,10 @@ class PipelineStrategy(ReplicatedStrategy):
                               load: Callable[[dict[str, Any]], None]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        if self.zero is not None:
+            self.zero.load_checkpoint_state(self._view(), optimizer, load, "head.weight" if self._clone is not None
+                                            else None, "token_embedding.weight")
+            return
         state = self.checkpoint_state(model, optimizer)
         load(state)
         if self.tp > 1:
@@ -775,6 +894,8 @@ class PipelineStrategy(ReplicatedStrategy):
         yield from (_local(p) for p in params)
         yield from (_local(p.grad) for p in params if p.grad is not None)
         yield from (_local(t) for t in optimizer_tensors(optimizer))
+        if self.zero is not None:  # the flat units (zero1's whole gradient, zero2/3's shards)
+            yield from self.zero.state_tensors()
 
     # --- evaluation ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -795,9 +916,12 @@ class PipelineStrategy(ReplicatedStrategy):
                     _send_tensor(x, holder, self.pp_group)
             if holder == self.pp_rank:
                 x = self.modules[self.indices.index(stage)](x)
-        # Under tensor and context parallelism every rank of the last stage holds the logits: the first answers.
-        answers = (self._stage_rank(self.stages - 1) == self.pp_rank
-                   and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
+        # Under tensor and context parallelism every rank of the last stage holds the logits (split by vocabulary
+        # under loss_parallel: put together, every tp rank joins): the first of them answers.
+        last = self._stage_rank(self.stages - 1) == self.pp_rank
+        if last and hasattr(x, "full_tensor"):
+            x = x.full_tensor()
+        answers = (last and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
                    and (self.cp == 1 or self.context.rank == 0))
         return x[:rows] if answers else None
 

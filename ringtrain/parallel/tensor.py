@@ -278,7 +278,7 @@ def parallelize_transformer(model: nn.Module, mesh: Any, sequence_parallel: bool
 
 
 def parallelize_stage(stage: nn.Module, mesh: Any, replicated: dict[int, nn.Parameter],
-                      sequence_parallel: bool = False) -> None:
+                      sequence_parallel: bool = False, vocabulary_split: bool = False) -> None:
     """The built-in transformer's tensor-parallel plan inside one pipeline stage (``pipeline.TransformerStage``)
     on the 1-D ``mesh``: its blocks split as ``parallelize_transformer`` splits them, its edges made to pass
     plain tensors (a stage's schedule sends and receives those): a stage that starts after the embeddings takes
@@ -286,7 +286,9 @@ def parallelize_stage(stage: nn.Module, mesh: Any, replicated: dict[int, nn.Para
     whole activation (replicated on the tp ranks), or with ``sequence_parallel`` this rank's share of the
     sequence (``Shard(1)``: each tp rank sends its peer in the next stage 1/tp of it). The rest of its
     parameters replicated; ``replicated`` is shared by the stages of one rank, so a weight two of them hold (the
-    tied embedding of a V schedule's first and last stage) stays one parameter."""
+    tied embedding of a V schedule's first and last stage) stays one parameter. ``vocabulary_split``
+    (``loss_parallel``, the last stage holding its own copy of the output layer): that layer split by vocabulary
+    (``vocabulary_split_output``'s ColwiseParallel), its logits left sharded on the last dimension."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
                                                    SequenceParallel, parallelize_module)
@@ -311,6 +313,11 @@ def parallelize_stage(stage: nn.Module, mesh: Any, replicated: dict[int, nn.Para
             edges["head"] = PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                                                      output_layouts=Replicate(), desired_output_layouts=Replicate(),
                                                      use_local_output=True)
+        if vocabulary_split:
+            from torch.distributed.tensor.parallel import ColwiseParallel
+
+            edges["head"] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                            output_layouts=Shard(-1), use_local_output=False)
     elif first == last and not stage.is_first:  # one block between two other stages: both of its edges
         edges[last] = PrepareModuleInputOutput(input_layouts=passed, desired_input_layouts=passed,
                                                output_layouts=passed, desired_output_layouts=passed)

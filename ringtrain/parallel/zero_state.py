@@ -78,7 +78,8 @@ def flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     return boxes
 
 
-def _sharded(values: torch.Tensor, shape: torch.Size, stretches: list[tuple[int, int]], rank: int) -> torch.Tensor:
+def _sharded(values: torch.Tensor, shape: torch.Size, stretches: list[tuple[int, int]], rank: int,
+             global_ranks: list[int] | None = None) -> torch.Tensor:
     """``values`` (this rank's stretch, flat) as DCP sees it: a plain view when it is the whole tensor, else a
     ShardedTensor of its boxes with every rank's boxes in the global metadata."""
     a, b = stretches[rank]
@@ -92,7 +93,7 @@ def _sharded(values: torch.Tensor, shape: torch.Size, stretches: list[tuple[int,
     every, local = [], []
     for r, (lo, hi) in enumerate(stretches):
         for offsets, sizes, at in flat_boxes(tuple(shape), lo, hi):
-            meta = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{r}/{device}")
+            meta = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{r if global_ranks is None else global_ranks[r]}/{device}")
             every.append(meta)
             if r == rank:
                 local.append(Shard(values[at : at + _numel(sizes)].view(sizes), meta))
@@ -119,10 +120,13 @@ def _stretches(unit: FlatUnit, offset: int, numel: int) -> list[tuple[int, int]]
 
 
 def zero_checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer, units: list[FlatUnit],
-                          shard_of: Callable[[FlatUnit], tuple[torch.Tensor, int]], full_model: bool) -> dict[str, Any]:
+                          shard_of: Callable[[FlatUnit], tuple[torch.Tensor, int]], full_model: bool,
+                          global_ranks: list[int] | None = None) -> dict[str, Any]:
     """``{"model": ..., "optimizer": {"state": ...}}`` over this rank's own tensors (views: DCP writes from
     them and loads into them). ``full_model``: the module's parameters are full on every rank (zero1/2) and are
-    loaded whole; otherwise (and always for saving) each rank has its stretches only."""
+    loaded whole; otherwise (and always for saving) each rank has its stretches only. ``global_ranks``: the
+    job's rank of each rank of the units' group, when it is not the whole job (the ranks beside a pipeline
+    stage); DCP places chunks by the job's ranks."""
     where = {id(p): (unit, offset) for unit in units for p, offset in zip(unit.params, unit.offsets)}
     rank = units[0].rank if units else 0
     model: dict[str, torch.Tensor] = {}
@@ -137,7 +141,7 @@ def zero_checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer, u
         if a < b:
             shard, shard_start = shard_of(unit)
             model[name] = _sharded(shard[offset + a - shard_start : offset + b - shard_start].detach(),
-                                   tensor.shape, stretches, rank)
+                                   tensor.shape, stretches, rank, global_ranks)
     state: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in module.named_parameters():
         found = where.get(id(p))
@@ -155,7 +159,7 @@ def zero_checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer, u
                 continue  # kept out of DCP (see checkpoint/sharded.py): follows the config on resume
             if key != "step" and value.shape == run.param.shape:
                 stretch = value[offset + a - run.start : offset + b - run.start]
-                entry[key] = _sharded(stretch, p.shape, stretches, rank)
+                entry[key] = _sharded(stretch, p.shape, stretches, rank, global_ranks)
             else:
                 entry[key] = value
         if entry:

@@ -39,15 +39,13 @@ outer step averages pseudo-gradients over the layout's dp ranks. The H = 1 cells
 (SGD is linear), so ``test_a_diloco_replica_is_its_model_parallel_group`` trains each split at H = 2 against two
 DiLoCo workers that each hold the whole model.
 
-Refused today (not built yet, issue 23; the config refuses them in one line, so they are not in the table;
-``test_the_table_is_every_layout_the_config_accepts`` fails when one of them is built, or one in the table is
-refused):
-
-- pp 2 (gpipe, 1f1b, interleaved_1f1b) beside 2 data-parallel ranks of zero1, zero2, zero3 ("zero1/2/3 beside a
-  pipeline are not built yet").
-- (Manual and zero1-3 beside tp train its local parts: parallel/tensor_data.py.)
-- (At world sizes above 4, not in this table: hsdp beside tp or pp, dp 2 x tp 2 x pp 2, DiLoCo replicas of a model
-  split two ways, and cp 2 x tp 2 inside pp 2 stages: tests/multiproc/test_context_parallel.py.)
+Refused: no cell at 4 workers or fewer (every candidate trains; ``test_the_table_is_every_layout_the_config_accepts``
+fails when the config refuses one of them). Manual and zero1-3 beside tp train its local parts
+(parallel/tensor_data.py); zero1-3 beside a pipeline wrap each stage (parallel/pipeline_zero.py). At world sizes
+above 4, not in this table: hsdp beside tp or pp (tests/multiproc/test_context_parallel.py, and
+``test_hsdp_beside_a_pipeline_trains_as_one_worker`` below), dp 2 x tp 2 x pp 2, DiLoCo replicas of a model split
+two ways and zero1-3 beside a pipeline split again by tp or cp (refused in one line), and cp 2 x tp 2 inside pp 2
+stages (tests/multiproc/test_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -166,10 +164,7 @@ def refusal(cell: Cell) -> str | None:
     return None
 
 
-REFUSED = {
-    **{f"{s}-dp2-pp2-{p}": "issue 23" for s in ("zero1", "zero2", "zero3")
-       for p in ("gpipe", "1f1b", "interleaved_1f1b")},
-}
+REFUSED: dict[str, str] = {}
 """The candidates the config refuses today (the module docstring), by id: what the refusal says."""
 CELLS = [cell for cell in candidates() if cell.id not in REFUSED]
 
@@ -338,7 +333,22 @@ def test_the_table_is_every_layout_the_config_accepts():
         elif refused is not None and REFUSED[cell.id] not in refused:
             problems.append(f"{cell.id} is refused for another reason than {REFUSED[cell.id]!r}: {refused}")
     assert not problems, "\n".join(problems)
-    assert len(CELLS) == 58 and len(REFUSED) == 9
+    assert len(CELLS) == 67 and len(REFUSED) == 0
+
+
+def test_hsdp_beside_a_pipeline_trains_as_one_worker():
+    """HSDP (dp_replicate 2 x dp_shard 2) beside pp 2 under 1F1B: 8 ranks, above the table's 4. Each stage sharded
+    over its shard group, the groups' gradients all-reduced, the clip's norm counted once per replica."""
+    run = train("hsdp-dp4-pp2-1f1b", 8, [*SGD, *Cell("hsdp", 4, pp=2).overrides()])
+    reference = oracle(tuple(SGD))
+    assert run.summary["world_size"] == 8
+    assert_same_run(run, reference)
+    for rank, result in enumerate(run.ranks):
+        assert result["norms"] == pytest.approx(reference.ranks[0]["norms"], rel=RTOL), f"rank {rank}'s gradient norms"
+    # Each rank holds its shard group's half of its stage's state (the replicas hold the same shards): what FSDP2 over
+    # 2 ranks beside the pipeline holds (the table's cell, cached), not the quarter of FSDP2 over all 4.
+    halves = cell_run(Cell("fsdp", 2, pp=2)).summary["model_state_mb"]
+    assert run.summary["model_state_mb"] == pytest.approx(halves, rel=0.1)
 
 
 # --- the layouts' options, beside the table: same oracle, one run each ------------------------------------------
@@ -356,6 +366,9 @@ VARIANTS = {  # id: (workers, overrides, the batch (the oracle's too))
     "tp2-pp2-zbv_zero_bubble-shm": (4, [*ZBV, "parallel.tp=2", SHM], []),
     "tp2-sp-pp2-interleaved_1f1b-shm": (4, ["parallel.pp=2", "parallel.pp_schedule='interleaved_1f1b'",
                                             "parallel.stages_per_rank=2", "parallel.tp=2", SHM, SP], []),
+    # loss_parallel inside the pipeline: the last stage's copy of the tied output layer split by vocabulary over tp,
+    # the loss on the logits' shards; the tie's gradients added row block by row block.
+    "tp2-pp2-1f1b-loss_parallel": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.loss_parallel=true"], []),
     # The pipelines' replicas averaged by ringtrain's ring (ddp's comm hook) or shared memory (manual); the control:
     # the backend's own all-reduce, where the ring is never reached.
     "ddp-dp2-pp2-1f1b-ring": (4, ["parallel.pp=2", "comm.algorithm='ring'"], []),
@@ -465,6 +478,7 @@ LAYOUTS = {  # name: (workers, overrides, `ringtrain plan layouts`' model of it,
     "hsdp-dp4": (4, ["comm.strategy='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"], None),
     # (The planner leaves out zero2's gradient staging, one bucket: here the whole local model, 1.4x its figure.)
     "zero2-dp2-tp2": (4, ["comm.strategy='zero2'", "parallel.tp=2"], None),
+    "zero2-dp2-pp2": (4, ["comm.strategy='zero2'", "parallel.pp=2"], None),
 }
 SHAPE = ModelShape(layers=4, hidden=64, heads=2, seq=SEQ_LEN, vocab=256)  # JOB's model
 CROSSINGS = [  # (form, saved by, resumed by): "train at tp2 x dp2, resume at dp4 or pp2, and back", both ways
@@ -475,6 +489,7 @@ CROSSINGS = [  # (form, saved by, resumed by): "train at tp2 x dp2, resume at dp
     ("sharded", "pp2", "one"), ("sharded", "pp2", "pp2"), ("sharded", "one", "pp2-zbv"),
     ("sharded", "hsdp-dp4", "fsdp-dp4"), ("full", "one", "zero2-dp2-tp2"),
     ("sharded", "zero2-dp2-tp2", "one"), ("sharded", "fsdp-dp2-tp2", "zero2-dp2-tp2"),
+    ("full", "zero2-dp2-pp2", "one"), ("sharded", "zero2-dp2-pp2", "one"),
 ]
 
 

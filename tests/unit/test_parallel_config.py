@@ -90,9 +90,11 @@ def test_replicas_of_shard_groups_are_fsdp2s_hsdp_beside_tp_or_alone():
     assert degrees_of(config({"dp_replicate": 2, "tp": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 2,
                                                                               "tp": 2, "pp": 1}
     assert degrees_of(config({"tp": 2}, "ddp"), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
-    with pytest.raises(ConfigError, match=r"pp = 2 with dp_replicate = 2 and comm.strategy = 'fsdp': replicas of "
-                                          r"sharded pipeline stages \(HSDP beside a pipeline\) are not built yet"):
-        check_parallel(config({"dp_replicate": 2, "pp": 2}, "fsdp"), 8)
+    assert degrees_of(config({"dp_replicate": 2, "pp": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 2,
+                                                                            "tp": 1, "pp": 2}
+    with pytest.raises(ConfigError, match=r"pp = 2 with dp_replicate = 2, tp = 2 and comm.strategy = 'fsdp': replicas "
+                                          r"of sharded tensor-parallel pipeline stages \(HSDP x tp x pp\)"):
+        check_parallel(config({"dp_replicate": 2, "pp": 2, "tp": 2}, "fsdp"), 16)
 
 
 def test_loss_parallel_needs_tp_a_users_own_output_layer_and_the_cross_entropy():
@@ -101,8 +103,13 @@ def test_loss_parallel_needs_tp_a_users_own_output_layer_and_the_cross_entropy()
     with pytest.raises(ConfigError, match=r"loss_parallel = true: the built-in 'transformer' model's output layer is "
                                           r"its token embedding \(tied\)"):
         check_parallel(config({"tp": 2, "loss_parallel": True}, "fsdp"), 2)
-    with pytest.raises(ConfigError, match=r"loss_parallel = true with pp = 2: a vocabulary-split output layer inside"):
-        check_parallel(config({"tp": 2, "pp": 2, "loss_parallel": True}), 4)
+    assert degrees_of(config({"tp": 2, "pp": 2, "loss_parallel": True}), 4)["pp"] == 2  # the last stage's own copy
+    with pytest.raises(ConfigError, match=r"loss_parallel = true with pp_schedule = 'zbv_zero_bubble': the V puts the "
+                                          r"first and last stages on one rank, where the output layer is the token"):
+        check_parallel(config({"tp": 2, "pp": 2, "loss_parallel": True, "pp_schedule": "zbv_zero_bubble",
+                               "stages_per_rank": 2}), 4)
+    with pytest.raises(ConfigError, match=r"loss_parallel = true with pp = 2 and dp_shard = 2: FSDP2 would shard"):
+        check_parallel(config({"tp": 2, "pp": 2, "loss_parallel": True}, "fsdp"), 8)
     own = {"model": {"factory": "tests.fit.tp_code:llama"}, "data": {"dataset": "text"}, "comm": {"strategy": "fsdp"},
            "parallel": {"tp": 2, "loss_parallel": True}}
     assert degrees_of(load_config_dict(own), 2)["tp"] == 2
@@ -117,17 +124,16 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
-    ({"pp": 2}, "zero2", {}, 4, r"^\[parallel\] pp = 2 with comm.strategy = 'zero2': beside a pipeline the "
-                                r"data-parallel ranks either replicate it .* set comm.strategy = 'ddp' or 'fsdp'"),
-    ({"pp": 2, "tp": 2}, "diloco", {}, 8, r"tp = 2 with pp = 2 and 2 DiLoCo replicas: not built yet"),
+    ({"pp": 2, "tp": 2}, "diloco", {}, 8, r"tp = 2 with pp = 2 and 2 DiLoCo replicas: the pipeline's clip norm"),
     ({"pp": 2, "pp_schedule": "zbv_zero_bubble", "stages_per_rank": 2}, "fsdp", {}, 4,
      r"pp = 2 with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first and last stages"),
     ({"pp": 2, "tp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 4,
      r"tp = 2 with pp = 2: tensor parallelism inside pipeline stages is built for the built-in transformer .* not 'mlp'"),
     ({"pp": 2, "tp": 3}, "ddp", {}, 6, r"tp = 3 with pp = 2: tp does not divide model.n_heads \(4\)"),
-    ({"pp": 2, "tp": 2}, "zero1", {}, 8, r"pp = 2 with comm.strategy = 'zero1': beside a pipeline"),
+    ({"pp": 2, "tp": 2}, "zero1", {}, 8, r"pp = 2 with tp = 2 and comm.strategy = 'zero1': ringtrain's ZeRO wraps "
+                                         r"each stage over the data-parallel ranks only"),
     ({"pp": 2, "tp": 2}, "ddp", {"dist": {"heal": True}}, 4, r"pp = 2 with --heal: healing a split model"),
-    ({"pp": 2}, "zero3", {}, 2, r"pp = 2 with comm.strategy = 'zero3': .* zero1/2/3 beside a pipeline"),
+    ({"pp": 2, "cp": 2}, "zero2", {}, 8, r"pp = 2 with cp = 2 and comm.strategy = 'zero2': ringtrain's ZeRO wraps"),
     ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
      r"cuts the built-in transformer \(model.name = 'transformer'\) or a model of your own that is an nn.Sequential "
      r"\(model.factory, fit\) into stages, not model.name = 'mlp'"),

@@ -76,8 +76,10 @@ def test_layouts_are_those_ringtrain_composes_and_a_tight_memory_rules_some_out(
     assert (8, 1, 1, "zero2") in shapes and (2, 4, 1, "fsdp") in shapes and (4, 1, 2, "ddp") in shapes
     # tp inside pipeline stages, with the pipelines replicated or sharded (the 3-D mesh); tp with sequence parallelism.
     assert {(2, 2, 2, "ddp"), (2, 2, 2, "fsdp"), (1, 4, 2, "ddp")} <= shapes
-    assert all(l.sp for l in found if l.tp > 1 and l.cp == 1)  # not beside cp: ringtrain refuses sp with it
-    assert not any(l.pp > 1 and l.data not in ("ddp", "fsdp") for l in found)
+    assert all(l.sp for l in found if l.tp > 1 and l.cp == 1)  # (cp layouts are listed without sp)
+    # zero1/2 beside a pipeline wrap each stage over dp (parallel/pipeline_zero.py), not beside tp or cp.
+    assert (4, 1, 2, "zero2") in shapes
+    assert not any(l.pp > 1 and l.data not in ("ddp", "fsdp") and (l.tp > 1 or l.cp > 1) for l in found)
     # tp beside data-parallel ranks of every strategy (zero1/2 on the tp ranks' local parts, parallel/tensor_data.py).
     assert {(2, 4, 1, data) for data in ("ddp", "zero1", "zero2", "fsdp")} <= shapes
     assert (2, 4, 1, "ddp") in shapes
