@@ -162,9 +162,9 @@ def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
     spec = strategy_spec(strategy)
     if "tp" not in spec.beside:
-        raise ConfigError(f"{where} with comm.strategy = '{strategy}' ({spec.summary}): it is not composed with tensor "
-                          "parallelism yet (issue 40); set comm.strategy = 'ddp', 'manual', 'zero1'-'zero3' or "
-                          "'fsdp', or tp = 1")
+        raise ConfigError(f"{where} with comm.strategy = '{strategy}' ({spec.summary}): its spec "
+                          "(ringtrain/strategies.py) does not run beside tensor parallelism; set comm.strategy = "
+                          "'ddp', 'manual', 'zero1'-'zero3', 'fsdp' or 'diloco', or tp = 1")
 
     refuse_for_split_model(config, where, "a step without collectives until its end, and a tensor-parallel "
                                           "forward all-reduces in every block")
@@ -305,7 +305,7 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 
 def check_parallel(config: Config, world_size: int) -> Layout:
-    """The mesh at ``world_size``: the product, the pipeline's layout, then what is not built yet; one
+    """The mesh at ``world_size``: the product, the pipeline's layout, then what does not compose; one
     ConfigError line naming the numbers. Returns the resolved layout."""
     parallel = config.parallel
     layout = resolve_layout(parallel, config.comm.strategy, world_size)
