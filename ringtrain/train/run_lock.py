@@ -18,9 +18,10 @@ class RunDirLock:
 
     Two groups writing one run directory would interleave checkpoints and ledgers: a user starting the
     same run twice, or an elastic job split in two by a badly tuned rendezvous. The lock (flock, released
-    by the kernel when the process dies) makes the second writer wait for the first, then fail naming it. A writer that finishes
-    removes the file as it lets go, so a finished run directory holds no ``.lock``; a waiter that then holds
-    the lock of a removed file opens the path again (``_holds``), so two writers never hold two files.
+    by the kernel when the process dies) makes the second writer wait for the first, then fail naming it. A
+    writer that finishes (without an error: a failed or fenced one leaves it, as a killed one does) removes the
+    file as it lets go, so a finished run directory holds no ``.lock``; a waiter that then holds the lock of a
+    removed file opens the path again (``_holds``), so two writers never hold two files.
     """
 
     def __init__(self, run_dir: str | Path, timeout_s: float = 60.0):
@@ -87,9 +88,11 @@ class RunDirLock:
         except FileNotFoundError:
             return False
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type=None, *exc) -> None:
         if self.fd is not None:
-            if self.locked and self._holds(self.fd):
+            # Only a writer that finished removes it: one that failed, or was fenced (cut off by a heal, the run
+            # directory another writer's now), leaves the directory as a killed one does.
+            if exc_type is None and self.locked and self._holds(self.fd):
                 self.path.unlink(missing_ok=True)  # removed while locked: a waiter sees it gone and opens anew
             os.close(self.fd)  # closing releases the lock
             self.fd, self.locked = None, False

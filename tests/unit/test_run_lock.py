@@ -20,6 +20,14 @@ def test_a_finished_writer_leaves_no_lock_file(tmp_path):
     assert not (tmp_path / ".lock").exists()
 
 
+def test_a_writer_that_failed_or_was_fenced_leaves_the_file_as_a_killed_one_does(tmp_path):
+    """A fenced writer (cut off by a heal: the run directory is another writer's now) must write nothing there,
+    removing the lock file included (tests/chaos/test_heal.py's stopped rank 0 caught it)."""
+    with pytest.raises(RuntimeError), RunDirLock(tmp_path):
+        raise RuntimeError("fenced")
+    assert (tmp_path / ".lock").exists()
+
+
 def test_a_writer_that_waited_holds_the_file_at_the_path_and_a_third_waits_for_it(tmp_path):
     first = RunDirLock(tmp_path).__enter__()
     second = RunDirLock(tmp_path, timeout_s=60)
