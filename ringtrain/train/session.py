@@ -61,7 +61,7 @@ from ringtrain.group.env import DistEnv
 from ringtrain.group.init import init_distributed
 from ringtrain.group.jobstore import connect_job_store
 from ringtrain.group.lifetime import exit_with_parent
-from ringtrain.group.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbeat
+from ringtrain.group.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbeat, flight_dumper
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock
@@ -110,11 +110,19 @@ class Session:
             exit_with(err, env)
         self._group = init_distributed(env, self.config.dist)
         self.ctx = self._group.__enter__()
+        from ringtrain.worker import uncaught_reporter
+
+        # An exception that leaves the user's loop is told as fit tells it (one line, the traceback kept); set
+        # after the group starts, whose own hook would prefix every line of a raw traceback with "[rankR]: ".
+        self._excepthook, sys.excepthook = sys.excepthook, uncaught_reporter(env, lambda: self.config.run_dir)
         if self.ctx.env.fault_plan and not faults.is_armed():  # a test harness's fault plan: nothing in a user's run
             arm_fault_plan(self.ctx, None)
         self._closers: list[Any] = []
         self.job_store = connect_job_store(self.ctx.env, is_writer=self.rank == 0)
-        self._closers.append(Heartbeat(self.job_store, self.rank, HEARTBEAT_INTERVAL_S).__enter__())
+        # A failed collective (and SIGUSR1 to the launcher) dumps the flight recorder, as under fit.
+        dump = (flight_dumper(self.config.run_dir, self.rank, self.world_size) if self.config.dist.flight_recorder
+                else None)
+        self._closers.append(Heartbeat(self.job_store, self.rank, HEARTBEAT_INTERVAL_S, on_dump_request=dump).__enter__())
         if self.rank == 0:
             self._closers.append(RunDirLock(self.config.run_dir).__enter__())
         self.logger = NullLogger()  # until training starts: its config then records what the session trains
@@ -124,7 +132,8 @@ class Session:
         self.stop_signal = StopSignal()
         self.guard = StepGuard(self.rank, self.world_size, self.device, self.config.train.max_consecutive_nonfinite_steps,
                                self.stop_signal)
-        self.watch = CollectiveWatch(self.job_store, self.rank, self.world_size, self.config.dist.timeout_s)
+        self.watch = CollectiveWatch(self.job_store, self.rank, self.world_size, self.config.dist.timeout_s,
+                                     on_failure=dump)
         ckpt = self.config.checkpoint
         self.checkpoints = CheckpointFront(Path(self.config.run_dir) / ckpt.dir, self.rank, self.world_size,
                                            ckpt.keep_last, sharded=ckpt.sharded, background=ckpt.async_)
@@ -287,7 +296,9 @@ class Session:
         weight = rows if reduction == "mean" else 1
         if rows == 0:  # an empty share (the step's samples do not divide over the ranks): no loss, every hook
             loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
-        self.precision.scale(loss * (self.world_size / items * weight)).backward()
+        # The last micro-batch's backward synchronises the gradients: a peer's failure there is one line.
+        with self.watch.op(self.strategy.step_operation, self.state.step + 1):
+            self.precision.scale(loss * (self.world_size / items * weight)).backward()
         self._step_loss = self._step_loss + loss.detach().float().cpu() * weight
 
     def _commit_step(self) -> Verdict:
@@ -416,7 +427,8 @@ class Session:
         """``value`` (a number or a tensor) summed over every rank."""
         tensor = torch.as_tensor(value, dtype=torch.float64).clone()
         if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(tensor)
+            with self.watch.op("all_reduce (session.sum)", self.state.step):
+                dist.all_reduce(tensor)
         return tensor.item() if tensor.dim() == 0 and not isinstance(value, torch.Tensor) else tensor
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -462,6 +474,7 @@ class Session:
         if self.strategy is not None:  # set up
             self.strategy.close()
         group, self._group = self._group, None
+        sys.excepthook = self._excepthook
         self.model = self.optimizer = None  # DDP's reducer holds the group: gone before it is destroyed
         group.__exit__(None, None, None)
 
