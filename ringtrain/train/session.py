@@ -74,7 +74,8 @@ from ringtrain.train.commit import StepCommit
 from ringtrain.train.guards import StepGuard, StopSignal, Verdict, check_replicas
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
-from ringtrain.train.resume import check_same_choice
+from ringtrain.group.jobstore import PreviousAttempt
+from ringtrain.train.resume import check_same_choice, resume_record
 from ringtrain.train.run import finished_summary
 from ringtrain.train.run_lock import RunDirLock
 from ringtrain.train.state import TrainState
@@ -141,6 +142,8 @@ class Session:
         self.values: dict[str, Any] = {}
         """The plain values ``register``ed (name -> value): set them in your loop; a resume gives them back."""
         self._save_due = False
+        self._resumed: Path | None = None
+        """The checkpoint this run resumed from (None: a fresh run)."""
         self._summary: dict[str, Any] | None = None
         """The run's summary once ``finish`` wrote it, or a resumed finished run's summary.json (nothing is
         trained or written): ``finish`` returns it again."""
@@ -154,6 +157,9 @@ class Session:
         self._saved_step = -1
         self._pending = None
         self._started = time.perf_counter()
+        """When training started (the first batch asked for): summary.json's wall_s counts from here, as fit's."""
+        self._yielded = self._started
+        self._outside_since: float | None = None
         self.total_steps = 0
         self.start_step = 0
         """The step this run started from (a resume's checkpoint; 0 for a fresh run)."""
@@ -246,8 +252,12 @@ class Session:
         warning = outer_step_warning(self.config, self.total_steps)
         if warning is not None:  # rank 0's logger: a console line and a record
             self.logger.log({"type": "warning", "message": warning})
+        if self._resumed is not None:  # the record that starts an attempt (`ringtrain report` sums every one)
+            self.logger.log(resume_record(self._resumed, self.state.step, self.world_size,
+                                          PreviousAttempt(starts=1, last_step=None, last_step_time=None)))
         self.ledger.start(self.state.step)
         self._start_samples = self.state.samples_seen
+        self._started = time.perf_counter()
         self.clock.flush()
 
     def register(self, name: str, part: Any) -> Any:
@@ -280,9 +290,18 @@ class Session:
         with self.stop_signal:
             while self.state.epoch < count and self.state.step < self.total_steps:
                 yield self.state.epoch
+                self._book_outside()
                 if self._save_due:  # the epoch's last step, saved after your end-of-epoch code (its values)
-                    self.save()
+                    with self.clock.phase("checkpoint"):
+                        self.save()
         self.finish()
+
+    def _book_outside(self) -> None:
+        """The loop's own code between the epoch's last batch and now (its evaluation, a best model saved): booked
+        as evaluation, so the step's phases still add up to the step."""
+        if self._outside_since is not None:
+            self.clock.phase_totals["eval"] += time.perf_counter() - self._outside_since
+            self._outside_since = None
 
     # --- the step ----------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, reduction: str = "mean") -> None:
@@ -298,7 +317,12 @@ class Session:
             loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
         # The last micro-batch's backward synchronises the gradients: a peer's failure there is one line.
         with self.watch.op(self.strategy.step_operation, self.state.step + 1):
-            self.precision.scale(loss * (self.world_size / items * weight)).backward()
+                self.precision.scale(loss * (self.world_size / items * weight)).backward()
+        # The step's breakdown, as the Trainer's: the user's forward and this backward since the loader yielded
+        # the micro-batch; the synchronising backward's wait for the gradient all-reduce is exposed communication.
+        self.clock.phase_totals["forward_backward"] += time.perf_counter() - self._yielded
+        if self._micro[1]:
+            self.clock.move("forward_backward", "comm_exposed", self.strategy.comm_timer.backward_done())
         self._step_loss = self._step_loss + loss.detach().float().cpu() * weight
 
     def _commit_step(self) -> Verdict:
@@ -314,6 +338,7 @@ class Session:
         commit.apply(step, verdict, self._batch.indices.tolist(), scheduler=self.scheduler,
                      last=0 < self.total_steps <= step)
         commit.advance(step, self._window)
+        self.strategy.comm_timer.end_step()
         self.guard.count(verdict, self.state, step)
         return verdict
 
@@ -322,13 +347,16 @@ class Session:
         if self.sampler.epoch_finished:
             self.state.epoch += 1
             self.sampler.set_epoch(self.state.epoch)
-        if self.state.step % self.config.monitor.log_every_steps == 0:
-            self.logger.log({"type": "train", "step": self.state.step, "epoch": self.state.epoch,
-                             "loss": loss_sum.item() / max(1, self._window),
-                             "lr": current_lr(self.optimizer), **self.clock.flush(), **self.strategy.comm_timer.flush()})
-        self.logger.on_step(self.state.step, self.state.epoch)
-        if verdict.skip:
-            self.logger.log({"type": "skip", "step": self.state.step, "reason": verdict.describe()})
+        with self.clock.phase("monitor"):
+            if self.state.step % self.config.monitor.log_every_steps == 0:
+                timing = self.clock.flush()  # the interval ends here; this record's cost is booked in the next
+                self.logger.log({"type": "train", "step": self.state.step, "epoch": self.state.epoch,
+                                 "loss": loss_sum.item() / max(1, self._window), "lr": current_lr(self.optimizer),
+                                 **timing, **self.strategy.comm_timer.flush(),
+                                 "comm_fraction": timing.get("time/comm_exposed_s", 0.0) / timing["step_time_s"]})
+            self.logger.on_step(self.state.step, self.state.epoch)
+            if verdict.skip:
+                self.logger.log({"type": "skip", "step": self.state.step, "reason": verdict.describe()})
         if verdict.stop:  # SIGTERM or Ctrl-C on some rank: every rank saves this step and leaves
             self.save()
             self._wait_save()
@@ -342,7 +370,8 @@ class Session:
             if self.sampler.cursor == 0:  # an epoch's last step: saved as the next epoch starts, so it holds
                 self._save_due = True     # what the end of this one registers (a best accuracy)
             else:
-                self.save()
+                with self.clock.phase("checkpoint"):
+                    self.save()
 
     # --- checkpoints -------------------------------------------------------------------------------------
     def parts(self) -> dict[str, Any]:
@@ -387,6 +416,7 @@ class Session:
                                        "without resume"), self.ctx.env)
             return
         self.checkpoints.load(found, self.parts(), ShardedTensors(self.strategy, self.model, self.optimizer))
+        self._resumed = found.path
         self.print(f"ringtrain: resumed from {found.path.name} (step {self.state.step})", file=sys.stderr)
 
     # --- the model as yours ------------------------------------------------------------------------------

@@ -63,3 +63,92 @@ def test_an_exception_in_a_session_loop_on_one_rank_is_told_as_fit_tells_it(tmp_
     # Rank 0 waited for rank 1 in the gradient all-reduce: its flight recorder is kept for `ringtrain diagnose`.
     dump = json.loads((run_dir / "flight" / "rank-0.json").read_text())
     assert dump["rank"] == 0, dump
+
+
+# --- the step breakdown, through the Session and through fit ---------------------------------------------------
+SAMPLES, STEPS_PER_EPOCH = 512, 32  # 16 samples a step
+BREAKDOWN = {"train": {"global_batch_size": 16, "local_batch_size": 8, "seed": 0},
+             "checkpoint": {"every_steps": 16}, "monitor": {"progress": False, "log_every_steps": 4}}
+
+
+def breakdown_data():
+    import torch
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(SAMPLES, 32, generator=generator),
+                         torch.randint(0, 4, (SAMPLES,), generator=generator))
+
+
+def breakdown_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+
+
+def _session_attempt(rank: int, world_size: int, port: int, run_dir: str, epochs: int, resume: bool) -> int:
+    import torch
+    from torch import nn
+
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    with as_launched_worker(rank, world_size, port):
+        session = ringtrain.Session(BREAKDOWN, run_dir=run_dir, resume=resume)
+        model = breakdown_model()
+        model, optimizer, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                                 data=breakdown_data())
+        steps = 0
+        for _ in session.epochs(epochs):
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                session.backward(nn.functional.cross_entropy(model(inputs), targets))
+                optimizer.step()
+                steps += 1
+        session.close()
+    return steps
+
+
+def _fit_attempt(rank: int, world_size: int, port: int, run_dir: str, epochs: int, resume: bool) -> int:
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    with as_launched_worker(rank, world_size, port):
+        result = ringtrain.fit(breakdown_model, breakdown_data(), loss="cross_entropy", run_dir=run_dir,
+                               resume=resume, config={**BREAKDOWN, "train": {**BREAKDOWN["train"], "epochs": epochs}})
+    return result["steps"]
+
+
+def assert_the_report_breaks_the_step_down(run_dir):
+    from ringtrain.monitor.report import PHASES, load_run, write_report
+
+    run = load_run(run_dir)
+    assert len(run.attempts) == 2, [a.describe() for a in run.attempts]  # the start and one --resume
+    phases, step_s = run.phase_means(), run.mean("step_time_s")
+    shares = {phase: round(seconds / step_s, 3) for phase, seconds in phases.items() if seconds}
+    print(f"{run_dir.name}: step {step_s * 1e3:.2f} ms; shares {shares}")
+    assert phases["forward_backward"] > 0 and phases["data"] > 0 and phases["optimizer"] > 0, shares
+    assert abs(sum(phases[p] for p in PHASES) / step_s - 1) <= 0.10, shares
+    assert run.mean("time/comm_s") <= step_s, (run.mean("time/comm_s"), step_s)  # per step, not per interval
+    # samples/s of the last attempt's records against summary.json's, which times the attempt to its end.
+    last = run.attempts[-1]
+    recorded = sum(r["samples_per_s"] * r["step_time_s"] for r in last.train) / sum(r["step_time_s"] for r in last.train)
+    assert abs(recorded / run.summary["samples_per_s"] - 1) <= 0.35, (recorded, run.summary["samples_per_s"])
+    text = write_report([run], run_dir / "report").read_text()
+    assert " 0 samples/s" not in text and run.totals.samples_per_s > 0, text
+    assert f"{run.totals.final_step} steps in 2 attempts" in text, text
+
+
+def test_the_report_of_a_session_run_and_of_a_fit_run_breaks_the_step_down(tmp_path):
+    from tests.fit.test_session_loop import in_two
+
+    for name, attempt in (("session", _session_attempt), ("fit", _fit_attempt)):
+        run_dir = tmp_path / name
+        assert in_two(attempt, str(run_dir), 1, False) == [STEPS_PER_EPOCH] * 2
+        assert in_two(attempt, str(run_dir), 3, True) == [3 * STEPS_PER_EPOCH - (STEPS_PER_EPOCH if name == "session" else 0)] * 2
+        finished = (run_dir / "summary.json").read_bytes()
+        in_two(attempt, str(run_dir), 3, True)  # a resume of the finished run: nothing trained or written
+        assert (run_dir / "summary.json").read_bytes() == finished
+        assert_the_report_breaks_the_step_down(run_dir)
