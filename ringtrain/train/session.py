@@ -84,7 +84,7 @@ from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunI
 
 from ringtrain.train.session_parts import (RESERVED_PARTS, EvalLoader, PlainValue, Samples, SessionLoader,
                                            SessionOptimizer, SessionScheduler, check_plain_value, current_lr,
-                                           exit_with, planned_steps, resolve_config, resume_plan, usage)
+                                           exit_with, follow_parameters, planned_steps, resolve_config, resume_plan, usage)
 
 __all__ = ["Session"]
 
@@ -103,9 +103,11 @@ class Session:
             self.config = resolve_config(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
             layout = resolve_layout(self.config.parallel, self.config.comm.strategy, env.world_size)
-            if layout.model_parallel > 1:
-                raise ConfigError("[parallel] tp or pp > 1 in a Session: model parallelism runs under ringtrain "
-                                  "train so far (issue 23); set tp = 1 and pp = 1 here")
+            if layout.pp > 1:
+                raise ConfigError("[parallel] pp > 1 in a Session: a pipeline runs the forward and backward itself, "
+                                  "not your loop's model(inputs); train it with ringtrain.fit(..., pp_split=...), or "
+                                  "set pp = 1 here")
+            self._layout = layout
             self.plan = resume_plan(resume, env, self.config)
         except RingtrainError as err:
             exit_with(err, env)
@@ -186,12 +188,14 @@ class Session:
 
     # --- setting up ---------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-              data: Dataset | None = None, collate_fn: Any = None) -> tuple:
+              data: Dataset | None = None, collate_fn: Any = None, *, tp_plan: Any = None) -> tuple:
         """Wrap ``model`` with the configured strategy (``[comm] strategy``: ddp, manual, zero1-3, fsdp) after
         making every rank's weights rank 0's; take ``optimizer`` over it (None: ``[train] optimizer``) and
         ``scheduler`` over that (None with no optimizer given: ``[train]``'s warm-up and cosine; with your
-        optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. Returns the
-        model, optimizer, scheduler and loader (those given or made), in that order."""
+        optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. ``tp_plan``:
+        with ``[parallel] tp`` > 1, how the model splits over the tensor-parallel ranks (as ``fit(tp_plan=...)``;
+        a Hugging Face model's own plan when left out); those ranks read the same samples. Returns the model,
+        optimizer, scheduler and loader (those given or made), in that order."""
         if self.model is not None:
             usage("Session.setup was called twice; set up the model and optimizer in one call")
         module = model.to(self.device)
@@ -199,9 +203,18 @@ class Session:
         # For the record (config.toml): what this run trains.
         self.config = self.config.model_copy(update={
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
-        parallel = build_parallel(self.config, self.ctx, module)  # the layout's mesh, checkpointing, the strategy
+        if tp_plan is not None and self._layout.tp == 1:
+            usage("session.setup(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1 "
+                  "here; set {'parallel': {'tp': 2}} (or more), or leave tp_plan out")
+        # The one way in to every layout, as fit's: the layout's mesh, the tp split, checkpointing, the strategy.
+        names = {id(param): name for name, param in module.named_parameters()}
+        parallel = build_parallel(self.config, self.ctx, module, tp_plan=tp_plan)
         self.ctx, self.strategy = parallel.ctx, parallel.strategy
         self.module, self.model = module, parallel.model
+        if optimizer is not None:  # made over the whole module: moved onto the split (tp) or sharded parameters
+            follow_parameters(optimizer, names, dict(module.named_parameters()))
+        if self.sampler is not None:  # loader() came first: dealt now that this rank's data-parallel place is known
+            self._deal()
         made = self._made_optimizer = optimizer is None
         optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer
         self.optimizer = self.strategy.shard_optimizer(optimizer)
@@ -225,12 +238,22 @@ class Session:
         self.config = self.config.model_copy(update={
             "data": self.config.data.model_copy(update={"factory": describe_callable(data)})})
         self.sampler = ResumableSampler(len(data), self.config.train.global_batch_size, seed=self.config.train.seed)
-        self._loader = build_train_loader(data, self.sampler, self.rank, self.world_size,
-                                          num_workers=self.config.data.num_workers, collate_fn=collate_fn)
-        self.ledger = build_ledger(self.config.data.ledger, self.config.run_dir, len(data), self.rank)
-        self.batcher = MicroBatcher(self.config.train, Samples(), self.rank, self.world_size, self.device)
+        self._data = (data, collate_fn)
+        if self.strategy is not None:  # else setup deals it, once this rank's data-parallel place is known
+            self._deal()
         self.total_steps = planned_steps(self.config, self.sampler.steps_per_epoch)
         return SessionLoader(self)
+
+    def _deal(self) -> None:
+        """The step loader, ledger and micro-batch plan over the data-parallel ranks (as the Trainer's,
+        train/build.py): the ranks of a tensor-parallel group read the same samples, and only its first records
+        them."""
+        (data, collate_fn), ctx = self._data, self.ctx
+        self._loader = build_train_loader(data, self.sampler, ctx.dp_rank, ctx.dp_size,
+                                          num_workers=self.config.data.num_workers, collate_fn=collate_fn)
+        self.ledger = build_ledger(self.config.data.ledger, self.config.run_dir, len(data), ctx.rank, ctx.dp_group,
+                                   ctx.data_leader)
+        self.batcher = MicroBatcher(self.config.train, Samples(), ctx.dp_rank, ctx.dp_size, self.device, ctx.dp_group)
 
     def _ready(self) -> None:
         """Before the first step: continue from a checkpoint when the session resumes, open the records."""
@@ -317,7 +340,7 @@ class Session:
             loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
         # The last micro-batch's backward synchronises the gradients: a peer's failure there is one line.
         with self.watch.op(self.strategy.step_operation, self.state.step + 1):
-                self.precision.scale(loss * (self.world_size / items * weight)).backward()
+                self.precision.scale(loss * (self.ctx.gradient_ranks / items * weight)).backward()
         # The step's breakdown, as the Trainer's: the user's forward and this backward since the loader yielded
         # the micro-batch; the synchronising backward's wait for the gradient all-reduce is exposed communication.
         self.clock.phase_totals["forward_backward"] += time.perf_counter() - self._yielded
@@ -447,8 +470,9 @@ class Session:
         """This rank's part of ``data``: every sample exactly once across ranks (sum what you count with ``sum``).
         Every rank gets as many batches (the last ones may hold no sample): a wrapped model's forward may be a
         collective (DDP's buffers, zero3 and FSDP gathering parameters)."""
-        loader = build_eval_loader(data, self.rank, self.world_size, batch_size, collate_fn=collate_fn)
-        counts = [math.ceil(len(range(rank, len(data), self.world_size)) / batch_size) for rank in range(self.world_size)]
+        rank, ranks = self.ctx.dp_rank, self.ctx.dp_size  # after setup under tp: its group reads the same samples
+        loader = build_eval_loader(data, rank, ranks, batch_size, collate_fn=collate_fn)
+        counts = [math.ceil(len(range(r, len(data), ranks)) / batch_size) for r in range(ranks)]
         # Resolved as the batches are handed out: eval_loader may come before setup() (no strategy yet).
         return EvalLoader(loader, max(counts), lambda: (self.strategy.outer_loop.evaluation_weights() if self.strategy is not None
                                                         else contextlib.nullcontext()))
@@ -458,7 +482,7 @@ class Session:
         tensor = torch.as_tensor(value, dtype=torch.float64).clone()
         if dist.is_initialized() and self.world_size > 1:
             with self.watch.op("all_reduce (session.sum)", self.state.step):
-                dist.all_reduce(tensor)
+                dist.all_reduce(tensor, group=self.ctx.dp_group)  # tensor-parallel peers counted the same samples
         return tensor.item() if tensor.dim() == 0 and not isinstance(value, torch.Tensor) else tensor
 
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -84,8 +84,9 @@ class SessionLoader:
                 s._batch = batch = batch.to(s.device)
             s._step_loss = torch.zeros(())
             s._stepped = False
-            # The model's randomness (dropout) from (seed, step, rank): the same after a resume.
-            seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.rank))
+            # The model's randomness (dropout) from (seed, step, data-parallel rank): the same after a resume; a
+            # tensor-parallel group's ranks drop the same replicated activations.
+            seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.ctx.dp_rank))
             with s.clock.phase("data"):
                 plan = s.batcher.plan(batch, s._window)
             last = len(plan.micro_batches) - 1
@@ -155,6 +156,22 @@ class SessionScheduler:
         return getattr(self.scheduler, name)
 
 
+def follow_parameters(optimizer: torch.optim.Optimizer, names: dict[int, str], now: dict[str, torch.nn.Parameter]) -> None:
+    """Point ``optimizer`` (made by the user's script before ``setup``) at the module's parameters as the layout
+    left them: a tensor-parallel split or FSDP2 puts new (DTensor) parameters in the old ones' places, under the
+    same names (``names``: each old parameter's id -> its name). A parameter that stayed is left as it is."""
+    moved = {}
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            new = now.get(names.get(id(param), ""), param)
+            moved[param] = new
+            params.append(new)
+        group["params"] = params
+    for old in [p for p in optimizer.state if moved.get(p, p) is not p]:
+        optimizer.state[moved[old]] = optimizer.state.pop(old)
+
+
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     return optimizer.param_groups[0]["lr"]
 
@@ -173,6 +190,8 @@ def resolve_config(config: Any, env: DistEnv, run_dir: str | Path | None) -> Con
         for key in keys:
             if key in raw.get(section, {}):
                 usage(f"a Session trains the model and data you set up; remove {section}.{key} from the config")
+    # The model is the user's own (its name is recorded by setup): the layout checks treat it as fit's model.
+    raw = {**raw, "model": {**raw.get("model", {}), "factory": "__main__:session_model"}}
     return load_config_dict(raw, env.overrides, env.run_dir or (str(run_dir) if run_dir else None), source=source,
                             name=script_name())
 

@@ -152,3 +152,66 @@ def test_the_report_of_a_session_run_and_of_a_fit_run_breaks_the_step_down(tmp_p
         in_two(attempt, str(run_dir), 3, True)  # a resume of the finished run: nothing trained or written
         assert (run_dir / "summary.json").read_bytes() == finished
         assert_the_report_breaks_the_step_down(run_dir)
+
+
+# --- every layout in a Session: tensor parallelism with the user's plan --------------------------------------
+TP_PLAN = {"up": "colwise", "down": "rowwise"}
+
+
+class Block(__import__("torch").nn.Module):
+    """The user's own model: a colwise layer and its rowwise partner."""
+
+    def __init__(self):
+        import torch
+        from torch import nn
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.down(self.up(x).relu())
+
+
+def _layout_run(rank: int, world_size: int, port: int, run_dir: str, sections: dict, plan: dict | None) -> dict:
+    import torch
+    from torch import nn
+
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    with as_launched_worker(rank, world_size, port) as stderr:
+        config = {**BREAKDOWN, "train": {**BREAKDOWN["train"], "max_steps": 6, "grad_clip_norm": 0.5}, **sections}
+        session = ringtrain.Session(config, run_dir=run_dir)
+        loader = session.loader(breakdown_data())  # before setup: dealt once the layout is known
+        model = Block()
+        model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01), tp_plan=plan)
+        losses = []
+        for _ in session.epochs(1):
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+                session.backward(loss)
+                optimizer.step()
+                losses.append(session.sum(loss.item()) / session.sum(1))
+        weights = {k: v.clone() for k, v in session.model_state_dict().items()}
+        summary = session.finish()
+        session.close()
+    return {"losses": losses, "weights": weights, "summary": summary, "stderr": stderr.getvalue()}
+
+
+def test_a_session_with_tensor_parallelism_trains_as_one_worker(tmp_path):
+    import torch
+
+    from tests.distributed import run_distributed
+    from tests.fit.test_session_loop import free_port, in_two
+
+    one = run_distributed(_layout_run, 1, free_port(), str(tmp_path / "one"), {}, None, timeout_s=240)[0]
+    split = in_two(_layout_run, str(tmp_path / "tp"), {"parallel": {"tp": 2}}, TP_PLAN)
+    assert len(one["losses"]) == 12  # 6 steps of 2 micro-batches (16 samples, 8 at a time)
+    for rank in split:
+        assert rank["summary"]["steps"] == 6, rank["stderr"]
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+        assert rank["weights"].keys() == one["weights"].keys()
+        for name, whole in one["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], whole, rtol=1e-5, atol=1e-6, msg=name)
