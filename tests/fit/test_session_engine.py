@@ -135,7 +135,8 @@ def assert_the_report_breaks_the_step_down(run_dir):
     # samples/s of the last attempt's records against summary.json's, which times the attempt to its end.
     last = run.attempts[-1]
     recorded = sum(r["samples_per_s"] * r["step_time_s"] for r in last.train) / sum(r["step_time_s"] for r in last.train)
-    assert abs(recorded / run.summary["samples_per_s"] - 1) <= 0.35, (recorded, run.summary["samples_per_s"])
+    print(f"{run_dir.name}: the last attempt's records {recorded:.1f} samples/s, summary.json {run.summary['samples_per_s']}")
+    assert abs(recorded / run.summary["samples_per_s"] - 1) <= 0.15, (recorded, run.summary["samples_per_s"])
     text = write_report([run], run_dir / "report").read_text()
     assert " 0 samples/s" not in text and run.totals.samples_per_s > 0, text
     assert f"{run.totals.final_step} steps in 2 attempts" in text, text
