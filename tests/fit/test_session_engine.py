@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 from tests.conftest import run_cli
 
@@ -182,11 +181,11 @@ def _layout_run(rank: int, world_size: int, port: int, run_dir: str, sections: d
     from tests.fit.test_session_loop import as_launched_worker
 
     with as_launched_worker(rank, world_size, port) as stderr:
-        config = {**BREAKDOWN, "train": {**BREAKDOWN["train"], "max_steps": 6, "grad_clip_norm": 0.5}, **sections}
+        config = {**BREAKDOWN, "train": {**BREAKDOWN["train"], "max_steps": 6, "grad_clip_norm": 5.0}, **sections}
         session = ringtrain.Session(config, run_dir=run_dir)
         loader = session.loader(breakdown_data())  # before setup: dealt once the layout is known
         model = Block()
-        model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01), tp_plan=plan)
+        model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.2), tp_plan=plan)
         losses = []
         for _ in session.epochs(1):
             for inputs, targets in loader:
