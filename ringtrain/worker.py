@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -25,7 +26,7 @@ from ringtrain.heal.membership import Fenced, MemberFailed
 from ringtrain.train.guards import Stopped
 from ringtrain.train.run import ResumeWords, plan_resume, run_joined_training, run_training
 
-__all__ = ["main", "build_worker_parser", "report_error", "report_exception"]
+__all__ = ["main", "build_worker_parser", "report_error", "report_exception", "tell_exception", "uncaught_reporter"]
 
 
 def build_worker_parser() -> argparse.ArgumentParser:
@@ -87,13 +88,36 @@ def report_exception(err: Exception, env: DistEnv, run_dir: str | None) -> NoRet
     RUN_DIR/logs/rank-R.traceback, the console gets one line naming the exception and the file (the
     launcher's last line names them too), and the worker exits 1. A lone process (python train.py) shows
     the traceback as Python does, and keeps the file as well."""
+    if not tell_exception(err, env, run_dir):
+        raise err
+    sys.exit(1)
+
+
+def tell_exception(err: BaseException, env: DistEnv, run_dir: str | None) -> bool:
+    """``report_exception``'s telling: the traceback file, the error file, and the one console line; False
+    when the caller must show the traceback itself (a lone process, or no run directory to keep it in)."""
     path = write_traceback(run_dir, env.rank, err)
     line = f"[rank {env.rank}] {type(err).__name__}: {_first_line(err)}"
     record_failure(env.error_file, "cause", line, err, traceback=path)
     if not env.is_distributed or path is None:
-        raise err
+        return False
     say(f"ringtrain: error: {line} (traceback: {path})")
-    sys.exit(1)
+    return True
+
+
+def uncaught_reporter(env: DistEnv, run_dir: Callable[[], str | None]) -> Callable[..., None]:
+    """A ``sys.excepthook`` for a loop ringtrain does not run itself (a ``Session`` in the user's script): an
+    exception that leaves the script is told as ``fit`` tells it (``report_error``, ``report_exception``:
+    one line, the traceback in RUN_DIR/logs/rank-R.traceback, the launcher's last line naming it); the
+    process then exits 1 as Python's own hook has it. Ctrl-C and the like go to Python's hook."""
+
+    def hook(kind: type[BaseException], err: BaseException, trace: Any) -> None:
+        if isinstance(err, RingtrainError):
+            report_error(err, env)
+        elif not isinstance(err, Exception) or not tell_exception(err, env, run_dir()):
+            sys.__excepthook__(kind, err, trace)
+
+    return hook
 
 
 def say(line: str) -> None:

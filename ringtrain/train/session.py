@@ -61,7 +61,7 @@ from ringtrain.group.env import DistEnv
 from ringtrain.group.init import init_distributed
 from ringtrain.group.jobstore import connect_job_store
 from ringtrain.group.lifetime import exit_with_parent
-from ringtrain.group.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbeat
+from ringtrain.group.watch import HEARTBEAT_INTERVAL_S, CollectiveWatch, Heartbeat, flight_dumper
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.monitor.loggers import NullLogger, build_logger
 from ringtrain.monitor.metrics import StepClock
@@ -74,7 +74,8 @@ from ringtrain.train.commit import StepCommit
 from ringtrain.train.guards import StepGuard, StopSignal, Verdict, check_replicas
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer
 from ringtrain.train.precision import Precision
-from ringtrain.train.resume import check_same_choice
+from ringtrain.group.jobstore import PreviousAttempt
+from ringtrain.train.resume import check_same_choice, resume_record
 from ringtrain.train.run import finished_summary
 from ringtrain.train.run_lock import RunDirLock
 from ringtrain.train.state import TrainState
@@ -83,7 +84,7 @@ from ringtrain.train.stateful import CommState, ModelState, OptimizerState, RunI
 
 from ringtrain.train.session_parts import (RESERVED_PARTS, EvalLoader, PlainValue, Samples, SessionLoader,
                                            SessionOptimizer, SessionScheduler, check_plain_value, current_lr,
-                                           exit_with, planned_steps, resolve_config, resume_plan, usage)
+                                           exit_with, follow_parameters, planned_steps, resolve_config, resume_plan, usage)
 
 __all__ = ["Session"]
 
@@ -102,19 +103,29 @@ class Session:
             self.config = resolve_config(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
             layout = resolve_layout(self.config.parallel, self.config.comm.strategy, env.world_size)
-            if layout.model_parallel > 1:
-                raise ConfigError("[parallel] tp or pp > 1 in a Session: model parallelism runs under ringtrain "
-                                  "train so far (issue 23); set tp = 1 and pp = 1 here")
+            if layout.pp > 1:
+                raise ConfigError("[parallel] pp > 1 in a Session: a pipeline runs the forward and backward itself, "
+                                  "not your loop's model(inputs); train it with ringtrain.fit(..., pp_split=...), or "
+                                  "set pp = 1 here")
+            self._layout = layout
             self.plan = resume_plan(resume, env, self.config)
         except RingtrainError as err:
             exit_with(err, env)
         self._group = init_distributed(env, self.config.dist)
         self.ctx = self._group.__enter__()
+        from ringtrain.worker import uncaught_reporter
+
+        # An exception that leaves the user's loop is told as fit tells it (one line, the traceback kept); set
+        # after the group starts, whose own hook would prefix every line of a raw traceback with "[rankR]: ".
+        self._excepthook, sys.excepthook = sys.excepthook, uncaught_reporter(env, lambda: self.config.run_dir)
         if self.ctx.env.fault_plan and not faults.is_armed():  # a test harness's fault plan: nothing in a user's run
             arm_fault_plan(self.ctx, None)
         self._closers: list[Any] = []
         self.job_store = connect_job_store(self.ctx.env, is_writer=self.rank == 0)
-        self._closers.append(Heartbeat(self.job_store, self.rank, HEARTBEAT_INTERVAL_S).__enter__())
+        # A failed collective (and SIGUSR1 to the launcher) dumps the flight recorder, as under fit.
+        dump = (flight_dumper(self.config.run_dir, self.rank, self.world_size) if self.config.dist.flight_recorder
+                else None)
+        self._closers.append(Heartbeat(self.job_store, self.rank, HEARTBEAT_INTERVAL_S, on_dump_request=dump).__enter__())
         if self.rank == 0:
             self._closers.append(RunDirLock(self.config.run_dir).__enter__())
         self.logger = NullLogger()  # until training starts: its config then records what the session trains
@@ -124,7 +135,8 @@ class Session:
         self.stop_signal = StopSignal()
         self.guard = StepGuard(self.rank, self.world_size, self.device, self.config.train.max_consecutive_nonfinite_steps,
                                self.stop_signal)
-        self.watch = CollectiveWatch(self.job_store, self.rank, self.world_size, self.config.dist.timeout_s)
+        self.watch = CollectiveWatch(self.job_store, self.rank, self.world_size, self.config.dist.timeout_s,
+                                     on_failure=dump)
         ckpt = self.config.checkpoint
         self.checkpoints = CheckpointFront(Path(self.config.run_dir) / ckpt.dir, self.rank, self.world_size,
                                            ckpt.keep_last, sharded=ckpt.sharded, background=ckpt.async_)
@@ -132,6 +144,8 @@ class Session:
         self.values: dict[str, Any] = {}
         """The plain values ``register``ed (name -> value): set them in your loop; a resume gives them back."""
         self._save_due = False
+        self._resumed: Path | None = None
+        """The checkpoint this run resumed from (None: a fresh run)."""
         self._summary: dict[str, Any] | None = None
         """The run's summary once ``finish`` wrote it, or a resumed finished run's summary.json (nothing is
         trained or written): ``finish`` returns it again."""
@@ -145,6 +159,9 @@ class Session:
         self._saved_step = -1
         self._pending = None
         self._started = time.perf_counter()
+        """When training started (the first batch asked for): summary.json's wall_s counts from here, as fit's."""
+        self._yielded = self._started
+        self._outside_since: float | None = None
         self.total_steps = 0
         self.start_step = 0
         """The step this run started from (a resume's checkpoint; 0 for a fresh run)."""
@@ -171,12 +188,14 @@ class Session:
 
     # --- setting up ---------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-              data: Dataset | None = None, collate_fn: Any = None) -> tuple:
+              data: Dataset | None = None, collate_fn: Any = None, *, tp_plan: Any = None) -> tuple:
         """Wrap ``model`` with the configured strategy (``[comm] strategy``: ddp, manual, zero1-3, fsdp) after
         making every rank's weights rank 0's; take ``optimizer`` over it (None: ``[train] optimizer``) and
         ``scheduler`` over that (None with no optimizer given: ``[train]``'s warm-up and cosine; with your
-        optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. Returns the
-        model, optimizer, scheduler and loader (those given or made), in that order."""
+        optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. ``tp_plan``:
+        with ``[parallel] tp`` > 1, how the model splits over the tensor-parallel ranks (as ``fit(tp_plan=...)``;
+        a Hugging Face model's own plan when left out); those ranks read the same samples. Returns the model,
+        optimizer, scheduler and loader (those given or made), in that order."""
         if self.model is not None:
             usage("Session.setup was called twice; set up the model and optimizer in one call")
         module = model.to(self.device)
@@ -184,9 +203,18 @@ class Session:
         # For the record (config.toml): what this run trains.
         self.config = self.config.model_copy(update={
             "model": self.config.model.model_copy(update={"factory": describe_callable(model)})})
-        parallel = build_parallel(self.config, self.ctx, module)  # the layout's mesh, checkpointing, the strategy
+        if tp_plan is not None and self._layout.tp == 1:
+            usage("session.setup(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1 "
+                  "here; set {'parallel': {'tp': 2}} (or more), or leave tp_plan out")
+        # The one way in to every layout, as fit's: the layout's mesh, the tp split, checkpointing, the strategy.
+        names = {id(param): name for name, param in module.named_parameters()}
+        parallel = build_parallel(self.config, self.ctx, module, tp_plan=tp_plan)
         self.ctx, self.strategy = parallel.ctx, parallel.strategy
         self.module, self.model = module, parallel.model
+        if optimizer is not None:  # made over the whole module: moved onto the split (tp) or sharded parameters
+            follow_parameters(optimizer, names, dict(module.named_parameters()))
+        if self.sampler is not None:  # loader() came first: dealt now that this rank's data-parallel place is known
+            self._deal()
         made = self._made_optimizer = optimizer is None
         optimizer = build_optimizer(self.config.train, module.parameters()) if made else optimizer
         self.optimizer = self.strategy.shard_optimizer(optimizer)
@@ -210,12 +238,22 @@ class Session:
         self.config = self.config.model_copy(update={
             "data": self.config.data.model_copy(update={"factory": describe_callable(data)})})
         self.sampler = ResumableSampler(len(data), self.config.train.global_batch_size, seed=self.config.train.seed)
-        self._loader = build_train_loader(data, self.sampler, self.rank, self.world_size,
-                                          num_workers=self.config.data.num_workers, collate_fn=collate_fn)
-        self.ledger = build_ledger(self.config.data.ledger, self.config.run_dir, len(data), self.rank)
-        self.batcher = MicroBatcher(self.config.train, Samples(), self.rank, self.world_size, self.device)
+        self._data = (data, collate_fn)
+        if self.strategy is not None:  # else setup deals it, once this rank's data-parallel place is known
+            self._deal()
         self.total_steps = planned_steps(self.config, self.sampler.steps_per_epoch)
         return SessionLoader(self)
+
+    def _deal(self) -> None:
+        """The step loader, ledger and micro-batch plan over the data-parallel ranks (as the Trainer's,
+        train/build.py): the ranks of a tensor-parallel group read the same samples, and only its first records
+        them."""
+        (data, collate_fn), ctx = self._data, self.ctx
+        self._loader = build_train_loader(data, self.sampler, ctx.dp_rank, ctx.dp_size,
+                                          num_workers=self.config.data.num_workers, collate_fn=collate_fn)
+        self.ledger = build_ledger(self.config.data.ledger, self.config.run_dir, len(data), ctx.rank, ctx.dp_group,
+                                   ctx.data_leader)
+        self.batcher = MicroBatcher(self.config.train, Samples(), ctx.dp_rank, ctx.dp_size, self.device, ctx.dp_group)
 
     def _ready(self) -> None:
         """Before the first step: continue from a checkpoint when the session resumes, open the records."""
@@ -237,8 +275,12 @@ class Session:
         warning = outer_step_warning(self.config, self.total_steps)
         if warning is not None:  # rank 0's logger: a console line and a record
             self.logger.log({"type": "warning", "message": warning})
+        if self._resumed is not None:  # the record that starts an attempt (`ringtrain report` sums every one)
+            self.logger.log(resume_record(self._resumed, self.state.step, self.world_size,
+                                          PreviousAttempt(starts=1, last_step=None, last_step_time=None)))
         self.ledger.start(self.state.step)
         self._start_samples = self.state.samples_seen
+        self._started = time.perf_counter()
         self.clock.flush()
 
     def register(self, name: str, part: Any) -> Any:
@@ -271,9 +313,18 @@ class Session:
         with self.stop_signal:
             while self.state.epoch < count and self.state.step < self.total_steps:
                 yield self.state.epoch
+                self._book_outside()
                 if self._save_due:  # the epoch's last step, saved after your end-of-epoch code (its values)
-                    self.save()
+                    with self.clock.phase("checkpoint"):
+                        self.save()
         self.finish()
+
+    def _book_outside(self) -> None:
+        """The loop's own code between the epoch's last batch and now (its evaluation, a best model saved): booked
+        as evaluation, so the step's phases still add up to the step."""
+        if self._outside_since is not None:
+            self.clock.phase_totals["eval"] += time.perf_counter() - self._outside_since
+            self._outside_since = None
 
     # --- the step ----------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, reduction: str = "mean") -> None:
@@ -287,7 +338,14 @@ class Session:
         weight = rows if reduction == "mean" else 1
         if rows == 0:  # an empty share (the step's samples do not divide over the ranks): no loss, every hook
             loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
-        self.precision.scale(loss * (self.world_size / items * weight)).backward()
+        # The last micro-batch's backward synchronises the gradients: a peer's failure there is one line.
+        with self.watch.op(self.strategy.step_operation, self.state.step + 1):
+                self.precision.scale(loss * (self.ctx.gradient_ranks / items * weight)).backward()
+        # The step's breakdown, as the Trainer's: the user's forward and this backward since the loader yielded
+        # the micro-batch; the synchronising backward's wait for the gradient all-reduce is exposed communication.
+        self.clock.phase_totals["forward_backward"] += time.perf_counter() - self._yielded
+        if self._micro[1]:
+            self.clock.move("forward_backward", "comm_exposed", self.strategy.comm_timer.backward_done())
         self._step_loss = self._step_loss + loss.detach().float().cpu() * weight
 
     def _commit_step(self) -> Verdict:
@@ -303,6 +361,7 @@ class Session:
         commit.apply(step, verdict, self._batch.indices.tolist(), scheduler=self.scheduler,
                      last=0 < self.total_steps <= step)
         commit.advance(step, self._window)
+        self.strategy.comm_timer.end_step()
         self.guard.count(verdict, self.state, step)
         return verdict
 
@@ -311,13 +370,16 @@ class Session:
         if self.sampler.epoch_finished:
             self.state.epoch += 1
             self.sampler.set_epoch(self.state.epoch)
-        if self.state.step % self.config.monitor.log_every_steps == 0:
-            self.logger.log({"type": "train", "step": self.state.step, "epoch": self.state.epoch,
-                             "loss": loss_sum.item() / max(1, self._window),
-                             "lr": current_lr(self.optimizer), **self.clock.flush(), **self.strategy.comm_timer.flush()})
-        self.logger.on_step(self.state.step, self.state.epoch)
-        if verdict.skip:
-            self.logger.log({"type": "skip", "step": self.state.step, "reason": verdict.describe()})
+        with self.clock.phase("monitor"):
+            if self.state.step % self.config.monitor.log_every_steps == 0:
+                timing = self.clock.flush()  # the interval ends here; this record's cost is booked in the next
+                self.logger.log({"type": "train", "step": self.state.step, "epoch": self.state.epoch,
+                                 "loss": loss_sum.item() / max(1, self._window), "lr": current_lr(self.optimizer),
+                                 **timing, **self.strategy.comm_timer.flush(),
+                                 "comm_fraction": timing.get("time/comm_exposed_s", 0.0) / timing["step_time_s"]})
+            self.logger.on_step(self.state.step, self.state.epoch)
+            if verdict.skip:
+                self.logger.log({"type": "skip", "step": self.state.step, "reason": verdict.describe()})
         if verdict.stop:  # SIGTERM or Ctrl-C on some rank: every rank saves this step and leaves
             self.save()
             self._wait_save()
@@ -331,7 +393,8 @@ class Session:
             if self.sampler.cursor == 0:  # an epoch's last step: saved as the next epoch starts, so it holds
                 self._save_due = True     # what the end of this one registers (a best accuracy)
             else:
-                self.save()
+                with self.clock.phase("checkpoint"):
+                    self.save()
 
     # --- checkpoints -------------------------------------------------------------------------------------
     def parts(self) -> dict[str, Any]:
@@ -376,6 +439,7 @@ class Session:
                                        "without resume"), self.ctx.env)
             return
         self.checkpoints.load(found, self.parts(), ShardedTensors(self.strategy, self.model, self.optimizer))
+        self._resumed = found.path
         self.print(f"ringtrain: resumed from {found.path.name} (step {self.state.step})", file=sys.stderr)
 
     # --- the model as yours ------------------------------------------------------------------------------
@@ -406,8 +470,9 @@ class Session:
         """This rank's part of ``data``: every sample exactly once across ranks (sum what you count with ``sum``).
         Every rank gets as many batches (the last ones may hold no sample): a wrapped model's forward may be a
         collective (DDP's buffers, zero3 and FSDP gathering parameters)."""
-        loader = build_eval_loader(data, self.rank, self.world_size, batch_size, collate_fn=collate_fn)
-        counts = [math.ceil(len(range(rank, len(data), self.world_size)) / batch_size) for rank in range(self.world_size)]
+        rank, ranks = self.ctx.dp_rank, self.ctx.dp_size  # after setup under tp: its group reads the same samples
+        loader = build_eval_loader(data, rank, ranks, batch_size, collate_fn=collate_fn)
+        counts = [math.ceil(len(range(r, len(data), ranks)) / batch_size) for r in range(ranks)]
         # Resolved as the batches are handed out: eval_loader may come before setup() (no strategy yet).
         return EvalLoader(loader, max(counts), lambda: (self.strategy.outer_loop.evaluation_weights() if self.strategy is not None
                                                         else contextlib.nullcontext()))
@@ -416,7 +481,8 @@ class Session:
         """``value`` (a number or a tensor) summed over every rank."""
         tensor = torch.as_tensor(value, dtype=torch.float64).clone()
         if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(tensor)
+            with self.watch.op("all_reduce (session.sum)", self.state.step):
+                dist.all_reduce(tensor, group=self.ctx.dp_group)  # tensor-parallel peers counted the same samples
         return tensor.item() if tensor.dim() == 0 and not isinstance(value, torch.Tensor) else tensor
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -462,6 +528,7 @@ class Session:
         if self.strategy is not None:  # set up
             self.strategy.close()
         group, self._group = self._group, None
+        sys.excepthook = self._excepthook
         self.model = self.optimizer = None  # DDP's reducer holds the group: gone before it is destroyed
         group.__exit__(None, None, None)
 

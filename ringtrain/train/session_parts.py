@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -68,29 +69,40 @@ class SessionLoader:
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
         s = self.session
         s._ready()
+        s._book_outside()  # the loop's own code since the last epoch's batches (its evaluation)
         if s._save_due:  # the last epoch's last step, held back until its end-of-epoch code ran
-            s.save()
-        for batch in s._loader:
-            step = s.state.step + 1
-            s._window = s.sampler.next_window_size()
-            s._batch = batch = batch.to(s.device)
+            with s.clock.phase("checkpoint"):
+                s.save()
+        batches = iter(s._loader)
+        while True:
+            with s.clock.phase("data"):  # the wait for the step's batch, as the Trainer books it
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                step = s.state.step + 1
+                s._window = s.sampler.next_window_size()
+                s._batch = batch = batch.to(s.device)
             s._step_loss = torch.zeros(())
             s._stepped = False
-            # The model's randomness (dropout) from (seed, step, rank): the same after a resume.
-            seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.rank))
-            plan = s.batcher.plan(batch, s._window)
+            # The model's randomness (dropout) from (seed, step, data-parallel rank): the same after a resume; a
+            # tensor-parallel group's ranks drop the same replicated activations.
+            seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.ctx.dp_rank))
+            with s.clock.phase("data"):
+                plan = s.batcher.plan(batch, s._window)
             last = len(plan.micro_batches) - 1
             for index, (inputs, targets) in enumerate(plan.micro_batches):
                 s._micro = (len(targets), index == last, plan.global_items)
                 s._first = index == 0
                 # Accumulation micro-batches do not synchronise (their forward and backward in no_sync).
                 with contextlib.nullcontext() if index == last else s.strategy.no_sync(s.model):
+                    s._yielded = time.perf_counter()  # forward+backward: from here to backward's return
                     yield inputs, targets
             if not s._stepped:
                 usage(f"step {step}: optimizer.step() was not called for the step's last micro-batch; "
                                   "call it once per micro-batch, after session.backward(loss)")
             if s.state.step >= s.total_steps or s.sampler.cursor == 0:
                 break  # the epoch (or the run) is over: the next epoch starts with a fresh iterator
+        s._outside_since = time.perf_counter()
 
 
 class SessionOptimizer:
@@ -144,6 +156,22 @@ class SessionScheduler:
         return getattr(self.scheduler, name)
 
 
+def follow_parameters(optimizer: torch.optim.Optimizer, names: dict[int, str], now: dict[str, torch.nn.Parameter]) -> None:
+    """Point ``optimizer`` (made by the user's script before ``setup``) at the module's parameters as the layout
+    left them: a tensor-parallel split or FSDP2 puts new (DTensor) parameters in the old ones' places, under the
+    same names (``names``: each old parameter's id -> its name). A parameter that stayed is left as it is."""
+    moved = {}
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            new = now.get(names.get(id(param), ""), param)
+            moved[param] = new
+            params.append(new)
+        group["params"] = params
+    for old in [p for p in optimizer.state if moved.get(p, p) is not p]:
+        optimizer.state[moved[old]] = optimizer.state.pop(old)
+
+
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     return optimizer.param_groups[0]["lr"]
 
@@ -162,6 +190,8 @@ def resolve_config(config: Any, env: DistEnv, run_dir: str | Path | None) -> Con
         for key in keys:
             if key in raw.get(section, {}):
                 usage(f"a Session trains the model and data you set up; remove {section}.{key} from the config")
+    # The model is the user's own (its name is recorded by setup): the layout checks treat it as fit's model.
+    raw = {**raw, "model": {**raw.get("model", {}), "factory": "__main__:session_model"}}
     return load_config_dict(raw, env.overrides, env.run_dir or (str(run_dir) if run_dir else None), source=source,
                             name=script_name())
 

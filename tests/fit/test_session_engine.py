@@ -1,0 +1,217 @@
+"""The Session on the engine fit runs on (issue 41): a user's own loop gets fit's error path and fit's step breakdown.
+
+- an exception on rank 1 only, in the user's loop: the launcher's last line names its type and message and the
+  traceback file, each rank's traceback is in RUN_DIR/logs/rank-R.traceback, the rank that waited in the gradient
+  all-reduce dumps its flight recorder, and the console holds no traceback (the same assertions as fit's, in
+  tests/fit/test_front_door.py);
+- ``ringtrain report`` on a Session run and on a fit run (the same assertions): forward+backward is measured, the
+  phases add up to the step within 10%, samples/s agrees with summary.json, and a resume that trained nothing
+  reports no "0 samples/s".
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+SCRIPT = """
+import sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import ringtrain
+
+torch.manual_seed(0)
+inputs, targets = torch.randn(64, 5), torch.randint(0, 3, (64,))
+model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+session = ringtrain.Session({"train": {"global_batch_size": 16, "local_batch_size": 8, "seed": 0},
+                             "monitor": {"progress": False}}, run_dir=sys.argv[1])
+model, optimizer, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data=TensorDataset(inputs, targets))
+for _ in session.epochs(2):
+    for x, y in loader:
+        outputs = {"logits": model(x)}
+        if session.rank == 1:  # the user's own mistake, on rank 1 only, at its first step
+            outputs = {"logits": outputs["logit"]}
+        session.backward(nn.functional.cross_entropy(outputs["logits"], y))
+        optimizer.step()
+"""
+
+
+def errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("ringtrain: error:")]
+
+
+def test_an_exception_in_a_session_loop_on_one_rank_is_told_as_fit_tells_it(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    result = run_cli("run", str(script), "--nproc", "2", "--", str(run_dir), timeout=240)
+    last = result.stderr.strip().splitlines()[-1]
+    print(f"rank 1 raised: exit {result.returncode}; {len(result.stderr.splitlines())} lines; last: {last}")
+    traceback = run_dir / "logs" / "rank-1.traceback"
+    assert result.returncode == 1
+    assert last.startswith("ringtrain: error: worker rank 1 ") and "KeyError: 'logit'" in last, result.stderr
+    assert f"(traceback: {traceback})" in last
+    kept = traceback.read_text()
+    assert kept.startswith("Traceback (most recent call last)") and "loop.py" in kept, kept
+    assert kept.rstrip().endswith("KeyError: 'logit'")
+    # The console: at most one line per rank, then the launcher's; no traceback, no torch log lines.
+    assert "Traceback" not in result.stderr and len(errors(result.stderr)) <= 3, result.stderr
+    assert len(result.stderr.strip().splitlines()) == len(errors(result.stderr)), result.stderr
+    # Rank 0 waited for rank 1 in the gradient all-reduce: its flight recorder is kept for `ringtrain diagnose`.
+    dump = json.loads((run_dir / "flight" / "rank-0.json").read_text())
+    assert dump["rank"] == 0, dump
+
+
+# --- the step breakdown, through the Session and through fit ---------------------------------------------------
+SAMPLES, STEPS_PER_EPOCH = 512, 32  # 16 samples a step
+BREAKDOWN = {"train": {"global_batch_size": 16, "local_batch_size": 8, "seed": 0},
+             "checkpoint": {"every_steps": 16}, "monitor": {"progress": False, "log_every_steps": 4}}
+
+
+def breakdown_data():
+    import torch
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(SAMPLES, 32, generator=generator),
+                         torch.randint(0, 4, (SAMPLES,), generator=generator))
+
+
+def breakdown_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+
+
+def _session_attempt(rank: int, world_size: int, port: int, run_dir: str, epochs: int, resume: bool) -> int:
+    import torch
+    from torch import nn
+
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    with as_launched_worker(rank, world_size, port):
+        session = ringtrain.Session(BREAKDOWN, run_dir=run_dir, resume=resume)
+        model = breakdown_model()
+        model, optimizer, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                                 data=breakdown_data())
+        steps = 0
+        for _ in session.epochs(epochs):
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                session.backward(nn.functional.cross_entropy(model(inputs), targets))
+                optimizer.step()
+                steps += 1
+        session.close()
+    return steps
+
+
+def _fit_attempt(rank: int, world_size: int, port: int, run_dir: str, epochs: int, resume: bool) -> int:
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    with as_launched_worker(rank, world_size, port):
+        result = ringtrain.fit(breakdown_model, breakdown_data(), loss="cross_entropy", run_dir=run_dir,
+                               resume=resume, config={**BREAKDOWN, "train": {**BREAKDOWN["train"], "epochs": epochs}})
+    return result["steps"]
+
+
+def assert_the_report_breaks_the_step_down(run_dir):
+    from ringtrain.monitor.report import PHASES, load_run, write_report
+
+    run = load_run(run_dir)
+    assert len(run.attempts) == 2, [a.describe() for a in run.attempts]  # the start and one --resume
+    phases, step_s = run.phase_means(), run.mean("step_time_s")
+    shares = {phase: round(seconds / step_s, 3) for phase, seconds in phases.items() if seconds}
+    print(f"{run_dir.name}: step {step_s * 1e3:.2f} ms; shares {shares}")
+    assert phases["forward_backward"] > 0 and phases["data"] > 0 and phases["optimizer"] > 0, shares
+    assert abs(sum(phases[p] for p in PHASES) / step_s - 1) <= 0.10, shares
+    assert run.mean("time/comm_s") <= step_s, (run.mean("time/comm_s"), step_s)  # per step, not per interval
+    # samples/s of the last attempt's records against summary.json's, which times the attempt to its end.
+    last = run.attempts[-1]
+    recorded = sum(r["samples_per_s"] * r["step_time_s"] for r in last.train) / sum(r["step_time_s"] for r in last.train)
+    print(f"{run_dir.name}: the last attempt's records {recorded:.1f} samples/s, summary.json {run.summary['samples_per_s']}")
+    assert abs(recorded / run.summary["samples_per_s"] - 1) <= 0.15, (recorded, run.summary["samples_per_s"])
+    text = write_report([run], run_dir / "report").read_text()
+    assert " 0 samples/s" not in text and run.totals.samples_per_s > 0, text
+    assert f"{run.totals.final_step} steps in 2 attempts" in text, text
+
+
+def test_the_report_of_a_session_run_and_of_a_fit_run_breaks_the_step_down(tmp_path):
+    from tests.fit.test_session_loop import in_two
+
+    for name, attempt in (("session", _session_attempt), ("fit", _fit_attempt)):
+        run_dir = tmp_path / name
+        assert in_two(attempt, str(run_dir), 1, False) == [STEPS_PER_EPOCH] * 2
+        assert in_two(attempt, str(run_dir), 3, True) == [3 * STEPS_PER_EPOCH - (STEPS_PER_EPOCH if name == "session" else 0)] * 2
+        finished = (run_dir / "summary.json").read_bytes()
+        in_two(attempt, str(run_dir), 3, True)  # a resume of the finished run: nothing trained or written
+        assert (run_dir / "summary.json").read_bytes() == finished
+        assert_the_report_breaks_the_step_down(run_dir)
+
+
+# --- every layout in a Session: tensor parallelism with the user's plan --------------------------------------
+TP_PLAN = {"up": "colwise", "down": "rowwise"}
+
+
+class Block(__import__("torch").nn.Module):
+    """The user's own model: a colwise layer and its rowwise partner."""
+
+    def __init__(self):
+        import torch
+        from torch import nn
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.down(self.up(x).relu())
+
+
+def _layout_run(rank: int, world_size: int, port: int, run_dir: str, sections: dict, plan: dict | None) -> dict:
+    import torch
+    from torch import nn
+
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    with as_launched_worker(rank, world_size, port) as stderr:
+        config = {**BREAKDOWN, "train": {**BREAKDOWN["train"], "max_steps": 6, "grad_clip_norm": 5.0}, **sections}
+        session = ringtrain.Session(config, run_dir=run_dir)
+        loader = session.loader(breakdown_data())  # before setup: dealt once the layout is known
+        model = Block()
+        model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.2), tp_plan=plan)
+        losses = []
+        for _ in session.epochs(1):
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+                session.backward(loss)
+                optimizer.step()
+                losses.append(session.sum(loss.item()) / session.sum(1))
+        weights = {k: v.clone() for k, v in session.model_state_dict().items()}
+        summary = session.finish()
+        session.close()
+    return {"losses": losses, "weights": weights, "summary": summary, "stderr": stderr.getvalue()}
+
+
+def test_a_session_with_tensor_parallelism_trains_as_one_worker(tmp_path):
+    import torch
+
+    from tests.distributed import run_distributed
+    from tests.fit.test_session_loop import free_port, in_two
+
+    one = run_distributed(_layout_run, 1, free_port(), str(tmp_path / "one"), {}, None, timeout_s=240)[0]
+    split = in_two(_layout_run, str(tmp_path / "tp"), {"parallel": {"tp": 2}}, TP_PLAN)
+    assert len(one["losses"]) == 12  # 6 steps of 2 micro-batches (16 samples, 8 at a time)
+    for rank in split:
+        assert rank["summary"]["steps"] == 6, rank["stderr"]
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+        assert rank["weights"].keys() == one["weights"].keys()
+        for name, whole in one["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], whole, rtol=1e-5, atol=1e-6, msg=name)
