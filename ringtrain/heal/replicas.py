@@ -100,7 +100,12 @@ def _move_state(old: Trainer, new: Trainer) -> None:
         raise HealFailed("the optimizer rebuilt for the healed group has other parameter groups; continue with --resume")
     for old_group, new_group in zip(old_opt.param_groups, new_opt.param_groups):
         new_group.update({key: value for key, value in old_group.items() if key != "params"})
+        if len(old_group["params"]) != len(new_group["params"]):
+            raise HealFailed("the optimizer rebuilt for the healed group holds other parameters; continue with --resume")
         for old_param, new_param in zip(old_group["params"], new_group["params"]):
+            # Every trained parameter, also one outside the module (a pipeline's last stage's own copy of a tied
+            # weight: parallel/pipeline.py)
+            _local(new_param).copy_(_local(old_param))
             if old_param in old_opt.state:
                 new_opt.state[new_param] = {key: _like(value, new_param)
                                             for key, value in old_opt.state[old_param].items()}
