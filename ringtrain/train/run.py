@@ -200,6 +200,8 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
                     on_start()
                 summary = supervisor.run(trainer) if supervisor else trainer.fit()
             final = supervisor.trainer if supervisor else trainer  # a heal rebuilds the trainer
+            if summary.get("spared"):  # its replica left the job (heal/replicas.py): no group, no model to hand back
+                return FitResult(summary, None, rank=final.ctx.rank)
             return FitResult(summary, _trained_model(final, parts) if keep_model else None, rank=final.ctx.rank)
         finally:
             (supervisor.trainer if supervisor else trainer).end_threads()
