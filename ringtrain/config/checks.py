@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ringtrain.config.parallel import check_parallel
+from ringtrain.config.parallel import check_parallel, resolve_layout
 from ringtrain.errors import ConfigError
 from ringtrain.strategies import strategy_spec
 
@@ -60,7 +60,7 @@ def validate_for_world_sizes(config: Config, min_world_size: int, max_world_size
                 f"({train.global_batch_size}) / (local_batch_size ({train.local_batch_size}) * world_size "
                 f"({max_world_size}))) = {derived}; set it to {derived} or leave it unset{fewer}"
             )
-    for world_size in range(min_world_size, max_world_size + 1):
+    for world_size in _reachable_sizes(config, min_world_size, max_world_size):
         try:
             check_parallel(config, world_size)
         except ConfigError as error:
@@ -69,6 +69,23 @@ def validate_for_world_sizes(config: Config, min_world_size: int, max_world_size
             raise ConfigError(f"{error} (the job runs with {min_world_size} to {max_world_size} workers; this is "
                               f"at {world_size}: -1 takes the rest at every size)") from None
         validate_for_world_size(config, world_size)
+
+
+def _reachable_sizes(config: Config, min_world_size: int, max_world_size: int) -> range:
+    """The numbers of workers the job may run with. Under --heal a split model (tp x cp x pp ranks a replica)
+    loses and gains whole replicas only (heal/replicas.py): from the most workers down in steps of a replica,
+    and --min-nproc must be a whole number of replicas (one line otherwise)."""
+    every = range(min_world_size, max_world_size + 1)
+    if not config.dist.heal or min_world_size == max_world_size:
+        return every
+    check_parallel(config, max_world_size)
+    size = resolve_layout(config.parallel, config.comm.strategy, max_world_size).model_parallel
+    if size == 1:
+        return every
+    if min_world_size % size:
+        raise ConfigError(f"--min-nproc {min_world_size} with a model split over {size} ranks (tp x cp x pp): a split "
+                          f"model heals by whole replicas of {size} workers; set --min-nproc to a multiple of {size}")
+    return range(max_world_size, min_world_size - 1, -size)
 
 
 def validate_for_world_size(config: Config, world_size: int) -> None:

@@ -150,7 +150,7 @@ def resolve_layout(parallel: ParallelConfig, strategy: str, world_size: int) -> 
 def check_tensor_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What tensor parallelism (``parallel/tensor.py``) runs with: the built-in transformer (whole heads per
     rank) or a model of your own (its plan checked when it is built), any data-parallel strategy whose spec
-    composes with tp (``beside``), no heal."""
+    composes with tp (``beside``), --heal by whole replicas (replicated strategies)."""
     tp, model, strategy = degrees["tp"], config.model, config.comm.strategy
     where = f"[parallel] tp = {tp}"
     if model.factory is None and model.name != "transformer":
@@ -220,7 +220,7 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
     """What pipeline parallelism (``parallel/pipeline.py``) runs with: the built-in transformer or a user's model
     (an nn.Sequential, checked when it is built), its pipelines replicated over dp (their gradients averaged by
     ``comm.algorithm``'s all-reduce: the backend's, or ringtrain's ring or shm) or sharded by FSDP2, a fixed
-    number of equal micro-batches, no heal. (The layout's own numbers, stages against layers and
+    number of equal micro-batches, --heal by whole replicas. (The layout's own numbers, stages against layers and
     micro-batches, are checked by the caller.)"""
     pp, model, strategy, parallel = degrees["pp"], config.model, config.comm.strategy, config.parallel
     where = f"[parallel] pp = {pp}"
@@ -261,13 +261,20 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
 
 def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> None:
     """What no split model (tp, cp, pp) runs with, one line each: automatic micro-batch shrinking (which needs
-    ``shrinking_needs``) and --heal."""
+    ``shrinking_needs``), and --heal beside a strategy whose state is spread over the data-parallel ranks
+    (a split model heals by whole replicas that keep their own state: heal/replicas.py)."""
     if config.train.auto_micro_batch:
         raise ConfigError(f"{where} with train.auto_micro_batch: shrinking needs {shrinking_needs}; set "
                           "train.auto_micro_batch = false")
     if config.dist.heal:
-        raise ConfigError(f"{where} with --heal: healing a split model is not built yet (issue 40); leave out --heal "
-                          "(a lost worker ends the job; --resume goes on from the last checkpoint)")
+        spec = strategy_spec(config.comm.strategy)
+        if spec.reloads or spec.section == "diloco":
+            # A split model heals by whole replicas, each survivor moving the part it holds to the regrouped
+            # trainer in memory (heal/replicas.py): that needs every part's state on each replica.
+            raise ConfigError(f"{where} with --heal and comm.strategy = '{config.comm.strategy}': a split model heals "
+                              "by whole replicas, each keeping the model part it holds, but this strategy's state "
+                              "is spread over the data-parallel ranks a heal removes; use comm.strategy = 'ddp', or "
+                              "leave out --heal")
 
 
 def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
@@ -275,7 +282,7 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
     dropout, or a model of your own (a Hugging Face causal LM: checked when it is split), beside data-parallel
     ranks of a strategy whose spec composes with cp (beside tp: over the dp x cp ranks), tp (with sequence
     parallelism or without: cp splits the sequence first, sp each cp part over the tp ranks), pp (its stages'
-    sequence split, the built-in transformer, its stages split over tp too), no heal."""
+    sequence split, the built-in transformer, its stages split over tp too), --heal by whole replicas."""
     cp, model, strategy = degrees["cp"], config.model, config.comm.strategy
     where = f"[parallel] cp = {cp}"
     if model.factory is None and model.name != "transformer":

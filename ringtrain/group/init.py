@@ -106,7 +106,11 @@ class DistContext:
             from ringtrain.comm.c10d_backend import BACKEND
 
             tp_backend = BACKEND
-        mesh = layout.build_mesh(self.device.type, tp_backend)
+        # The mesh's groups are recorded with the default group's sockets (group/sockets.py): a healed group that
+        # fails shuts them down too, so a live peer blocked in a tp/pp/dp collective learns of it at once.
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        with recording_group_sockets(store, append=True):
+            mesh = layout.build_mesh(self.device.type, tp_backend)
         if mesh is None or layout.model_parallel == 1:  # every rank reads samples of its own
             return dataclasses.replace(self, layout=layout, mesh=mesh, dp=None, dp_group=None)
         dp_mesh = mesh["dp"]

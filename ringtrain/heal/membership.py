@@ -48,8 +48,8 @@ from ringtrain.group.sockets import recording_group_sockets
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.liveness import Registration, exit_key, finished_key
 
-__all__ = ["Generation", "Membership", "job_keys", "Fenced", "HealFailed", "GenerationFailed", "MemberFailed", "request_join",
-           "HEAL_BEAT_S", "JOINER_BASE"]
+__all__ = ["Generation", "Membership", "job_keys", "Fenced", "HealFailed", "GenerationFailed", "MemberFailed", "Spared",
+           "request_join", "whole_replicas", "HEAL_BEAT_S", "JOINER_BASE"]
 
 HEAL_BEAT_S = 0.1
 """Heartbeat interval under --heal (the flight-recorder watchdog and the hang clock tick with it)."""
@@ -78,6 +78,14 @@ class MemberFailed(RingtrainError):
     healing would meet the same error again, so every member stops with its line."""
 
     exit_code = 1
+
+
+class Spared(RingtrainError):
+    """This worker is alive, but a peer of its model-parallel replica (its tp/cp/pp group) was lost: the replica
+    cannot train without its part, so the survivors went on without the whole replica and this worker leaves
+    the job cleanly (exit 0)."""
+
+    exit_code = 0
 
 
 class JoinInterrupted(RingtrainError):
@@ -223,10 +231,11 @@ class Membership:
         if self.store.check(["error"]):
             raise MemberFailed(self.store.get("error").decode())
 
-    def agree(self, applied_step: int) -> tuple[Generation, bool]:
+    def agree(self, applied_step: int, replica_size: int = 1) -> tuple[Generation, bool]:
         """Arrive, wait until every member of this generation arrived, finished or was lost, and return the next
         generation everyone agreed on, and whether a member finished the job (Fenced if this worker is not in
-        the next generation)."""
+        the next generation). ``replica_size`` > 1 (a split model: tp x cp x pp ranks, consecutive): a replica
+        goes on only whole, so the arrived members of a replica that lost one are left out (``Spared``)."""
         number, me = self.generation.number, self.generation.member
         prefix = f"{number}"
         self.store.set(f"{prefix}/arrived/{me}", str(applied_step))
@@ -240,12 +249,21 @@ class Membership:
             # A live member that neither arrives nor hangs (beats) is waited for; after timeout_s the arrived
             # ones go on alone (it is stuck somewhere no failure reaches), and it is fenced when it arrives.
             if not pending or time.monotonic() > deadline:
-                proposal = json.dumps({"generation": number + 1, "members": sorted(arrived)})
+                kept = whole_replicas(self.generation.members, set(arrived), replica_size)
+                proposal = json.dumps({"generation": number + 1, "members": kept,
+                                       "spared": sorted(set(arrived) - set(kept))})
                 self.store.compare_set(decision, "", proposal)
                 break
             time.sleep(_POLL_S)
-        members = tuple(json.loads(self.store.get(decision))["members"])
+        decided = json.loads(self.store.get(decision))
+        members = tuple(decided["members"])
         finished = any(self.finished(m) for m in self.generation.members)
+        if me in decided.get("spared", ()):
+            if not members:
+                raise HealFailed(f"generation {number}: a worker of every model-parallel replica (of {replica_size} "
+                                 "workers) was lost, so no whole replica remains; continue with --resume")
+            raise Spared(f"member {me}: a worker of its model-parallel replica was lost, so the replica left the job; "
+                         f"the other {len(members)} workers go on (generation {number + 1}) and this one exits")
         if me not in members:
             raise Fenced(self._fenced_line(number + 1))
         self._advance(Generation(number + 1, members, me))
@@ -345,6 +363,17 @@ class Membership:
             self.store.set(f"joined/{joiner}", str(number + 1))
         self._advance(Generation(number + 1, members, me))
         return self.generation
+
+
+def whole_replicas(members: tuple[int, ...], present: set[int], replica_size: int) -> list[int]:
+    """The members of ``members`` (in rank order, replicas of ``replica_size`` consecutive ranks) whose whole
+    replica is ``present``, sorted: a replica that lost a member leaves with it."""
+    kept = []
+    for start in range(0, len(members), replica_size):
+        replica = members[start:start + replica_size]
+        if all(m in present for m in replica):
+            kept.extend(replica)
+    return sorted(kept)
 
 
 def request_join(job_store: NullJobStore, timeout_s: float, wait_s: float = 600.0,

@@ -13,7 +13,8 @@
     │                ▼
     │            SETTLING: replicated: the newest state from the member that has it (transfer.py), the
     │                │     trainer regrouped around the same module; sharded: rebuilt and reloaded from the
-    │                │     newest sharded checkpoint (reload.py)   ─── a failure here ──► FAILED
+    │                │     newest sharded checkpoint (reload.py); a split model (tp/cp/pp): rebuilt for the
+    │                │     whole replicas left, each rank's part moved over (replicas.py)  ── a failure ──► FAILED
     │                ▼
     └──────────── below --min-nproc with steps left: save (replicated) and end in one line
                   else go on; the heal's record is written when the next step completes
@@ -24,6 +25,9 @@ own group, the last save, the summary, an admission, or the heal itself (a secon
 survivors agree, form or compare state). The survivors heal again from wherever they are while ``--min-nproc``
 remain. A member that fails on its own (an error that is not a lost peer) says so and every member stops with
 its line (``MemberFailed``): healing would meet the same error again.
+
+A split model heals by whole model-parallel replicas (replicas.py): a lost rank takes its replica's other
+ranks out of the job with it (they exit cleanly: ``Spared``), and the heal's record names the replica.
 
 Liveness is certain (membership.py, liveness.py): a member is lost when its process exited (this host's
 /proc, or the exit its launcher recorded), when it withdrew (a joiner that left), or when its heartbeat stood
@@ -59,7 +63,9 @@ from ringtrain.heal.membership import (
     HealFailed,
     Membership,
     MemberFailed,
+    Spared,
 )
+from ringtrain.heal.replicas import move_to_group, replica_of, replica_size
 from ringtrain.heal.transfer import NO_STATE, agree_on_state, check_agreed, state_digest
 from ringtrain.monitor.loggers import Logger
 from ringtrain.testing import faults
@@ -172,8 +178,8 @@ class Supervisor(NoHealing):
     def at_boundary(self) -> None:
         """Rank 0 schedules a pending join request for after the next step; every rank reads the plan (one store
         read a step) and leaves ``train()`` there."""
-        if self.reloads:
-            return  # joiners are refused by sharded jobs (run.py)
+        if self.reloads or replica_size(self.trainer) > 1:
+            return  # joiners are refused by sharded jobs and split models (run.py)
         trainer, membership = self.trainer, self.membership
         step, number = trainer.state.step, membership.generation.number
         if membership.generation.rank != 0:
@@ -259,7 +265,10 @@ class Supervisor(NoHealing):
             if trainer is None:  # the strategy's wrap failed: built again unwrapped (no collective), as a joiner's
                 trainer = build(True)
             self.trainer = trainer
-            self._recover(failure)
+            try:
+                self._recover(failure)
+            except Spared as err:
+                return self.trainer, self._spared(err)
             trainer = self.trainer
 
     def run(self, trainer: Trainer, joining: bool = False) -> dict[str, Any]:
@@ -294,10 +303,19 @@ class Supervisor(NoHealing):
                         self._say_error(err)
                         raise
                 # Outside the except blocks: the failure's frames must not keep the broken group alive.
-                if admit:
-                    self._admit()
-                if failure is not None:
-                    self._recover(failure)
+                try:
+                    if admit:
+                        self._admit()
+                    if failure is not None:
+                        self._recover(failure)
+                except Spared as err:
+                    return self._spared(err)
+
+    def _spared(self, err: Spared) -> dict[str, Any]:
+        """A live member whose replica lost a peer: the others went on without it; it leaves cleanly."""
+        print(f"ringtrain: {err}", file=sys.stderr, flush=True)
+        self.trainer.close()
+        return {"spared": True}
 
     def _say_error(self, err: BaseException, rank: int | None = None) -> None:
         text = str(err).strip().splitlines()
@@ -326,11 +344,12 @@ class Supervisor(NoHealing):
         if self.buffers is not None:  # the failure came inside a step this rank had not applied
             self.buffers.restore()  # its forwards are undone (BatchNorm statistics)
             self.buffers = None
+        size = replica_size(trainer)
         while failure is not None:
             old = self.membership.generation
             self.membership.publish_failure(failed_step)
             self._leave(failed=True)
-            generation, finished = self.membership.agree(applied_step=self.trainer.state.step)
+            generation, finished = self.membership.agree(applied_step=self.trainer.state.step, replica_size=size)
             lost = [m for m in old.members if m not in generation.members]
             record = {
                 "type": "heal", "step": failed_step, "generation": generation.number,
@@ -338,6 +357,10 @@ class Supervisor(NoHealing):
                 "remaining_ranks": [old.members.index(m) for m in generation.members if m in old.members],
                 "world_size": generation.world_size, "cause": failure,
             }
+            if size > 1:  # a split model: whole replicas left (the lost ranks' peers with them)
+                left = sorted({replica_of(old.members.index(m), size) for m in lost})
+                record["replica"] = left[0] if len(left) == 1 else left
+                record["replica_ranks"] = [r for r in range(old.world_size) if replica_of(r, size) in left]
             if self._inner_steps_dropped is not None:  # DiLoCo: each member's inner steps since its last sync
                 record["inner_steps_dropped"] = self._inner_steps_dropped
             if self.membership.store.add(f"{generation.number}/counted", 1) == 1:
@@ -370,6 +393,14 @@ class Supervisor(NoHealing):
                 self.trainer, steps_lost, path = reload_shards(self.trainer, generation, self.rebuild, applied, record)
                 if record is not None:
                     record.update(from_step=self.trainer.state.step, steps_lost=steps_lost, reloaded=path)
+            elif replica_size(self.trainer) > 1:
+                self.trainer = move_to_group(self.trainer, generation, self.rebuild)
+                if not self._starting:  # at the start nothing is open yet: ``run`` starts the trainer
+                    self.trainer.start()
+                    self._fix_ledger()
+                if record is not None:
+                    record.update(from_step=self.trainer.state.step, rolled_forward=False,
+                                  steps_lost=max(0, applied - self.trainer.state.step))
             else:
                 position = self.trainer.position if self._has_state else NO_STATE
                 source = agree_on_state(position, state_digest(self.trainer.module), self.trainer.transfer_state,

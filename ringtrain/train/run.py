@@ -24,6 +24,7 @@ from ringtrain.checkpoint.sharded import check_loadable as check_sharded
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_verified
 from ringtrain.config import Config
+from ringtrain.config.parallel import resolve_layout
 from ringtrain.comm.objects import all_gather_json
 from ringtrain.strategies import strategy_spec
 from ringtrain.group.env import DistEnv
@@ -199,6 +200,8 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
                     on_start()
                 summary = supervisor.run(trainer) if supervisor else trainer.fit()
             final = supervisor.trainer if supervisor else trainer  # a heal rebuilds the trainer
+            if summary.get("spared"):  # its replica left the job (heal/replicas.py): no group, no model to hand back
+                return FitResult(summary, None, rank=final.ctx.rank)
             return FitResult(summary, _trained_model(final, parts) if keep_model else None, rank=final.ctx.rank)
         finally:
             (supervisor.trainer if supervisor else trainer).end_threads()
@@ -250,6 +253,7 @@ def _trained_model(trainer, parts: UserParts) -> nn.Module | None:
 def _start_healing(config: Config, ctx: DistContext, job_store: NullJobStore, parts: UserParts) -> Supervisor:
     """``--heal``: the launched workers are generation 0's members (member id = first rank); a supervisor
     drives the trainer through every failure and admission (ringtrain/heal/supervisor.py)."""
+    _check_min_workers(config, ctx.env)
     generation = Generation(0, tuple(range(ctx.world_size)), member=ctx.rank)
     attempt = f"{ctx.env.master_port}-{ctx.env.restart_count}"  # one rendezvous round: one port
     membership = Membership(job_store, generation, config.dist.timeout_s, attempt=attempt)
@@ -257,6 +261,20 @@ def _start_healing(config: Config, ctx: DistContext, job_store: NullJobStore, pa
     if ctx.rank == 0:
         membership.publish_attempt(attempt)  # where a joining worker asks to be admitted
     return _supervisor(config, ctx.env, job_store, parts, membership)
+
+
+def _replica_size(config: Config, world_size: int) -> int:
+    """The ranks of one model-parallel replica (tp x cp x pp) of the job's layout at ``world_size``."""
+    return resolve_layout(config.parallel, config.comm.strategy, world_size).model_parallel
+
+
+def _check_min_workers(config: Config, env: DistEnv) -> None:
+    """A split model heals by whole replicas: --min-nproc must be a whole number of them."""
+    size = _replica_size(config, env.world_size)
+    if size > 1 and env.heal_min_workers and env.heal_min_workers % size:
+        raise ConfigError(f"--min-nproc {env.heal_min_workers} with a model split over {size} ranks (tp x cp x pp): "
+                          f"a split model heals by whole replicas of {size} workers; set --min-nproc to a multiple "
+                          f"of {size}")
 
 
 def _supervisor(config: Config, env: DistEnv, job_store: NullJobStore, parts: UserParts,
@@ -275,6 +293,12 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
             f"ringtrain join: this --heal job runs comm.strategy = '{config.comm.strategy}', healed by reloading "
             "shards from its checkpoints; admitting a worker into it is not supported: it goes on with the workers "
             "it has (grow it with a restart: ringtrain train ... --resume)"
+        )
+    if any((getattr(config.parallel, dim) or 1) > 1 for dim in ("tp", "cp", "pp")):
+        raise ConfigError(
+            "ringtrain join: this --heal job splits its model (tp, cp or pp), and its workers are admitted only as "
+            "whole replicas; a joining worker is not admitted into it: it goes on with the replicas it has (grow it "
+            "with a restart: ringtrain train ... --resume)"
         )
     job_store = connect_job_store(env, is_writer=False)
     parts = user if user is not None else UserParts.from_config(config)

@@ -14,5 +14,6 @@ def test_a_layout_tensor_parallelism_cannot_run_is_one_line_before_any_worker(tm
                      "--run-dir", str(tmp_path / "run"), "--set", "parallel.tp=-1", "--set", "train.auto_micro_batch=false")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "tp = 2 with --heal: healing a split model is not built yet" in lines[0], result.stderr
+    assert len(lines) == 1 and ("--min-nproc 1 with a model split over 2 ranks (tp x cp x pp): a split model heals by "
+                                "whole replicas of 2 workers; set --min-nproc to a multiple of 2") in lines[0], result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

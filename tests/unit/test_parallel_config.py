@@ -132,13 +132,15 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
     ({"pp": 2, "tp": 3}, "ddp", {}, 6, r"tp = 3 with pp = 2: tp does not divide model.n_heads \(4\)"),
     ({"pp": 2, "tp": 2}, "zero1", {}, 8, r"pp = 2 with tp = 2 and comm.strategy = 'zero1': ringtrain's ZeRO wraps "
                                          r"each stage over the data-parallel ranks only"),
-    ({"pp": 2, "tp": 2}, "ddp", {"dist": {"heal": True}}, 4, r"pp = 2 with --heal: healing a split model"),
+    ({"tp": 2}, "zero2", {"dist": {"heal": True}, "checkpoint": {"sharded": True}}, 4,
+     r"tp = 2 with --heal and comm.strategy = 'zero2': a split model heals by whole replicas, each keeping the model part"),
     ({"pp": 2, "cp": 2}, "zero2", {}, 8, r"pp = 2 with cp = 2 and comm.strategy = 'zero2': ringtrain's ZeRO wraps"),
     ({"pp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2,
      r"cuts the built-in transformer \(model.name = 'transformer'\) or a model of your own that is an nn.Sequential "
      r"\(model.factory, fit\) into stages, not model.name = 'mlp'"),
     ({"pp": 2}, "ddp", {"train": {"auto_micro_batch": True}}, 2, r"pp = 2 with train.auto_micro_batch"),
-    ({"pp": 2}, "ddp", {"dist": {"heal": True}}, 2, r"pp = 2 with --heal: healing a split model"),
+    ({"pp": 2}, "zero2", {"dist": {"heal": True}, "checkpoint": {"sharded": True}}, 4,
+     r"pp = 2 with --heal and comm.strategy = 'zero2': a split model heals by whole replicas"),
     ({"pp": 2, "stages_per_rank": 2, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 5}, "ddp", {}, 2,
      r"'interleaved_1f1b' runs micro-batches in rounds of pp \(2\), but pp_microbatches = 5; set it to a multiple"),
 ])
