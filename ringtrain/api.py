@@ -66,6 +66,7 @@ def fit(
     resume: bool | str | Path = False,
     tp_plan: Mapping[str, Any] | None = None,
     pp_split: Callable[[nn.Module, int], list[nn.Module]] | None = None,
+    keep_best: str | None = None,
 ) -> FitResult:
     """Train ``model`` on ``train_data`` with every ringtrain guarantee; return the run's summary with the
     trained model (``FitResult``: the summary dict, ``.model``, and ``.rank`` / ``.is_main``: this worker's
@@ -105,6 +106,11 @@ def fit(
       submodules (not copies), each taking the previous stage's output (the first: the batch's input tensor)
       and returning one tensor (the last: the outputs the loss takes). Every parameter and buffer of the model
       belongs to one stage; ringtrain names them as the model does, so checkpoints load into any layout.
+      ``ringtrain.hf.decoder_stages`` is one for Hugging Face decoder models (Llama, Mistral, Qwen2, ...).
+    - ``keep_best``: ``"eval.METRIC"`` (``"eval.accuracy"``, ``"eval.loss"`` or one of ``metrics``) keeps the
+      model of the best evaluation in ``RUN_DIR/best/model.safetensors`` (``[train] keep_best``; lower is better
+      for a loss-like name, higher otherwise, or as ``[train] keep_best_mode`` says); ``result.best`` says where
+      it is, its value, step and epoch. The best value is in every checkpoint: a resumed run keeps it.
 
     A bad input (config, part, checkpoint) ends the process with one line, ``ringtrain: error: ...``, and
     exit code 2 (``SystemExit``), as ``ringtrain train`` does; an exception of the user's own code ends it
@@ -124,7 +130,7 @@ def fit(
             # A --heal job ends when its members mark it done; a second fit() would be cut off by its launcher.
             raise ConfigError("a `ringtrain run --heal` script calls fit() once (this is call 2); run the second "
                               "training as a job of its own, or drop --heal")
-        resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction, run_dir, call)
+        resolved = _resolve_config(config, env, model, train_data, loss, loss_reduction, run_dir, call, keep_best)
         parts = UserParts.checked(model, train_data, eval_data, loss, loss_reduction, count_items, metrics,
                                   optimizer, collate_fn, lr_scheduler, tp_plan, pp_split)
         if env.heal_join:  # `ringtrain join RUN_DIR` of a `ringtrain run --heal` job: admitted, sent the state
@@ -169,7 +175,8 @@ def config_sections(config: Mapping[str, Any] | str | Path | Config | None, call
     return raw, str(config) if isinstance(config, (str, Path)) else f"the config passed to {caller}"
 
 
-def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reduction, run_dir, call: int) -> Config:
+def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reduction, run_dir, call: int,
+                    keep_best: str | None = None) -> Config:
     raw, source = config_sections(config)
     given = {"model": ("name", "factory"), "data": ("dataset", "factory")}
     for section, keys in given.items():
@@ -185,6 +192,8 @@ def _resolve_config(config, env: DistEnv, model, train_data, loss, loss_reductio
                    "loss_reduction": loss_reduction if loss_reduction in ("mean", "sum") else "mean"}
     if run_dir is not None:
         raw["run_dir"] = str(run_dir)
+    if keep_best is not None:
+        raw.setdefault("train", {})["keep_best"] = keep_best
     resolved = load_config_dict(raw, env.overrides, env.run_dir, source=source, name=_script_name())
     return _own_run_dir(resolved, call, env.rank)
 

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringtrain", description="Distributed data-parallel training for PyTorch, and why it is fast or slow."
     )
+    from ringtrain import __version__
+
+    parser.add_argument("--version", action="version", version=f"ringtrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
     _add_run(commands)

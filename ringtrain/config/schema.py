@@ -250,10 +250,24 @@ class TrainConfig(Section):
     its attention outputs and every other matmul's, and recomputes the rest). Every strategy; results are
     bit-identical to 'none', the step takes longer (docs/workloads.md: Activation checkpointing)."""
 
+    keep_best: str | None = None
+    """Keep the model of the best evaluation: 'eval.METRIC' (e.g. 'eval.accuracy', 'eval.loss', or a metric
+    fit(metrics=...) names), judged at every evaluation; its weights go to RUN_DIR/best/model.safetensors
+    (plain tensors with the model's own names: ``model.load_state_dict(safetensors.torch.load_file(path))``)
+    and RUN_DIR/best/best.json (the metric, its value, the step and epoch, the file's sha256). The best value
+    is part of every checkpoint: a resumed run keeps judging against it. Unset: nothing kept."""
+
+    keep_best_mode: Literal["auto", "min", "max"] = "auto"
+    """Whether keep_best's metric is better lower ('min') or higher ('max'), as Lightning's ModelCheckpoint
+    ``mode``; 'auto': lower for a metric whose name holds 'loss', 'error' or 'perplexity', higher otherwise."""
+
     @model_validator(mode="after")
     def _optimizer_and_schedule(self) -> TrainConfig:
         _check_import_path("train.optimizer", self.optimizer, BUILTIN_OPTIMIZERS)
         _check_import_path("train.lr_schedule", self.lr_schedule, BUILTIN_SCHEDULES)
+        if self.keep_best is not None and (not self.keep_best.startswith("eval.") or self.keep_best == "eval."):
+            raise ValueError(f"train.keep_best = {self.keep_best!r} names an evaluation metric as 'eval.METRIC', "
+                             "e.g. 'eval.accuracy' or 'eval.loss'")
         if self.optimizer_args and self.optimizer in BUILTIN_OPTIMIZERS:
             raise ValueError(f"train.optimizer_args are keyword arguments of an optimizer class; train.optimizer = "
                              f"'{self.optimizer}' takes lr, momentum and weight_decay from [train]")

@@ -1,9 +1,11 @@
 """Experiment trackers: MLflow (a local store) and Weights & Biases (offline), as rank-0 loggers.
 
 ``[monitor] trackers = ["tensorboard", "mlflow", "wandb"]`` adds them beside metrics.jsonl; each gets the
-config (as parameters), every record's numbers as metrics.jsonl has them (``train/loss``, ``eval/accuracy``,
+config (MLflow: the settings that applied to the run, ``applied_params``; W&B: all of it), every record's numbers as metrics.jsonl has them (``train/loss``, ``eval/accuracy``,
 ``train/time/comm_s``; the step as the step), and at the end the summary and the step breakdown (mean seconds
-per step of each phase, as ``ringtrain report`` splits the step: ``breakdown/forward_backward_s``).
+per step of each phase, as ``ringtrain report`` splits the step: ``breakdown/forward_backward_s``); MLflow also
+the run's config.toml, summary.json and final model (exported as safetensors) as artifacts, kept under
+``RUN_DIR/mlflow-artifacts`` with the default store.
 
 Nothing here reaches the network: MLflow writes to ``sqlite:///RUN_DIR/mlflow.db`` unless
 ``monitor.mlflow_tracking_uri`` names another store (read it with ``mlflow ui --backend-store-uri
@@ -34,7 +36,8 @@ from ringtrain.config import Config
 from ringtrain.monitor.loggers import Logger
 from ringtrain.redact import redact
 
-__all__ = ["Guarded", "MlflowLogger", "WandbLogger", "build_trackers", "numbers_of", "flat_params", "step_breakdown"]
+__all__ = ["Guarded", "MlflowLogger", "WandbLogger", "build_trackers", "numbers_of", "flat_params", "applied_params",
+           "step_breakdown"]
 
 # Set before either package is imported; what they read at import or start.
 _OFFLINE_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "WANDB_MODE": "offline",
@@ -62,6 +65,48 @@ def flat_params(config: Config) -> dict[str, str]:
 
     walk(redact(config.model_dump(mode="json", by_alias=True)), "")
     return flat
+
+
+_MODEL_FIELDS = {"mlp": ("hidden_sizes",), "resnet18": ("small_input_stem",), "resnet34": ("small_input_stem",),
+                 "resnet50": ("small_input_stem",), "transformer": ("n_layers", "n_heads", "d_model", "dropout")}
+"""The [model] fields each built-in model reads (besides its name)."""
+_DATA_FIELDS = {"imagefolder": ("path", "image_size", "crop_scale_min", "hflip", "eval_crop_fraction"),
+                "synthetic_images": ("image_size", "crop_scale_min", "hflip", "eval_crop_fraction",
+                                     "synthetic_samples", "num_classes"),
+                "text": ("path", "seq_len")}
+"""The [data] fields only some built-in datasets read."""
+
+
+def applied_params(config: Config) -> dict[str, str]:
+    """``flat_params`` without the settings that did not apply to this run: the built-in model's and dataset's
+    fields beside a factory (``fit``'s model and data), another built-in model's or dataset's fields, DiLoCo's
+    section under another strategy, PowerSGD's and the chunked ring's knobs under another algorithm, SGD's
+    momentum under another optimizer, keep_best_mode without keep_best, the trackers' settings of trackers that
+    are off."""
+    model, data, comm, train, monitor = config.model, config.data, config.comm, config.train, config.monitor
+    skipped = {f"model.{field}" for fields in _MODEL_FIELDS.values() for field in fields}
+    if model.factory is None:
+        skipped -= {f"model.{field}" for field in _MODEL_FIELDS[model.name]}
+    else:
+        skipped.add("model.name")
+    shown_data = () if data.factory is not None else _DATA_FIELDS.get(data.dataset, ())
+    skipped |= {f"data.{field}" for fields in _DATA_FIELDS.values() for field in fields if field not in shown_data}
+    if data.factory is not None:
+        skipped.add("data.dataset")
+    if comm.algorithm != "powersgd":
+        skipped |= {"comm.powersgd_rank", "comm.powersgd_start_iter"}
+    if comm.algorithm != "ring_chunked":
+        skipped.add("comm.chunk_kb")
+    if train.optimizer != "sgd":
+        skipped.add("train.momentum")
+    if train.keep_best is None:
+        skipped.add("train.keep_best_mode")
+    if "mlflow" not in monitor.trackers:
+        skipped |= {"monitor.mlflow_tracking_uri", "monitor.mlflow_experiment"}
+    if "wandb" not in monitor.trackers:
+        skipped.add("monitor.wandb_project")
+    return {key: value for key, value in flat_params(config).items()
+            if key not in skipped and not (key.startswith("diloco.") and comm.strategy != "diloco")}
 
 
 def step_breakdown(run_dir: Path) -> dict[str, float]:
@@ -213,10 +258,13 @@ class MlflowLogger(Logger):
 
     def start(self, total_steps: int, start_step: int, steps_per_epoch: int) -> None:
         os.environ.update(_OFFLINE_ENV)
-        for name in ("mlflow", "alembic"):  # its table set-up lines ("Creating initial MLflow database tables")
-            logging.getLogger(name).setLevel(logging.WARNING)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
+
+        # After the import (mlflow sets its own logger to INFO there): its table set-up lines ("Creating initial
+        # MLflow database tables", alembic's "Context impl SQLiteImpl") and run links stay off the console.
+        for name in ("mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=self.uri)
@@ -226,13 +274,16 @@ class MlflowLogger(Logger):
             self.client.update_run(self.run_id, status="RUNNING")
             return
         found = self.client.get_experiment_by_name(self.experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
+        # Artifacts of a new experiment in the run directory (MLflow's default root is ./mlruns, wherever the job
+        # was started); an existing experiment (a tracking server's) keeps its own.
+        experiment_id = found.experiment_id if found else self.client.create_experiment(
+            self.experiment, artifact_location=(self.run_dir / "mlflow-artifacts").as_uri())
         run = self.client.create_run(experiment_id, run_name=self.run_dir.name,
                                      tags={"ringtrain.run_dir": str(self.run_dir)})
         self.run_id = run.info.run_id
         id_file.parent.mkdir(exist_ok=True)
         id_file.write_text(self.run_id + "\n")
-        params = [Param(key, value[:6000]) for key, value in flat_params(self.config).items()]
+        params = [Param(key, value[:6000]) for key, value in applied_params(self.config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 
@@ -251,13 +302,32 @@ class MlflowLogger(Logger):
     def finish(self, summary: dict[str, Any]) -> None:
         step = int(summary.get("steps", 0))
         self._metrics({**_flat_summary(summary), **step_breakdown(self.run_dir)}, step)
-        # The rest of the summary (the digests) as tags: an artifact would land in MLflow's default artifact root,
-        # ./mlruns under the working folder, outside the run directory.
+        # The rest of the summary (the digests) as tags, to compare runs by.
         for key, value in summary.items():
             if not isinstance(value, (int, float, dict)) or isinstance(value, bool):
                 self.client.set_tag(self.run_id, f"summary/{key}", json.dumps(value)[:5000])
+        self._artifacts()
         self.client.set_terminated(self.run_id, status="FINISHED")
         self.run_id = None
+
+    def _artifacts(self) -> None:
+        """The run's config.toml and summary.json, the final model exported as safetensors (``ringtrain export``
+        of the last checkpoint: ``model/model.safetensors``) and ``[train] keep_best``'s best model (``best/``)."""
+        import tempfile
+
+        from ringtrain.checkpoint.export import export_model
+        from ringtrain.checkpoint.manager import CheckpointManager
+
+        for name in ("config.toml", "summary.json"):
+            if (self.run_dir / name).is_file():
+                self.client.log_artifact(self.run_id, str(self.run_dir / name))
+        with tempfile.TemporaryDirectory(prefix="ringtrain-mlflow-") as folder:
+            out = Path(folder) / "model.safetensors"
+            checkpoints = CheckpointManager(self.run_dir / self.config.checkpoint.dir, is_writer=False)
+            export_model(checkpoints, out, warn=lambda message: None)
+            self.client.log_artifact(self.run_id, str(out), "model")
+        if (self.run_dir / "best").is_dir():
+            self.client.log_artifacts(self.run_id, str(self.run_dir / "best"), "best")
 
     def close(self) -> None:
         if self.run_id is not None:  # stopped or failed before the end

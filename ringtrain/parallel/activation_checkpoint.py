@@ -110,8 +110,26 @@ def apply_ac(model: nn.Module, mode: Literal["none", "full", "selective"]) -> li
     from torch.distributed._composable import checkpoint
 
     for block in blocks:
+        # Before the checkpoint's own hook, so that its recompute gets the same arguments.
+        block.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True, prepend=True)
         if mode == "full":
             checkpoint(block)
         else:
             checkpoint(block, context_fn=selective_policy)
     return blocks
+
+
+def _no_cache_in_training(module: nn.Module, args: tuple, kwargs: dict):
+    """A Hugging Face decoder layer appends its keys and values to ``past_key_values`` (the generation cache,
+    which the model makes whenever ``config.use_cache``; ``cache=`` since transformers 5.x): run again in backward, it appends them a second time,
+    and its attention then sees twice the keys (SAC: 'aten.slice.Tensor ... not found in storage'; eager
+    attention: a size mismatch). In training nothing reads that cache, so a checkpointed block runs without it,
+    as Hugging Face's own ``gradient_checkpointing_enable`` sets ``use_cache=False`` while training."""
+    cached = [name for name in _CACHE_KWARGS if kwargs.get(name) is not None]
+    if module.training and cached:
+        return args, {**kwargs, **dict.fromkeys(cached)}
+    return None
+
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
+"""A Hugging Face layer's generation cache, by the names transformers has given it (5.x: ``cache``)."""

@@ -19,6 +19,7 @@ from ringtrain.monitor.loggers import build_logger
 from ringtrain.parallel import build_parallel
 from ringtrain.train.batch_size import MicroBatcher
 from ringtrain.train.healing_hooks import NoHealing
+from ringtrain.train.keep_best import BestModel
 from ringtrain.train.loop import TrainParts, Trainer
 from ringtrain.train.optim import build_lr_scheduler, build_optimizer, record_optimizer
 from ringtrain.train.precision import Precision
@@ -89,6 +90,10 @@ def build_trainer(
         )
 
     train_loader, eval_loader = loaders(ctx.dp_rank, ctx.dp_size)
+    best = BestModel.from_config(train_cfg, run_dir, ctx.rank)
+    # Before step 1: keep_best names a metric the evaluation makes (top5_accuracy is checked at the first one).
+    best.check_names([*task.eval_metrics(torch.ones(len(task.eval_fields), dtype=torch.float64)), *parts.metrics],
+                     has_eval_data=eval_loader is not None)
     parts = TrainParts(
         model=wrapped,
         module=model,
@@ -108,6 +113,7 @@ def build_trainer(
                              count=strategy.microbatches, count_multiple=strategy.microbatch_multiple),
         data_stats=data.stats,
         checkpointed_blocks=parallel.checkpointed_blocks,
+        best=best,
         loaders=loaders,
     )
     trainer = Trainer(config, ctx, parts, build_logger(config, ctx.rank, run_dir), healing)

@@ -219,6 +219,9 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
                 group=None if pipelined else self.ctx.dp_group, forward=strategy.forward if pipelined else None,
                 loss_context=strategy.loss_context,
             )
+            # [train] keep_best: every rank judges the same metrics; the weights are gathered here (DiLoCo's global ones).
+            self.parts.best.consider(metrics, self.state.step, self.state.epoch,
+                                     lambda: strategy.model_state_dict(self.model))
         self.logger.log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics})
         return metrics
 

@@ -35,6 +35,7 @@ class CheckpointSeams:
                 "train_state": self.state, "schedule": ScheduleState(parts.scheduler, self.state),
                 "precision": self.precision, "micro_batch": self.batcher,
                 "comm": CommState(strategy, self.ctx.rank, self.ctx.world_size, self._warn),
+                **({"best": parts.best} if parts.best.enabled else {}),  # [train] keep_best's best so far
                 **({} if local else parts.strategy.stateful_parts())}  # DiLoCo's outer state
 
     def state_dict(self) -> dict:

@@ -16,6 +16,7 @@ from ringtrain.data.sampler import ResumableSampler
 from ringtrain.group.jobstore import NullJobStore
 from ringtrain.parallel import Strategy
 from ringtrain.train.batch_size import MicroBatcher
+from ringtrain.train.keep_best import BestModel
 from ringtrain.train.precision import Precision
 from ringtrain.train.tasks import Task
 
@@ -52,5 +53,7 @@ class TrainParts:
     """Facts about the data for the summary (e.g. a text corpus's unigram entropy)."""
     checkpointed_blocks: int = 0
     """Blocks under activation checkpointing (``[train] activation_checkpointing``; 0 with 'none')."""
+    best: BestModel = field(default_factory=lambda: BestModel(None))
+    """``[train] keep_best``: the best evaluation's model, kept in RUN_DIR/best/ (the null keeper keeps nothing)."""
     loaders: Callable[[int, int], tuple[DataLoader, DataLoader | None]] | None = None
     """(rank, world_size) -> the train and eval loaders for another group (healing rebuilds them)."""

@@ -155,6 +155,10 @@ class FitResult(dict):
         self.rank = rank
         """This worker's rank when the run ended (every rank gets a result)."""
         self.model = model
+        self.best: dict[str, Any] | None = None
+        """``fit(keep_best=...)``: the best evaluation's model, ``{"metric", "mode", "value", "step", "epoch",
+        "path"}`` (``path``: RUN_DIR/best/model.safetensors, the module's weights by its own names: load them with
+        ``model.load_state_dict(safetensors.torch.load_file(path))``); None when nothing is kept."""
         """The trained module: the one fit() was given (trained in place) or the factory's. Under zero3 or
         fsdp, a new module from the factory holding the gathered weights (None for a module instance)."""
 
@@ -202,7 +206,9 @@ def run_training(config: Config, ctx: DistContext, plan: ResumePlan, user: UserP
             final = supervisor.trainer if supervisor else trainer  # a heal rebuilds the trainer
             if summary.get("spared"):  # its replica left the job (heal/replicas.py): no group, no model to hand back
                 return FitResult(summary, None, rank=final.ctx.rank)
-            return FitResult(summary, _trained_model(final, parts) if keep_model else None, rank=final.ctx.rank)
+            result = FitResult(summary, _trained_model(final, parts) if keep_model else None, rank=final.ctx.rank)
+            result.best = final.parts.best.record()
+            return result
         finally:
             (supervisor.trainer if supervisor else trainer).end_threads()
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism for a model that is not an nn.Sequential, through fit() under `ringtrain run`: a Hugging
-Face Llama built from a config (4 decoder layers) cut into stages by the user's own split function
-(``fit(pp_split=...)``, tests/fit/tp_code.py ``llama_split``: each stage runs the model's own layers and makes
+Face Llama built from a config (4 decoder layers) cut into stages by the package's split
+(``fit(pp_split=ringtrain.hf.decoder_stages)``: each stage runs the model's own layers and makes
 the causal mask and rotary embeddings as ``LlamaModel`` does). At pp = 2 under 1F1B and at pp 2 x two stages a
 rank (interleaved 1F1B, its sharded checkpoint exported by the model's own names) it trains as one worker does on
 the same batches, and so do two such pipelines on four workers with FSDP2 over them: the loss at every step within rtol 1e-5, the closing evaluation alike, the parameters after the

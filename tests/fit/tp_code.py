@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism through fit(), as a user's script: a Hugging Face Llama built from a config (its
 own plan), Hugging Face GPT-2 (ringtrain's plan for its Conv1D layers), a model of the user's own with the plan
 passed to fit(tp_plan=...), and the mistakes (a model with no plan, a plan path that names nothing); the Llama cut
-into pipeline stages by the user's own split function (fit(pp_split=...)), and splits that do not fit. Run as ``ringtrain run tests/fit/tp_code.py -- --case CASE --config
+into pipeline stages by the package's split (fit(pp_split=ringtrain.hf.decoder_stages)), and splits that do not fit. Run as ``ringtrain run tests/fit/tp_code.py -- --case CASE --config
 JSON`` (tests/fit/test_tensor_parallel_fit.py)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ringtrain
+from ringtrain.hf import decoder_stages
 
 VOCAB, LENGTH = 48, 16
 
@@ -72,40 +73,6 @@ class Mixer(nn.Module):
 MIXER_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
 
-class LlamaStage(nn.Module):
-    """A user's pipeline stage of a Hugging Face ``LlamaForCausalLM``: the model's own decoder layers
-    ``[start, stop)``, the token embeddings before them on the first stage, the final norm and ``lm_head`` after
-    them on the last; the causal mask and the rotary position embeddings made here as ``LlamaModel.forward``
-    makes them."""
-
-    def __init__(self, model: nn.Module, start: int, stop: int, first: bool, last: bool):
-        super().__init__()
-        self.config = model.config
-        self.embed = model.model.embed_tokens if first else None
-        self.rotary = model.model.rotary_emb
-        self.layers = nn.ModuleList(model.model.layers[start:stop])
-        self.norm, self.head = (model.model.norm, model.lm_head) if last else (None, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        if self.embed is not None:
-            x = self.embed(x)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
-                                  position_ids=positions)
-        rotary = self.rotary(x, position_ids=positions)
-        for layer in self.layers:
-            x = layer(x, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-        return self.head(self.norm(x)) if self.head is not None else x
-
-
-def llama_split(model: nn.Module, stages: int) -> list[nn.Module]:
-    """fit(pp_split=...): the decoder layers in equal runs, one a stage."""
-    per = model.config.num_hidden_layers // stages
-    return [LlamaStage(model, i * per, (i + 1) * per, i == 0, i == stages - 1) for i in range(stages)]
-
-
 def llama4() -> nn.Module:
     """llama() with four decoder layers: two a stage at pp = 2, one at pp 2 x stages_per_rank 2."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -119,12 +86,12 @@ def copying_split(model: nn.Module, stages: int) -> list[nn.Module]:
     """A split that copies the model's layers instead of using them (a mistake ringtrain names)."""
     import copy
 
-    return [copy.deepcopy(stage) for stage in llama_split(model, stages)]
+    return [copy.deepcopy(stage) for stage in decoder_stages(model, stages)]
 
 
 def leaving_split(model: nn.Module, stages: int) -> list[nn.Module]:
     """A split whose last stage forgets the final norm (a mistake ringtrain names)."""
-    made = llama_split(model, stages)
+    made = decoder_stages(model, stages)
     made[-1].norm = None
     made[-1].forward = lambda x: made[-1].head(x)
     return made
@@ -142,7 +109,7 @@ CASES = {  # case: (model, tp_plan, pp_split)
     "gpt2": (gpt2, None, None),
     "typo": (Mixer, {"blocks.*.upp": "colwise", "blocks.*.down": "rowwise"}, None),
     "llama4": (llama4, None, None),  # the pipeline's oracle: one worker
-    "llama4_pp": (llama4, None, llama_split),
+    "llama4_pp": (llama4, None, decoder_stages),  # the package's split for Hugging Face decoders
     "llama4_copying": (llama4, None, copying_split),
     "llama4_leaving": (llama4, None, leaving_split),
 }

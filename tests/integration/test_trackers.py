@@ -1,5 +1,6 @@
 """[monitor] trackers: MLflow (a local sqlite store under the run directory) and W&B (offline) get what
-metrics.jsonl has, from rank 0; a tracker that cannot start is one warning line and the run still succeeds."""
+metrics.jsonl has, from rank 0 (MLflow: the settings that applied as parameters; the config, summary and final
+model as artifacts; nothing on the console); a tracker that cannot start is one warning line and the run still succeeds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import socket
 
 import pytest
+import torch
 
 from ringtrain.config import Config
 from ringtrain.monitor.sinks import TensorBoardLogger
@@ -41,6 +43,19 @@ def test_mlflow_and_wandb_get_what_metrics_jsonl_has(tmp_path):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == "0.1" and run.data.params["model.hidden_sizes"] == "[32, 32]"
+    # The settings that applied: not another model's or strategy's defaults (issue 41).
+    for unused in ("model.d_model", "model.n_layers", "diloco.outer_lr", "comm.powersgd_rank", "data.seq_len"):
+        assert unused not in run.data.params, unused
+    # The config, the summary and the final model (exported from the last checkpoint) as artifacts.
+    artifacts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "model")}
+    assert {"config.toml", "summary.json", "model/model.safetensors"} <= artifacts, artifacts
+    from safetensors.torch import load_file
+
+    exported = load_file(client.download_artifacts(run_id, "model/model.safetensors", str(tmp_path)))
+    final = torch.load(run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt", weights_only=True)["model"]
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    # No MLflow (or alembic) INFO lines on the console.
+    assert "INFO" not in done.stderr + done.stdout, done.stderr
     train = _records(run_dir, "train")
     assert len(train) >= 10
     for key in ("loss", "lr", "samples_per_s", "time/forward_backward_s", "time/comm_s"):
@@ -110,3 +125,22 @@ def test_the_old_tensorboard_field_is_the_tensorboard_tracker(tmp_path):
     assert [t.name for t in both if isinstance(t, Guarded)] == ["mlflow", "wandb"]
     with pytest.raises(ValueError, match="names mlflow more than once"):
         Config.model_validate({"monitor": {"trackers": ["mlflow", "mlflow"]}})
+
+
+def test_mlflow_gets_the_settings_that_applied():
+    """A fit() run (a model and data factory) under DDP: no built-in model's or dataset's fields, no DiLoCo; the
+    built-in transformer's own fields, DiLoCo's under diloco, PowerSGD's under powersgd (issue 41)."""
+    from ringtrain.monitor.trackers import applied_params
+
+    fit_like = applied_params(Config.model_validate({"model": {"factory": "m:f"}, "data": {"factory": "m:d"},
+                                                     "train": {"optimizer": "adamw"}}))
+    assert "model.factory" in fit_like and "train.lr" in fit_like and "comm.strategy" in fit_like
+    for unused in ("model.name", "model.hidden_sizes", "model.d_model", "data.dataset", "data.image_size",
+                   "diloco.outer_lr", "train.momentum", "train.keep_best_mode", "comm.powersgd_rank"):
+        assert unused not in fit_like, unused
+    lm = applied_params(Config.model_validate({"model": {"name": "transformer"}, "data": {"dataset": "text"},
+                                               "comm": {"strategy": "diloco"}}))
+    for used in ("model.d_model", "model.n_layers", "data.seq_len", "diloco.outer_lr", "train.momentum"):
+        assert used in lm, used
+    assert "comm.powersgd_rank" in applied_params(Config.model_validate({"comm": {"algorithm": "powersgd"}}))
+    assert "model.hidden_sizes" not in lm and "data.image_size" not in lm

@@ -22,13 +22,15 @@ def _lm() -> TransformerLM:
     return TransformerLM(vocab_size=256, seq_len=128, n_layers=3, n_heads=2, d_model=64, dropout=0.1)
 
 
-def _step(model: nn.Module, tokens: torch.Tensor):
-    """Saved bytes of one forward, and the gradients of its backward (dropout on: its masks must replay)."""
+def _step(model, tokens: torch.Tensor, module: nn.Module | None = None):
+    """Saved bytes of one forward, and the gradients of its backward (dropout on: its masks must replay).
+    ``model``: the module, or a function of the tokens giving the logits from ``module``."""
+    module = module if module is not None else model
     torch.manual_seed(1)
     with saved_for_backward() as saved:
         logits = model(tokens)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
-    return saved.bytes, {name: p.grad for name, p in model.named_parameters()}
+    return saved.bytes, {name: p.grad for name, p in module.named_parameters()}
 
 
 def test_full_keeps_less_than_selective_keeps_less_than_none_and_every_gradient_is_the_same():
@@ -79,3 +81,27 @@ def test_a_model_without_blocks_is_one_line_naming_the_fix():
     with pytest.raises(ConfigError, match="no nn.ModuleList.*activation_checkpointing = 'none'"):
         apply_ac(nn.Linear(4, 4), "full")
     assert apply_ac(nn.Linear(4, 4), "none") == []
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_huggingface_llama_keeps_less_and_trains_to_the_same_gradients_in_every_mode(attention):
+    """A Hugging Face decoder (built from a config) writes each layer's keys and values into its generation cache
+    (on by default): the recompute must not write them again (selective failed with 'aten.slice.Tensor ... not
+    found in storage', eager attention with a size mismatch)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        attn_implementation=attention))
+    assert base.config.use_cache
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
+    saved, grads = {}, {}
+    for mode in ("none", "full", "selective"):
+        model = copy.deepcopy(base)
+        assert len(apply_ac(model, mode)) == (0 if mode == "none" else 2)
+        saved[mode], grads[mode] = _step(lambda x, model=model: model(x).logits, tokens, model)
+    print(f"{attention}: saved for backward {saved}")
+    assert saved["full"] < saved["selective"] < saved["none"]
+    for mode in ("full", "selective"):
+        assert all(torch.equal(grads[mode][name], grads["none"][name]) for name in grads["none"]), mode
