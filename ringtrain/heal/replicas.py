@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["replica_size", "replica_of", "move_to_group"]
 
-_CARRIED = ("sampler", "train_state", "schedule", "precision", "micro_batch")
+_CARRIED = ("sampler", "train_state", "schedule", "precision", "micro_batch", "best")
 """The trainer's stateful parts (``checkpoint_parts``) moved as they are, besides the model and optimizer."""
 
 
@@ -111,5 +111,6 @@ def _move_state(old: Trainer, new: Trainer) -> None:
                                             for key, value in old_opt.state[old_param].items()}
     old_parts, new_parts = old.checkpoint_parts(local=True), new.checkpoint_parts(local=True)
     for name in _CARRIED:
-        new_parts[name].load_state_dict(old_parts[name].state_dict())
+        if name in old_parts:  # "best": only under [train] keep_best
+            new_parts[name].load_state_dict(old_parts[name].state_dict())
     new.eval_due, new.final_eval_done, new.last_eval = old.eval_due, old.final_eval_done, dict(old.last_eval)
