@@ -51,8 +51,8 @@ _YIELD_S = 0.002  # ranks sharing cores yield this long before sleeping
 _NAP_S = 250e-6  # longest sleep between looks during the first 100 ms of a wait
 _LIVENESS_EVERY_S = 0.02
 
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-_OPS = ("sum", "avg")
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
+_OPS = ("sum", "avg", "max", "min", "product")  # appended only: the native path's codes are those of the first
 _COMMON = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8,
