@@ -119,7 +119,7 @@ def reduce_scatter(sg: ShmGroup, output: torch.Tensor, inputs: Sequence[torch.Te
     desc = encode_call("reduce_scatter", op, output.dtype, output.numel())
     _rounds(sg, f"shm reduce_scatter({op})", desc, -(-total // slot), timeout_s, write, read)
     if op == "avg":
-        result.div_(n)
+        output.div_(n)  # complex numbers as complex: torch's (and Gloo's) rounding
 
 
 def all_reduce(sg: ShmGroup, tensor: torch.Tensor, op: str, timeout_s: float) -> None:
@@ -145,7 +145,7 @@ def all_reduce(sg: ShmGroup, tensor: torch.Tensor, op: str, timeout_s: float) ->
     desc = encode_call("all_reduce", op, tensor.dtype, tensor.numel())
     _rounds(sg, f"shm all_reduce({op})", desc, -(-total // piece), timeout_s, write, read)
     if op == "avg":
-        result.div_(n)
+        tensor.div_(n)
 
 
 def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], combine: Callable) -> None:
