@@ -260,9 +260,9 @@ def killed_inside_all_gather(rank: int, world_size: int) -> dict:
         while True:
             dist.all_gather_into_tensor(out, x, group=group)
     except CollectiveError as err:
-        last = flight.recorder().snapshot()["collectives"][-1]
+        entries = flight.recorder().snapshot()["collectives"][-2:]
         return {"type": type(err).__name__, "message": str(err), "peer": err.peer, "pids": pids,
-                "last": {"op": last["op"], "algorithm": last["algorithm"], "ended": last["end_ns"] is not None}}
+                "last": [{"op": e["op"], "algorithm": e["algorithm"], "ended": e["end_ns"] is not None} for e in entries]}
 
 
 @pytest.mark.exclusive
@@ -273,8 +273,55 @@ def test_a_peer_killed_inside_an_all_gather_is_named_in_one_line():
         assert result["type"] == "PeerDiedError" and result["peer"] == 1, result
         message = result["message"]
         assert "\n" not in message and message.startswith("shm all_gather: rank 1 (pid") and "died" in message, message
-        # The flight recorder's last entry is the gather that never ended.
-        assert result["last"] == {"op": "all_gather", "algorithm": "shm", "ended": False}, result["last"]
+        # The flight recorder's last entry is the gather that never ended, after one that did.
+        assert result["last"] == [{"op": "all_gather", "algorithm": "shm", "ended": ended} for ended in (True, False)], result["last"]
     pids = {str(pid) for pid in results[0]["pids"]}
     left = [name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX) and name.split("-")[1] in pids]
     assert left == []  # the workspace's name went at set-up: nothing of this job stays in /dev/shm
+
+
+def fsdp_steps(rank: int, world_size: int, backend: str) -> dict:
+    """Three steps of FSDP2 (fully_shard per layer and the root) over a 1-D mesh of ``backend``."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ringtrain.comm.c10d_backend import BACKEND
+
+    torch.manual_seed(0)  # the same model on every rank
+    model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    override = {"dp": BACKEND} if backend == BACKEND else None
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",), backend_override=override)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randn(8, 33, generator=gen), torch.randn(8, 5, generator=gen)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    group = mesh.get_group("dp")
+    return {"params": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "ops": dict(getattr(group, "shm_ops", {}))}
+
+
+def test_fsdp2_on_ringtrain_shm_matches_fsdp2_on_gloo_bit_for_bit():
+    from ringtrain.comm.c10d_backend import BACKEND
+
+    on_shm = run_distributed(fsdp_steps, 2, BACKEND, timeout_s=180)
+    on_gloo = run_distributed(fsdp_steps, 2, "gloo", timeout_s=180)
+    for shm_result, gloo_result in zip(on_shm, on_gloo):
+        # Two ranks: each sum has two addends, which commute, so the order cannot change a bit.
+        assert all(torch.equal(a, b) for a, b in zip(shm_result["params"], gloo_result["params"]))
+        assert shm_result["ops"]["all_gather"] > 0 and shm_result["ops"]["reduce_scatter"] > 0, shm_result["ops"]
+    assert not torch.equal(on_shm[0]["params"][0], fsdp_steps_initial())  # the steps changed the weights
+
+
+def fsdp_steps_initial() -> torch.Tensor:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Linear(33, 64).weight.detach()
