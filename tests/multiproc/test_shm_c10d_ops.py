@@ -325,3 +325,22 @@ def fsdp_steps_initial() -> torch.Tensor:
 
     torch.manual_seed(0)
     return nn.Linear(33, 64).weight.detach()
+
+
+def fsdp_strategy_on_shm(rank: int, world_size: int) -> dict:
+    """``comm.strategy = 'fsdp'`` with ``comm.algorithm = 'shm'``: the strategy's mesh is a ringtrain_shm group."""
+    from torch import nn
+
+    from ringtrain.comm.c10d_backend import ShmProcessGroup
+    from ringtrain.parallel.fsdp import FSDPStrategy
+
+    torch.manual_seed(0)
+    model = FSDPStrategy(torch.device("cpu"), algorithm="shm").wrap(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)))
+    model(torch.randn(4, 16)).sum().backward()
+    group = next(model.parameters()).device_mesh.get_group()
+    return {"shm": isinstance(group, ShmProcessGroup), "ops": dict(getattr(group, "shm_ops", {}))}
+
+
+def test_the_fsdp_strategy_with_algorithm_shm_runs_on_ringtrain_shm():
+    for result in run_distributed(fsdp_strategy_on_shm, 2, timeout_s=120):
+        assert result["shm"] and result["ops"]["all_gather"] > 0 and result["ops"]["reduce_scatter"] > 0, result
