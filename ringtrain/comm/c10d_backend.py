@@ -60,47 +60,44 @@ class ShmProcessGroup(dist.ProcessGroup):
         """Seconds spent in them: they run to completion inside the call, where a caller timing the waits for
         asynchronous collectives would not see them (the step breakdown's tp_comm adds this)."""
         self._shm = None
-        self._state = "unset"  # "building" while the workspace is set up (its own exchange is Gloo's), "off"
+        self._building = False
 
     def getBackendName(self) -> str:
         return BACKEND
 
     # --- the shared-memory path ------------------------------------------------------------------------------
-    def _workspace(self):
-        """This group's ShmGroup when its collectives may run on shm (every rank on this host), else None.
-        Built on the first collective, collectively; meanwhile (the set-up's own exchange) None: Gloo."""
+    def _built(self):
+        """This group's ShmGroup, built (collectively) on the first collective; None while it is being built: the
+        set-up's own exchange runs on Gloo."""
         sg = self._shm
         if sg is not None and sg.board is not None:
             return sg
-        if self._state != "unset":
+        if self._building:
             return None
         from ringtrain.comm.shm_group import get_shm_group
 
-        self._state = "building"
+        self._building = True
         try:
-            sg = get_shm_group(self)  # a new one if a heal destroyed the last (its board is gone)
+            self._shm = get_shm_group(self)  # a new one if a heal destroyed the last (its board is gone)
         finally:
-            self._state = "unset"
-        return self._take(sg)
+            self._building = False
+        return self._shm
+
+    def _workspace(self):
+        """The ShmGroup when ``shm_ops`` can run on it (every rank on this host), else None (Gloo)."""
+        sg = self._built()
+        return sg if sg is not None and shm_ops.fits(sg) else None
 
     def init_shm(self, **options) -> None:
         """Collective: set up this group's workspace with ``comm.shm.init_shm``'s options (``small_kb``,
         ``piece_kb``), before its first collective; its own exchange runs on Gloo."""
         from ringtrain.comm.shm import init_shm
 
-        self._state = "building"
+        self._building = True
         try:
-            sg = init_shm(self, **options)
+            self._shm = init_shm(self, **options)
         finally:
-            self._state = "unset"
-        self._take(sg)
-
-    def _take(self, sg):
-        if sg.hierarchical or sg.local_size != sg.size:  # across hosts: Gloo, as before
-            self._state = "off"
-            return None
-        self._shm = sg
-        return sg
+            self._building = False
 
     def _run(self, op: str, tensor: torch.Tensor, result, call) -> dist.Work:
         """Run ``call()`` on shm as collective ``op`` (profiler event, flight-recorder entry, accounting); a
@@ -123,25 +120,22 @@ class ShmProcessGroup(dist.ProcessGroup):
     # --- collectives -------------------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=AllreduceOptions()):
         op = _op_name(opts.reduceOp)
-        if len(tensors) == 1 and _takes(tensors) and self._workspace() is not None:
+        if len(tensors) == 1 and _takes(tensors) and self._built() is not None:
             tensor = tensors[0]
-            if op == "sum" and tensor.dtype in _SHM_DTYPES:
+            if op == "sum" and tensor.dtype in _SHM_DTYPES:  # across hosts too: the hierarchical all-reduce
                 from ringtrain import comm
-
-                # comm.all_reduce records its own flight-recorder entry (its native fast path does, in C++).
-                def native():
-                    comm.all_reduce(tensor, "sum", algorithm="shm", group=self)
 
                 start = time.perf_counter()
                 with torch.profiler.record_function("ringtrain_shm:all_reduce"):
-                    native()
+                    # It records its own flight-recorder entry (its native fast path does, in C++).
+                    comm.all_reduce(tensor, "sum", algorithm="shm", group=self)
                 self.shm_s += time.perf_counter() - start
                 self.shm_calls += 1
                 self.shm_ops["all_reduce"] += 1
                 done = Future()
                 done.set_result(tensors)
                 return _create_work_from_future(done)
-            if _reducible(tensor.dtype, op):
+            if _reducible(tensor.dtype, op) and self._workspace() is not None:
                 return self._run("all_reduce", tensor, tensors,
                                  lambda: shm_ops.all_reduce(self._shm, tensor, op, self._timeout_s()))
         return self.gloo.allreduce(tensors, opts)

@@ -66,8 +66,15 @@ def _rounds(sg: ShmGroup, what: str, desc: tuple[int, int, int], rounds: int, ti
 
 
 def _slot_bytes(sg: ShmGroup) -> int:
-    """Bytes per peer in one round when a rank's buffer holds one slot per rank (cache-line aligned)."""
-    return max(_LINE, sg.piece_bytes // sg.local_size // _LINE * _LINE)
+    """Bytes per peer in one round when a rank's buffer holds one slot per rank (cache-line aligned, so a multiple
+    of every element size); 0 when the staging buffer is too small for a line per rank (``fits``)."""
+    return sg.piece_bytes // sg.local_size // _LINE * _LINE
+
+
+def fits(sg: ShmGroup) -> bool:
+    """Whether these collectives can run on ``sg``: all its ranks on this host, a cache line per rank in a
+    staging buffer (``init_shm(piece_kb=1)`` with more than 16 ranks has not)."""
+    return not sg.hierarchical and sg.local_size == sg.size and _slot_bytes(sg) > 0
 
 
 def all_gather(sg: ShmGroup, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout_s: float) -> None:

@@ -180,6 +180,13 @@ def against_gloo(rank: int, world_size: int) -> dict:
     case("coalesced all_gather + reduce_scatter", None, coalesced)
     if shm.shm_ops["all_gather"] - before["all_gather"] != 2 or shm.shm_ops["reduce_scatter"] - before["reduce_scatter"] != 2:
         not_on_shm.append("coalesced")
+    # Not on the fast path: a non-contiguous input goes to Gloo, as before, and gives Gloo's values.
+    calls = shm.shm_calls
+    strided = torch.arange(12.0).view(3, 4).t() + rank
+    outs = [torch.zeros(4, 3) for _ in range(n)]
+    dist.all_gather(outs, strided, group=shm)
+    if shm.shm_calls != calls or not all(torch.equal(o, strided - rank + j) for j, o in enumerate(outs)):
+        mismatched.append("non-contiguous all_gather (Gloo's)")
     before = shm.shm_ops["barrier"]
     dist.barrier(group=shm)
     if shm.shm_ops["barrier"] != before + 1:
