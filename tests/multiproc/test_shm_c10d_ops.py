@@ -351,3 +351,24 @@ def fsdp_strategy_on_shm(rank: int, world_size: int) -> dict:
 def test_the_fsdp_strategy_with_algorithm_shm_runs_on_ringtrain_shm():
     for result in run_distributed(fsdp_strategy_on_shm, 2, timeout_s=120):
         assert result["shm"] and result["ops"]["all_gather"] > 0 and result["ops"]["reduce_scatter"] > 0, result
+
+
+def across_hosts(rank: int, world_size: int) -> dict:
+    """Ranks on two (pretended) hosts: the sum all-reduce takes shm's hierarchical path, the rest goes to Gloo."""
+    from ringtrain.comm.c10d_backend import BACKEND
+
+    group = dist.new_group(backend=BACKEND)
+    group.init_shm(hosts=[f"host{r}" for r in range(world_size)])
+    total = torch.full((5,), float(rank + 1))
+    dist.all_reduce(total, group=group)
+    outs = [torch.zeros(3) for _ in range(world_size)]
+    dist.all_gather(outs, torch.full((3,), float(rank)), group=group)
+    biggest = torch.tensor([rank])
+    dist.all_reduce(biggest, op=dist.ReduceOp.MAX, group=group)
+    return {"total": total.tolist(), "gathered": [o[0].item() for o in outs], "max": biggest.item(), "ops": dict(group.shm_ops)}
+
+
+def test_across_hosts_only_the_sum_all_reduce_runs_on_shm_and_the_rest_on_gloo():
+    for result in run_distributed(across_hosts, 2, timeout_s=120):
+        assert result["total"] == [3.0] * 5 and result["gathered"] == [0.0, 1.0] and result["max"] == 1, result
+        assert result["ops"] == {"all_reduce": 1}, result["ops"]
