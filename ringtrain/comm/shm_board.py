@@ -88,7 +88,12 @@ def describe_call(desc: tuple[int, int, int]) -> str:
     kind, rest = divmod(code, 10_000)
     op, dtype = divmod(rest, 1_000)
     dtype_name = str(_DTYPES[dtype]).replace("torch.", "") if dtype < len(_DTYPES) else "?"
-    where = f" at shared offset {offset}" if offset >= 0 else ""
+    if offset < 0:
+        where = ""
+    elif _KINDS[kind] == "broadcast":  # a c10d broadcast's root (shm_ops.broadcast)
+        where = f" from rank {offset}"
+    else:
+        where = f" at shared offset {offset}"
     return f"{_KINDS[kind]}({_OPS[op]}) of {numel} {dtype_name}{where}"
 
 

@@ -372,3 +372,26 @@ def test_across_hosts_only_the_sum_all_reduce_runs_on_shm_and_the_rest_on_gloo()
     for result in run_distributed(across_hosts, 2, timeout_s=120):
         assert result["total"] == [3.0] * 5 and result["gathered"] == [0.0, 1.0] and result["max"] == 1, result
         assert result["ops"] == {"all_reduce": 1}, result["ops"]
+
+
+def different_roots(rank: int, world_size: int) -> dict:
+    from ringtrain.comm.c10d_backend import BACKEND
+    from ringtrain.comm.errors import CollectiveError
+
+    group = dist.new_group(backend=BACKEND)
+    dist.barrier(group=group)
+    try:
+        dist.broadcast(torch.zeros(4), src=rank, group=group)  # each rank names itself the root: a mistake
+    except CollectiveError as err:
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None}
+
+
+def test_ranks_that_disagree_on_a_collective_fail_naming_each_other_in_one_line():
+    messages = []
+    for result in run_distributed(different_roots, 2, timeout_s=120):
+        assert result["type"] == "MismatchError" and "\n" not in result["message"], result
+        messages.append(result["message"])
+    # The rank that compares first names both calls; the other is told by the abort line, or compares too.
+    assert any("from rank 0" in m and "from rank 1" in m for m in messages), messages
+    assert all("from rank 0" in m or "called a different collective" in m for m in messages), messages
