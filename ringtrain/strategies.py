@@ -122,7 +122,7 @@ for _stage in (1, 2, 3):
         default_bucket_mb=4.0 if _stage < 3 else 25.0, options={"stage": _stage}))
 register(StrategySpec(
     "fsdp", "ringtrain.parallel.fsdp:from_config", "dp_shard", "PyTorch's FSDP2 (fully_shard)",
-    algorithms=("torch",), beside=frozenset({"tp", "pp", "cp", "hsdp"}), dtensors=True, gathers_in_forward=True,
+    algorithms=("torch", "shm"), beside=frozenset({"tp", "pp", "cp", "hsdp"}), dtensors=True, gathers_in_forward=True,
     comm_volume=1.5))
 register(StrategySpec(
     "diloco", "ringtrain.parallel.diloco:from_config", "dp_replicate",

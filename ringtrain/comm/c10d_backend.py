@@ -1,10 +1,14 @@
 """ringtrain's shared-memory all-reduce as a ``torch.distributed`` backend, for collectives torch issues itself.
 
-DTensor (tensor parallelism) and other torch code reach a group's collectives through c10d, not through
-``ringtrain.comm``. Importing this module registers a backend, ``"ringtrain_shm"``, whose process groups run
-every sum all-reduce of a contiguous CPU float tensor through ``comm.all_reduce(..., algorithm="shm")`` (the
-native path, on the group itself) and hand everything else (gathers, broadcasts, other ops and dtypes, the
-set-up's object exchange) to a Gloo group over the same ranks and store::
+DTensor (tensor parallelism), FSDP2 and other torch code reach a group's collectives through c10d, not through
+``ringtrain.comm``. Importing this module registers a backend, ``"ringtrain_shm"``, whose process groups run,
+when all their ranks are on one host, on that host's shared memory: every sum all-reduce of a contiguous CPU
+float tensor through ``comm.all_reduce(..., algorithm="shm")`` (the native path, on the group itself), and
+all-gathers, reduce-scatters (sum, avg, max, min, product), broadcasts, all-to-alls (uneven splits too), the
+other all-reduces and barriers through ``shm_ops`` on the same workspace. Everything else (send/recv, gather,
+scatter, reduce, non-contiguous or non-CPU tensors, groups across hosts, the set-up's own exchange) goes to a
+Gloo group over the same ranks and store. Each collective on shm records a profiler event
+``ringtrain_shm:<op>`` (as Gloo's ``gloo:<op>``) and a flight-recorder entry::
 
     import ringtrain.comm.c10d_backend  # registers "ringtrain_shm"
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"), backend_override={"tp": "ringtrain_shm"})
@@ -21,8 +25,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, _create_work_from_future
+from collections import Counter
+
+from torch._C._distributed_c10d import (
+    AllgatherOptions, AllreduceOptions, AllToAllOptions, BarrierOptions, BroadcastOptions, ReduceOp, ReduceScatterOptions,
+    _create_work_from_future,
+)
 from torch.futures import Future
+
+from ringtrain.comm import flight, shm_ops
 
 __all__ = ["BACKEND", "ShmProcessGroup"]
 
@@ -31,7 +42,7 @@ _SHM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 class ShmProcessGroup(dist.ProcessGroup):
-    """A process group whose sum all-reduces of CPU float tensors run on ringtrain's shared memory."""
+    """A process group whose collectives run on ringtrain's shared memory when its ranks share a host."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
@@ -41,51 +52,187 @@ class ShmProcessGroup(dist.ProcessGroup):
         dispatches to its backend), and the group's name, which c10d sets on the backends, is kept there."""
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
         self.shm_calls = 0
-        """All-reduces that went through shared memory (tests read it)."""
+        """Collectives that went through shared memory, every op (tests read it)."""
+        self.shm_ops: Counter = Counter()
+        """The same, per op (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``all_to_all``,
+        ``barrier``): what the figures call ``tp_shm_all_reduces`` is ``shm_ops["all_reduce"]``."""
         self.shm_s = 0.0
         """Seconds spent in them: they run to completion inside the call, where a caller timing the waits for
         asynchronous collectives would not see them (the step breakdown's tp_comm adds this)."""
+        self._shm = None
+        self._building = False
 
     def getBackendName(self) -> str:
         return BACKEND
 
-    def allreduce(self, tensors, opts=AllreduceOptions()):
-        if opts.reduceOp == ReduceOp.SUM and all(_shm_fits(t) for t in tensors):
-            from ringtrain import comm
+    # --- the shared-memory path ------------------------------------------------------------------------------
+    def _built(self):
+        """This group's ShmGroup, built (collectively) on the first collective; None while it is being built: the
+        set-up's own exchange runs on Gloo."""
+        sg = self._shm
+        if sg is not None and sg.board is not None:
+            return sg
+        if self._building:
+            return None
+        from ringtrain.comm.shm_group import get_shm_group
 
-            start = time.perf_counter()
-            for tensor in tensors:
-                comm.all_reduce(tensor, "sum", algorithm="shm", group=self)
-            self.shm_s += time.perf_counter() - start
-            self.shm_calls += 1
-            done = Future()
-            done.set_result(tensors)
-            return _create_work_from_future(done)
+        self._building = True
+        try:
+            self._shm = get_shm_group(self)  # a new one if a heal destroyed the last (its board is gone)
+        finally:
+            self._building = False
+        return self._shm
+
+    def _workspace(self):
+        """The ShmGroup when ``shm_ops`` can run on it (every rank on this host), else None (Gloo)."""
+        sg = self._built()
+        return sg if sg is not None and shm_ops.fits(sg) else None
+
+    def init_shm(self, **options) -> None:
+        """Collective: set up this group's workspace with ``comm.shm.init_shm``'s options (``small_kb``,
+        ``piece_kb``), before its first collective; its own exchange runs on Gloo."""
+        from ringtrain.comm.shm import init_shm
+
+        self._building = True
+        try:
+            self._shm = init_shm(self, **options)
+        finally:
+            self._building = False
+
+    def _run(self, op: str, tensor: torch.Tensor, result, call) -> dist.Work:
+        """Run ``call()`` on shm as collective ``op`` (profiler event, flight-recorder entry, accounting); a
+        completed work holding ``result``."""
+        entry = flight.begin(op, "shm", tensor)
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"ringtrain_shm:{op}"):
+            call()
+        self.shm_s += time.perf_counter() - start
+        self.shm_calls += 1
+        self.shm_ops[op] += 1
+        flight.end(entry)
+        done = Future()
+        done.set_result(result)
+        return _create_work_from_future(done)
+
+    def _timeout_s(self) -> float:
+        return self._shm.timeout_s
+
+    # --- collectives -------------------------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=AllreduceOptions()):
+        op = _op_name(opts.reduceOp)
+        if len(tensors) == 1 and _takes(tensors) and self._built() is not None:
+            tensor = tensors[0]
+            if op == "sum" and tensor.dtype in _SHM_DTYPES:  # across hosts too: the hierarchical all-reduce
+                from ringtrain import comm
+
+                start = time.perf_counter()
+                with torch.profiler.record_function("ringtrain_shm:all_reduce"):
+                    # It records its own flight-recorder entry (its native fast path does, in C++).
+                    comm.all_reduce(tensor, "sum", algorithm="shm", group=self)
+                self.shm_s += time.perf_counter() - start
+                self.shm_calls += 1
+                self.shm_ops["all_reduce"] += 1
+                done = Future()
+                done.set_result(tensors)
+                return _create_work_from_future(done)
+            if _reducible(tensor.dtype, op) and self._workspace() is not None:
+                return self._run("all_reduce", tensor, tensors,
+                                 lambda: shm_ops.all_reduce(self._shm, tensor, op, self._timeout_s()))
         return self.gloo.allreduce(tensors, opts)
 
-    # ProcessGroup-only coalesced forms (Gloo's backend has none): one call per tensor pair, the last work.
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self.gloo._allgather_base(out, inp) for out, inp in zip(outputs, inputs)]
+    def allgather(self, output_tensors, input_tensors, opts=AllgatherOptions()):
+        if (len(input_tensors) == 1 and len(output_tensors) == 1 and _takes(input_tensors + output_tensors[0])
+                and _alike(input_tensors[0], output_tensors[0], self.size()) and self._workspace() is not None):
+            tensor, outputs = input_tensors[0], output_tensors[0]
+            return self._run("all_gather", tensor, output_tensors,
+                             lambda: shm_ops.all_gather(self._shm, outputs, tensor, self._timeout_s()))
+        return self.gloo.allgather(output_tensors, input_tensors, opts)
+
+    def _allgather_base(self, output, input, opts=AllgatherOptions()):
+        if (_takes([output, input]) and output.dtype == input.dtype and output.numel() == input.numel() * self.size()
+                and self._workspace() is not None):
+            outputs = list(output.view(-1).chunk(self.size())) if input.numel() else [output.view(-1)] * self.size()
+            return self._run("all_gather", input, output,
+                             lambda: shm_ops.all_gather(self._shm, outputs, input, self._timeout_s()))
+        return self.gloo._allgather_base(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
+        # ProcessGroup-only coalesced form (Gloo's backend has none): one call per tensor pair, the last work.
+        works = [self._allgather_base(out, inp) for out, inp in zip(outputs, inputs)]
         for work in works[:-1]:
             work.wait()
         return works[-1]
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self.gloo._reduce_scatter_base(out, inp, *(() if opts is None else (opts,)))
-                 for out, inp in zip(outputs, inputs)]
+    def reduce_scatter(self, output_tensors, input_tensors, opts=ReduceScatterOptions()):
+        op = _op_name(opts.reduceOp)
+        if (len(output_tensors) == 1 and len(input_tensors) == 1 and _takes(output_tensors + input_tensors[0])
+                and _alike(output_tensors[0], input_tensors[0], self.size()) and _reducible(output_tensors[0].dtype, op)
+                and self._workspace() is not None):
+            output, inputs = output_tensors[0], input_tensors[0]
+            return self._run("reduce_scatter", output, output_tensors,
+                             lambda: shm_ops.reduce_scatter(self._shm, output, inputs, op, self._timeout_s()))
+        return self.gloo.reduce_scatter(output_tensors, input_tensors, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=ReduceScatterOptions()):
+        op = _op_name(opts.reduceOp)
+        if (_takes([output, input]) and output.dtype == input.dtype and input.numel() == output.numel() * self.size()
+                and _reducible(output.dtype, op) and self._workspace() is not None):
+            inputs = list(input.view(-1).chunk(self.size())) if output.numel() else [input.view(-1)] * self.size()
+            return self._run("reduce_scatter", input, output,
+                             lambda: shm_ops.reduce_scatter(self._shm, output, inputs, op, self._timeout_s()))
+        return self.gloo._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
+        works = [self._reduce_scatter_base(out, inp, opts) for out, inp in zip(outputs, inputs)]
         for work in works[:-1]:
             work.wait()
         return works[-1]
 
+    def broadcast(self, tensors, opts=BroadcastOptions()):
+        if isinstance(tensors, torch.Tensor) or not isinstance(opts, BroadcastOptions):  # (tensor, root, timeout)
+            return self.gloo.broadcast(tensors, opts)
+        if len(tensors) == 1 and opts.rootTensor == 0 and _takes(tensors) and self._workspace() is not None:
+            tensor = tensors[0]
+            return self._run("broadcast", tensor, tensors,
+                             lambda: shm_ops.broadcast(self._shm, tensor, opts.rootRank, self._timeout_s()))
+        return self.gloo.broadcast(tensors, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=AllToAllOptions()):
+        if _takes([output, input]) and output.dtype == input.dtype and self._workspace() is not None:
+            outputs = _split(output, output_split_sizes, self.size())
+            inputs = _split(input, input_split_sizes, self.size())
+            if outputs is not None and inputs is not None:
+                return self._run("all_to_all", input, output, lambda: shm_ops.all_to_all(
+                    self._shm, outputs, inputs, input.dtype, self._timeout_s()))
+        return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=AllToAllOptions()):
+        if (len(output_tensors) == len(input_tensors) == self.size() and _takes(list(output_tensors) + list(input_tensors))
+                and len({t.dtype for t in list(output_tensors) + list(input_tensors)}) == 1
+                and self._workspace() is not None):
+            return self._run("all_to_all", input_tensors[0], output_tensors, lambda: shm_ops.all_to_all(
+                self._shm, output_tensors, input_tensors, input_tensors[0].dtype, self._timeout_s()))
+        return self.gloo.alltoall(output_tensors, input_tensors, opts)
+
+    def barrier(self, opts=BarrierOptions()):
+        if isinstance(opts, BarrierOptions) and self._workspace() is not None:
+            return self._run("barrier", _NOTHING, None, lambda: shm_ops.barrier(self._shm, self._timeout_s()))
+        return self.gloo.barrier(opts)
+
+
+# torch 2.14's names for the single-tensor forms (dist.all_gather_single, reduce_scatter_single, all_to_all_single
+# and their coalesced forms call these): the same collectives.
+ShmProcessGroup.all_gather_single = ShmProcessGroup._allgather_base
+ShmProcessGroup.all_gather_single_coalesced = ShmProcessGroup.allgather_into_tensor_coalesced
+ShmProcessGroup.reduce_scatter_single = ShmProcessGroup._reduce_scatter_base
+ShmProcessGroup.reduce_scatter_single_coalesced = ShmProcessGroup.reduce_scatter_tensor_coalesced
+ShmProcessGroup.all_to_all_single = ShmProcessGroup.alltoall_base
 
 # Every other collective goes to Gloo over the same ranks, called here rather than left to torch's ProcessGroup
 # base methods: those dispatch to the registered backend too, but from a Python group they hung now and then
 # (a scatter, 2 runs in 4 of 20 scatters each; delegated here, 5 of 5 passed).
-_TO_GLOO = ("allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base", "all_gather_single",
-            "all_gather_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "barrier", "broadcast",
-            "gather", "gather_into_tensor", "gather_single", "reduce", "reduce_scatter", "_reduce_scatter_base",
-            "reduce_scatter_single", "reduce_scatter_single_coalesced", "scatter", "send", "recv",
-            "recv_anysource", "monitored_barrier")
+_TO_GLOO = ("allreduce_coalesced", "allgather_coalesced", "gather", "gather_into_tensor", "gather_single", "reduce",
+            "scatter", "send", "recv", "recv_anysource", "monitored_barrier")
 
 
 def _to_gloo(name: str):
@@ -99,9 +246,53 @@ def _to_gloo(name: str):
 for _name in _TO_GLOO:
     setattr(ShmProcessGroup, _name, _to_gloo(_name))
 
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+_OP_NAMES = ((ReduceOp.SUM, "sum"), (ReduceOp.AVG, "avg"), (ReduceOp.MAX, "max"), (ReduceOp.MIN, "min"),
+             (ReduceOp.PRODUCT, "product"))
+_REDUCIBLE = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+"""Dtypes shm reduces (complex: sum and avg only, through the real view); others go to Gloo."""
 
-def _shm_fits(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.dtype in _SHM_DTYPES and tensor.is_contiguous()
+
+def _op_name(op) -> str | None:
+    for known, name in _OP_NAMES:
+        try:
+            if op == known:
+                return name
+        except TypeError:  # a premultiplied sum and other ops c10d builds: Gloo's
+            return None
+    return None
+
+
+def _reducible(dtype: torch.dtype, op: str | None) -> bool:
+    if op is None or dtype not in _REDUCIBLE:
+        return False
+    if dtype.is_complex:
+        return op in ("sum", "avg")
+    if op == "avg":
+        return dtype.is_floating_point
+    return True
+
+
+def _takes(tensors) -> bool:
+    """Plain contiguous CPU tensors (dense, not quantized): the shm path's; anything else is Gloo's."""
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+               and not t.is_quantized for t in tensors)
+
+
+def _alike(tensor: torch.Tensor, others, size: int) -> bool:
+    """``others``: one tensor per rank, each of ``tensor``'s dtype and element count."""
+    return len(others) == size and all(o.dtype == tensor.dtype and o.numel() == tensor.numel() for o in others)
+
+
+def _split(tensor: torch.Tensor, split_sizes, size: int) -> list[torch.Tensor] | None:
+    """All-to-all's pieces of ``tensor`` along dimension 0 (even without ``split_sizes``), or None where they do not
+    fit the tensor (Gloo then says what is wrong)."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    sizes = list(split_sizes) if split_sizes else ([rows // size] * size if tensor.dim() and rows % size == 0 else None)
+    if sizes is None or len(sizes) != size or any(s < 0 for s in sizes) or sum(sizes) != rows:
+        return None
+    return list(tensor.split(sizes)) if rows else [tensor] * size
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ShmProcessGroup:

@@ -51,8 +51,8 @@ _YIELD_S = 0.002  # ranks sharing cores yield this long before sleeping
 _NAP_S = 250e-6  # longest sleep between looks during the first 100 ms of a wait
 _LIVENESS_EVERY_S = 0.02
 
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-_OPS = ("sum", "avg")
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
+_OPS = ("sum", "avg", "max", "min", "product")  # appended only: the native path's codes are those of the first
 _COMMON = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8,
@@ -88,7 +88,12 @@ def describe_call(desc: tuple[int, int, int]) -> str:
     kind, rest = divmod(code, 10_000)
     op, dtype = divmod(rest, 1_000)
     dtype_name = str(_DTYPES[dtype]).replace("torch.", "") if dtype < len(_DTYPES) else "?"
-    where = f" at shared offset {offset}" if offset >= 0 else ""
+    if offset < 0:
+        where = ""
+    elif _KINDS[kind] == "broadcast":  # a c10d broadcast's root (shm_ops.broadcast)
+        where = f" from rank {offset}"
+    else:
+        where = f" at shared offset {offset}"
     return f"{_KINDS[kind]}({_OPS[op]}) of {numel} {dtype_name}{where}"
 
 

@@ -390,10 +390,11 @@ class CommConfig(Section):
         spec = strategy_spec(self.strategy)
         if self.algorithm in spec.algorithms:
             return self
-        if spec.algorithms == ("torch",):
+        if self.strategy == "fsdp":
             raise ValueError(
-                f"strategy 'fsdp' runs PyTorch's FSDP2 on the backend's own collectives, not algorithm "
-                f"'{self.algorithm}'; leave algorithm = 'torch', or use strategy 'zero3' for ringtrain's"
+                f"strategy 'fsdp' runs PyTorch's FSDP2 on the backend's own collectives (algorithm 'torch') or on "
+                f"shared memory (algorithm 'shm': the ringtrain_shm backend), not algorithm '{self.algorithm}'; "
+                "choose one of those, or use strategy 'zero3' for ringtrain's"
             )
         raise ValueError(
             f"algorithm '{self.algorithm}' is one of torch's DDP hooks; use strategy = 'ddp' with it, "
@@ -637,6 +638,15 @@ class Config(Section):
     @model_validator(mode="after")
     def _parallel_fits(self) -> Config:
         check_strategy_agrees(self.parallel, self.comm.strategy)
+        if self.comm.strategy == "fsdp" and self.comm.algorithm == "shm":
+            others = {name: getattr(self.parallel, name) for name in ("dp_replicate", "cp", "tp", "pp")
+                      if getattr(self.parallel, name) not in (None, 1)}
+            if others:
+                name, value = next(iter(others.items()))
+                raise ValueError(
+                    f"comm.algorithm = 'shm' with comm.strategy = 'fsdp' runs FSDP2 over every rank on shared memory, "
+                    f"one dimension only, not beside [parallel] {name} = {value}; leave comm.algorithm = 'torch' there "
+                    "(tensor parallelism's collectives take parallel.tp_algorithm = 'shm')")
         return self
 
     @model_validator(mode="after")

@@ -6,7 +6,8 @@
     >>> loss_fn(model(x)).backward()     # FSDP all-gathers per unit, reduce-scatters per unit
 
 The device mesh is the whole world: Gloo on CPU, NCCL on CUDA (``torch.distributed`` picks the backend's
-collectives; ``[comm] algorithm`` does not apply). Gradients are reduce-scattered on every micro-batch and
+collectives), or with ``comm.algorithm = 'shm'`` the ``ringtrain_shm`` backend (CPU workers: every all-gather and
+reduce-scatter on the host's shared memory). Gradients are reduce-scattered on every micro-batch and
 accumulate in the shards (FSDP's default, what zero2/zero3 do); ``no_sync`` changes nothing. Parameters are
 DTensors sharded on dim 0; the checkpoint's full form is gathered with ``full_tensor()`` and cut back with
 ``distribute_tensor`` (each rank takes its own chunk: no communication).
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.errors import ConfigError
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.units import block_units
@@ -36,8 +38,11 @@ class FSDPStrategy(ReplicatedStrategy):
     forward_is_collective = True
     step_operation = "all_gather and reduce_scatter (FSDP2 parameters and gradients)"
 
-    def __init__(self, device: torch.device, mesh: Any = None):
+    def __init__(self, device: torch.device, mesh: Any = None, algorithm: str = "torch"):
         self.device = device
+        self.algorithm = algorithm
+        """'shm': the world's mesh is a ``ringtrain_shm`` group (comm/c10d_backend.py: FSDP2's all-gathers and
+        reduce-scatters on shared memory; CPU workers of one host, or Gloo's as before where ranks span hosts)."""
         self.comm_timer = CommTimer()
         """FSDP runs its collectives itself: the timer sees none (their time is in forward/backward)."""
         self.mesh = mesh
@@ -53,7 +58,17 @@ class FSDPStrategy(ReplicatedStrategy):
 
         model.to(self.device)
         _broadcast_from_rank0(model)  # FSDP shards each rank's own copy: start from one
-        mesh = self.mesh if self.mesh is not None else init_device_mesh(self.device.type, (dist.get_world_size(),))
+        mesh = self.mesh
+        if mesh is None and self.algorithm == "shm":
+            if self.device.type != "cpu":
+                raise ConfigError(f"comm.algorithm = 'shm' with comm.strategy = 'fsdp' needs CPU workers, but this "
+                                  f"worker trains on {self.device}; set comm.algorithm = 'torch'")
+            from ringtrain.comm.c10d_backend import BACKEND
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",),
+                                    backend_override={"dp_shard": BACKEND})
+        elif mesh is None:
+            mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         for block in block_units(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -134,4 +149,4 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> FSDPStrategy:
     """``comm.strategy = 'fsdp'`` (the registry's builder): over ``mesh`` (HSDP's 2-D one) or the world."""
-    return FSDPStrategy(device, mesh=mesh)
+    return FSDPStrategy(device, mesh=mesh, algorithm=comm.algorithm)

@@ -548,7 +548,8 @@ class PipelineStrategy(ReplicatedStrategy):
         layers' all-reduces this rank ran on shared memory."""
         figures: dict[str, Any] = {**super().figures(),  # DiLoCo's beside the pipeline
                                    "pp_microbatches_run": {str(k): v for k, v in sorted(self._counts.items())}}
-        calls = getattr(self.mesh["tp"].get_group(), "shm_calls", None) if self.tp > 1 else None
+        ops = getattr(self.mesh["tp"].get_group(), "shm_ops", None) if self.tp > 1 else None
+        calls = None if ops is None else ops["all_reduce"]  # the backend counts every op it runs on shm, by op
         return figures if calls is None else {**figures, "tp_shm_all_reduces": calls}
 
     # --- a step --------------------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ class TensorParallelStrategy(FSDPStrategy):
     def figures(self) -> dict[str, Any]:
         """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
         ringtrain's shared memory so far (records and the summary)."""
-        calls = getattr(self._shm_group, "shm_calls", None)
+        ops = getattr(self._shm_group, "shm_ops", None)  # every op the backend ran on shm, by op
+        calls = None if ops is None else ops["all_reduce"]
         return {**super().figures(), **({} if calls is None else {"tp_shm_all_reduces": calls})}
 
     def wrap(self, model: nn.Module) -> nn.Module:

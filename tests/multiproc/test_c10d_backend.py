@@ -1,7 +1,8 @@
 """ringtrain's shared-memory all-reduce as a torch.distributed backend (``ringtrain/comm/c10d_backend.py``):
 torch's own callers reach it through c10d. A 2-D mesh whose tp dimension is ``ringtrain_shm``: DTensor's
 redistribution of a partial sum (the row-parallel layer's all-reduce) and its backward run on shared memory and
-give torch's values; what the shm path does not take (integers, max, gathers, broadcasts) is Gloo's and right."""
+give torch's values; so do integers, max, gathers and broadcasts, which run on shm too (tests/multiproc/
+test_shm_c10d_ops.py checks every op against Gloo)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def dtensor_over_shm(rank: int, world_size: int) -> dict:
     forward_calls = group.shm_calls - before
     out.to_local().square().sum().backward()
     expected = x @ w
-    # Not on shm: integers and max go to Gloo, as do gathers and broadcasts (the set-up's object exchange too).
-    before = group.shm_calls
+    # On shm too: integers and max, gathers and broadcasts (and an object broadcast's).
+    before = dict(group.shm_ops)
     ints = torch.tensor([rank + 1, 10 * (rank + 1)])
     dist.all_reduce(ints, group=group)
     biggest = torch.tensor([float(rank)])
@@ -44,16 +45,17 @@ def dtensor_over_shm(rank: int, world_size: int) -> dict:
         "forward_error": (out.to_local() - expected).abs().max().item(),
         "x_grad_error": (x_split.grad.full_tensor() - 2 * expected @ w.T).abs().max().item(),
         "w_grad_error": (w_split.grad.full_tensor() - x.T @ (2 * expected)).abs().max().item(),
-        "gloo_calls_on_shm": group.shm_calls - before,
+        "shm_ops": {op: n - before.get(op, 0) for op, n in group.shm_ops.items() if n != before.get(op, 0)},
         "ints": ints.tolist(), "max": biggest.item(), "gathered": [g[0].item() for g in gathered], "word": word[0],
     }
 
 
-def test_dtensor_collectives_run_on_ringtrain_shm_and_the_rest_on_gloo():
+def test_dtensor_collectives_and_the_other_ops_run_on_ringtrain_shm():
     for result in run_distributed(dtensor_over_shm, 2, timeout_s=120):
         assert result["forward_calls"] == 1
         assert result["forward_error"] < 1e-10  # float64: two partial sums added, as torch adds them
         assert result["x_grad_error"] < 1e-10 and result["w_grad_error"] < 1e-10
-        assert result["gloo_calls_on_shm"] == 0
+        ops = result["shm_ops"]  # (how many gathers and broadcasts an object broadcast takes is torch's choice)
+        assert set(ops) == {"all_reduce", "all_gather", "broadcast"} and ops["all_reduce"] == 2, ops
         assert result["ints"] == [3, 30] and result["max"] == 1.0 and result["gathered"] == [0.0, 1.0]
         assert result["word"] == "rank 0"

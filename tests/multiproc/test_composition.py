@@ -411,7 +411,7 @@ def test_a_layouts_options_train_as_one_worker(name):
         assert summary["tp_shm_all_reduces"] >= STEPS * BLOCKS * 4
         assert "tp_shm_all_reduces" not in cell_run(Cell(tp=2)).summary
     if name == "tp2-sp-shm":
-        # Sequence parallel: each split layer's all-reduce became an all-gather or a reduce-scatter (on Gloo).
+        # Sequence parallel: each split layer's all-reduce became an all-gather or a reduce-scatter (on shm too, counted apart).
         fewer = variant_run("tp2-shm").summary["tp_shm_all_reduces"] - summary["tp_shm_all_reduces"]
         assert fewer >= STEPS * BLOCKS * 4, fewer
     if name == "tp2-ac_full":

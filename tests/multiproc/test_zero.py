@@ -286,7 +286,9 @@ def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_p
     (["comm.strategy=zero2", "comm.algorithm=powersgd"], "algorithm 'powersgd' is one of torch's DDP hooks"),
     (["comm.strategy=zero1", "comm.algorithm=bf16"], "use strategy = 'ddp' with it"),
     (["comm.strategy=zero3"], "train.auto_micro_batch needs a step without collectives"),
-    (["comm.strategy=fsdp", "train.auto_micro_batch=false", "comm.algorithm=shm"], "strategy 'fsdp' runs PyTorch's FSDP2"),
+    (["comm.strategy=fsdp", "train.auto_micro_batch=false", "comm.algorithm=ring"], "strategy 'fsdp' runs PyTorch's FSDP2"),
+    (["comm.strategy=fsdp", "train.auto_micro_batch=false", "comm.algorithm=shm", "parallel.pp=2"],
+     "runs FSDP2 over every rank on shared memory, one dimension only, not beside [parallel] pp = 2"),
 ])
 def test_combinations_that_cannot_work_are_refused_in_one_line(overrides, message):
     from ringtrain.config import load_config
