@@ -41,9 +41,9 @@ stages pass the chunks on, the last gathers the logits; the gradients are averag
 Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a user's
 nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not; cp: the built-in
 transformer, beside tp too: cp splits the sequence first, sp each cp part), ddp, manual, zero1-3 (each stage
-wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp or cp) or FSDP2 beside it (HSDP too,
-without tp or cp: FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``; under FSDP2 and zero3 the dp ranks agree on each
-step's micro-batch shapes, ``pipeline_schedule.agree_shapes``), DiLoCo's replicas of whole pipelines,
+wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp or cp) or FSDP2 beside it (HSDP too, its
+stages split by tp or not: FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``; under FSDP2 and zero3 the dp ranks agree
+on each step's micro-batch shapes, ``pipeline_schedule.agree_shapes``), DiLoCo's replicas of whole pipelines,
 loss_parallel with tp (the last stage's own copy of the tied output layer split by vocabulary; not under zbv or
 FSDP2), no --heal, no automatic micro-batch shrinking. Every rank builds the whole model, keeps its stages and
 moves the rest to the meta device (shapes without memory).
