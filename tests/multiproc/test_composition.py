@@ -356,7 +356,7 @@ def test_hsdp_beside_a_tensor_parallel_pipeline_trains_as_one_worker():
     """HSDP x tp x pp (issue 40's last refusal): FSDP2's 2-D mesh (dp_replicate 2 x dp_shard 1) beside pp 2 under
     1F1B whose stages are split by tp 2: 8 ranks. Each stage split over its tp group, then sharded by FSDP2 over
     its (dp_replicate, dp_shard) ranks; the replicas' gradients all-reduced by FSDP2, the clip's norm counted once
-    per replica and once per tp slice. (dp_shard 2 takes 16 ranks: run once by hand, it matched as well; too
+    per replica and once per tp slice. (dp_shard 2 takes 16 ranks: this test run once so, it matched as well; too
     heavy for the suite.)"""
     layout = ["comm.strategy='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2",
               "parallel.pp=2", "parallel.pp_schedule='1f1b'"]
