@@ -121,7 +121,7 @@ class Layout:
         and for whole replicas beside tp, ``dp_replicate, dp_shard``), then the model-parallel degrees above 1,
         outermost first. A dimension of size 1 is kept only where the strategies beside it index it (``dp``)."""
         if (self.dp_replicate > 1 and (self.hsdp or self.tp > 1)
-                and (self.pp == 1 or (self.hsdp and self.tp == 1 and self.cp == 1))  # HSDP beside a pipeline too
+                and (self.pp == 1 or (self.hsdp and self.cp == 1))  # HSDP beside a pipeline (its stages split by tp too)
                 and (self.cp == 1 or self.hsdp)):
             # FSDP2's 2-D data-parallel mesh (replicas of shard groups; shard groups of 1 rank: whole replicas).
             names, sizes = ["dp_replicate", "dp_shard"], [self.dp_replicate, self.dp_shard]

@@ -229,11 +229,6 @@ def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:
                           f"or a model of your own that is an nn.Sequential (model.factory, fit) into stages, not "
                           f"model.name = '{model.name}'; set pp = 1")
     spec = strategy_spec(strategy)
-    if spec.owner == "dp_shard" and degrees["dp_replicate"] > 1 and degrees["tp"] > 1:
-        raise ConfigError(f"{where} with dp_replicate = {degrees['dp_replicate']}, tp = {degrees['tp']} and "
-                          "comm.strategy = 'fsdp': replicas of sharded tensor-parallel pipeline stages "
-                          "(HSDP x tp x pp) are not composed yet (issue 40); set dp_replicate = 1 (FSDP2 over every "
-                          "pipeline), tp = 1, or comm.strategy = 'ddp'")
     if "pp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': beside a pipeline the data-parallel ranks either "
                           "replicate it (its gradients averaged by one all-reduce with comm.algorithm, 'ddp' or "

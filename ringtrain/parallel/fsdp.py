@@ -28,7 +28,8 @@ from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.units import block_units
 
-__all__ = ["from_config", "FSDPStrategy"]
+__all__ = ["from_config", "FSDPStrategy", "full_optimizer_state", "load_dtensor_model_state", "local_state_tensors",
+           "shard_blocks", "shard_optimizer_state_like"]
 
 
 class FSDPStrategy(ReplicatedStrategy):
@@ -54,7 +55,6 @@ class FSDPStrategy(ReplicatedStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         model.to(self.device)
         _broadcast_from_rank0(model)  # FSDP shards each rank's own copy: start from one
@@ -69,10 +69,7 @@ class FSDPStrategy(ReplicatedStrategy):
                                     backend_override={"dp_shard": BACKEND})
         elif mesh is None:
             mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        for block in block_units(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+        return shard_blocks(model, mesh)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return nullcontext()
@@ -91,34 +88,68 @@ class FSDPStrategy(ReplicatedStrategy):
         return {k: _full(v) for k, v in model.state_dict().items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        own = model.state_dict()
-        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-        if missing or unexpected:
-            raise KeyError(f"the model state does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        with torch.no_grad():
-            for key, target in own.items():
-                _local(target).copy_(_local(_shard_like(state[key], target)))
+        load_dtensor_model_state(model, state)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        local = optimizer.state_dict()
-        return {**local, "state": {i: {k: _full(v) for k, v in entry.items()} for i, entry in local["state"].items()}}
+        return full_optimizer_state(optimizer)
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        sharded = {}
-        for i, entry in state["state"].items():
-            param = params[int(i)]
-            sharded[i] = {k: _shard_like(v, param) if isinstance(v, torch.Tensor) and v.shape == param.shape else v
-                          for k, v in entry.items()}
-        return {**state, "state": sharded}
+        return shard_optimizer_state_like(optimizer, state)
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
         """The local shards (FSDP's transient all-gather buffers are not reachable here: see peak RSS)."""
-        for p in model.parameters():
-            yield _local(p)
-            if p.grad is not None:
-                yield _local(p.grad)
-        yield from (_local(t) for t in optimizer_tensors(optimizer))
+        return local_state_tensors(model, optimizer)
+
+
+# --- the full and sharded forms of a model whose parameters are DTensors (FSDP2's, tensor parallelism's) ----------
+def shard_blocks(model: nn.Module, mesh: Any) -> nn.Module:
+    """FSDP2 over ``mesh``: one unit per block (``units.block_units``), then the root. The model is already on
+    its device and the same on every rank of ``mesh`` (its parameters may be tensor-parallel DTensors already:
+    FSDP2 shards them on the data-parallel mesh beside tp's)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in block_units(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def load_dtensor_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """A full model state (plain tensors) cut into ``model``'s DTensors (each rank its own part, no
+    communication), its plain tensors copied whole; a state of other keys is refused (KeyError)."""
+    own = model.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        raise KeyError(f"the model state does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for key, target in own.items():
+            _local(target).copy_(_local(_shard_like(state[key], target)))
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state in torch's form with every DTensor gathered whole (a collective)."""
+    local = optimizer.state_dict()
+    return {**local, "state": {i: {k: _full(v) for k, v in entry.items()} for i, entry in local["state"].items()}}
+
+
+def shard_optimizer_state_like(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A full optimizer state cut as the optimizer's parameters are (``full_optimizer_state``'s inverse)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sharded = {}
+    for i, entry in state["state"].items():
+        param = params[int(i)]
+        sharded[i] = {k: _shard_like(v, param) if isinstance(v, torch.Tensor) and v.shape == param.shape else v
+                      for k, v in entry.items()}
+    return {**state, "state": sharded}
+
+
+def local_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    """This rank's local parts of the parameters, gradients and optimizer state."""
+    for p in model.parameters():
+        yield _local(p)
+        if p.grad is not None:
+            yield _local(p.grad)
+    yield from (_local(t) for t in optimizer_tensors(optimizer))
 
 
 def _full(value: Any) -> Any:

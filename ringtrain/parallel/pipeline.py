@@ -38,15 +38,19 @@ With ``cp`` > 1 (the mesh ``(dp, pp, cp)``) every stage's ranks split each micro
 (``SequenceSplit``): the first stage keeps each cp rank's chunks of the tokens at their global positions, the
 stages pass the chunks on, the last gathers the logits; the gradients are averaged over dp x cp.
 
-Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a
-user's nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not; cp: the built-in
+Limits (refused in one line before any worker starts, config/parallel.py): the built-in transformer or a user's
+nn.Sequential (tp inside stages: the built-in transformer only, sequence parallel or not; cp: the built-in
 transformer, beside tp too: cp splits the sequence first, sp each cp part), ddp, manual, zero1-3 (each stage
-wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp or cp) or FSDP2 beside it (HSDP too,
-without tp or cp: FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``; under FSDP2 and zero3 the dp ranks agree on each
-step's micro-batch shapes, ``_agree_shapes``), DiLoCo's replicas of whole pipelines, loss_parallel with tp (the last
-stage's own copy of the tied output layer split by vocabulary; not under zbv or FSDP2), no --heal, no automatic
-micro-batch shrinking. Every rank builds the whole
-model, keeps its stages and moves the rest to the meta device (shapes without memory).
+wrapped by ringtrain's ZeRO over dp, ``pipeline_zero.py``; not beside tp or cp) or FSDP2 beside it (HSDP too, its
+stages split by tp or not: FSDP2's 2-D mesh ``(dp_replicate, dp_shard)``; under FSDP2 and zero3 the dp ranks agree
+on each step's micro-batch shapes, ``pipeline_schedule.agree_shapes``), DiLoCo's replicas of whole pipelines,
+loss_parallel with tp (the last stage's own copy of the tied output layer split by vocabulary; not under zbv or
+FSDP2), no --heal, no automatic micro-batch shrinking. Every rank builds the whole model, keeps its stages and
+moves the rest to the meta device (shapes without memory).
+
+The pieces, each its own module: the stages and the cut (``pipeline_stages.py``), the schedule and its
+micro-batches' shapes (``pipeline_schedule.py``), what ranks pass outside a schedule (``pipeline_wire.py``), ZeRO
+on each stage (``pipeline_zero.py``). This module is the strategy that puts them together.
 """
 
 from __future__ import annotations
@@ -63,181 +67,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import comm
-from ringtrain.comm.errors import PeerDataError
-from ringtrain.comm.objects import all_gather_bytes, all_gather_json
 from ringtrain.errors import ConfigError
 from ringtrain.monitor.comm_timer import CommTimer
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.fsdp import _broadcast_from_rank0, _full, _local, _shard_like
 from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
+from ringtrain.parallel.pipeline_schedule import _SCHEDULES_KEPT, SCHEDULES, agree_shapes, make_schedule, pad_rows
+from ringtrain.parallel.pipeline_stages import (SequenceSplit, SequentialStage, TransformerStage, UserStage,
+                                                describe_stages, merge_into, sequential_cut, stage_indices)
+from ringtrain.parallel.pipeline_wire import _all_gather_tensors, _recv_tensor, _send_tensor, _to_cpu
 from ringtrain.parallel.tensor import _FUSED, CollectiveWaits, _fused_entries, _recut, _to_natural, _to_ranks
 
 __all__ = ["PipelineStrategy", "TransformerStage", "UserStage", "stage_indices", "SCHEDULES"]
-
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
-}
-"""``[parallel] pp_schedule`` -> the class in ``torch.distributed.pipelining``."""
-_SCHEDULES_KEPT = 8
-"""Schedules kept built (their stages' shape inference runs once per micro-batch shape and count)."""
-_MULTI = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
-
-
-def stage_indices(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds: a loop (rank r: r, r + pp, ...) or, for the V schedule,
-    r and 2pp - 1 - r.
-
-        >>> stage_indices(0, 2, 2, "interleaved_1f1b"), stage_indices(0, 2, 2, "zbv_zero_bubble")
-        ([0, 2], [0, 3])
-    """
-    if schedule == "zbv_zero_bubble":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(stages_per_rank)]
-
-
-class TransformerStage(nn.Module):
-    """Stage ``index`` of ``stages`` of a ``models.transformer.TransformerLM``: its blocks (the whole model's
-    modules, under their whole-model names), with the embeddings before the first stage's and the final norm
-    and ``head`` after the last stage's. The forward is ``TransformerLM.forward`` cut at the stage's edges."""
-
-    def __init__(self, model: nn.Module, index: int, stages: int, head: nn.Module | None = None,
-                 context: SequenceSplit | None = None):
-        super().__init__()
-        per = model.n_layers // stages
-        self.index, self.is_first, self.is_last = index, index == 0, index == stages - 1
-        object.__setattr__(self, "context", context)  # (not a child: it holds no parameters)
-        self.seq_len = model.seq_len
-        if self.is_first:
-            self.token_embedding, self.position_embedding, self.dropout = (
-                model.token_embedding, model.position_embedding, model.dropout)
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(index * per, (index + 1) * per)})
-        if self.is_last:
-            self.norm, self.head = model.norm, head if head is not None else model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        context = self.context
-        if self.is_first:
-            if context is None:
-                positions = torch.arange(x.shape[1], device=x.device)
-            else:  # this cp rank's chunks of the tokens, at their global positions
-                x, positions = context.shard(x, self.seq_len)
-            x = self.dropout(self.token_embedding(x) + self.position_embedding(positions))
-        for block in self.blocks.values():
-            x = block(x)
-        if not self.is_last:
-            return x
-        logits = self.head(self.norm(x))
-        return logits if context is None else context.gather(logits)
-
-
-class SequenceSplit:
-    """Context parallelism inside the pipeline (``[parallel] cp``): the ranks of ``group`` hold the same stages and
-    split every micro-batch's sequence. The first stage keeps this rank's two load-balanced chunks of the tokens
-    and their global positions (``context_split.shard_tokens_of``), the blocks' attention is ring attention over
-    ``group`` (``context.apply_context_parallel``, applied to the whole model before it is cut), the activations
-    passed between stages are the chunks, and the last stage gathers the logits back into the whole sequence
-    (``context_split.gather_sequence``: its backward keeps this rank's chunks of the gradient). ``length``: the
-    micro-batches' sequence length this step, which every rank of the pipeline is handed (the last stage cuts
-    the padding with it)."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
-        self.length = 0
-
-    def shard(self, tokens: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from ringtrain.parallel.context_split import shard_tokens_of
-
-        return shard_tokens_of(tokens, self.rank, self.size, max_positions)
-
-    def gather(self, logits: torch.Tensor) -> torch.Tensor:
-        from ringtrain.parallel.context_split import gather_sequence
-
-        return gather_sequence(logits, self.group, self.rank, self.size, self.length)
-
-
-class SequentialStage(nn.Module):
-    """Stage ``index`` of ``stages`` of a user's ``nn.Sequential``: a contiguous run of its children under their
-    own names (``"0"``, ``"1"``, ...), as near-equal in count as the division allows (the first stages take one
-    more when it does not divide)."""
-
-    def __init__(self, model: nn.Sequential, index: int, stages: int):
-        super().__init__()
-        start, stop = sequential_cut(len(model), stages)[index]
-        self.index, self.is_first, self.is_last = index, index == 0, index == stages - 1
-        for name in list(model._modules)[start:stop]:
-            self.add_module(name, model._modules[name])  # the Sequential's own names: "3.weight" stays "3.weight"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self._modules.values():
-            x = layer(x)
-        return x
-
-
-class _Shell(nn.Module):
-    """A module path's container inside a ``UserStage`` (``model`` of ``model.layers.0``): holds what is under it,
-    runs nothing."""
-
-
-class UserStage(nn.Module):
-    """Stage ``index`` of ``stages`` made by a user's split function (``fit(pp_split=...)``): its forward is the
-    user's stage module's, and it holds the whole model's submodules that module uses under their whole-model
-    paths (``model.layers.3`` stays ``model.layers.3``), so its parameters and state are named as the unsplit
-    model's (checkpoints load into any layout). The user's module itself is not a child: its names are its own."""
-
-    def __init__(self, model: nn.Module, module: nn.Module, index: int, stages: int):
-        super().__init__()
-        self.index, self.is_first, self.is_last = index, index == 0, index == stages - 1
-        object.__setattr__(self, "_stage", module)
-        used = {id(m) for m in module.modules()}
-        grafted: list[str] = []
-        for path, sub in model.named_modules():
-            if not path or id(sub) not in used or any(path.startswith(g + ".") for g in grafted):
-                continue
-            grafted.append(path)
-            *parents, name = path.split(".")
-            holder: nn.Module = self
-            for part in parents:
-                if part not in holder._modules:
-                    holder.add_module(part, _Shell())
-                holder = holder._modules[part]
-            holder.add_module(name, sub)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._stage(x)
-
-
-def _merge_into(view: nn.Module, module: nn.Module) -> None:
-    """``module``'s children into ``view`` under the same paths; shells are copied (a stage's own stay as they are)."""
-    for name, child in module.named_children():
-        mine = view._modules.get(name)
-        if mine is None and isinstance(child, _Shell):
-            mine = _Shell()
-            view.add_module(name, mine)
-        if isinstance(child, _Shell) and isinstance(mine, _Shell):
-            _merge_into(mine, child)
-        elif mine is None:
-            view.add_module(name, child)
-
-
-def sequential_cut(children: int, stages: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each stage's children: near-equal counts, the first stages one more.
-
-        >>> sequential_cut(7, 3)
-        [(0, 3), (3, 5), (5, 7)]
-    """
-    per, extra = divmod(children, stages)
-    bounds, start = [], 0
-    for index in range(stages):
-        stop = start + per + (index < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 class PipelineStrategy(ReplicatedStrategy):
     """The model's stages over ``mesh['pp']``; gradients averaged over ``mesh['dp']`` when it has more than one
     rank (each pipeline a replica)."""
@@ -435,7 +276,7 @@ class PipelineStrategy(ReplicatedStrategy):
         if not isinstance(made, (list, tuple)) or len(made) != self.stages or not all(
                 isinstance(m, nn.Module) for m in made):
             raise ConfigError(f"{where}: pp_split(model, {self.stages}) must return a list of {self.stages} nn.Modules "
-                              f"(one a stage, in order), and it returned {_describe_stages(made)}")
+                              f"(one a stage, in order), and it returned {describe_stages(made)}")
         stages = [UserStage(model, module, index, self.stages) for index, module in enumerate(made)]
         names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         owner: dict[int, int] = {}
@@ -564,8 +405,8 @@ class PipelineStrategy(ReplicatedStrategy):
                               f"{type(micro_batches[0][0]).__name__}; make each sample's input one tensor, or set pp = 1")
         rows = max(1, max(len(targets) for _, targets in micro_batches))
         if self.forward_is_collective and self.dp > 1:
-            micro_batches, rows = self._agree_shapes(micro_batches, rows)
-        inputs = [_pad_rows(x, rows) for x, _ in micro_batches]
+            micro_batches, rows = agree_shapes(micro_batches, rows, self.dp_group)
+        inputs = [pad_rows(x, rows) for x, _ in micro_batches]
         if self.context is not None:  # the whole sequences' length, which the last stage's gathered logits keep
             self.context.length = inputs[0].shape[1]
         key = (tuple(inputs[0].shape), inputs[0].dtype, len(inputs))
@@ -583,42 +424,14 @@ class PipelineStrategy(ReplicatedStrategy):
                           return_outputs=False)
         return self._compute_s
 
-    def _agree_shapes(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                      rows: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        """FSDP2 or zero3 beside the pipeline gather parameters in every stage forward, the schedule's shape
-        inference included (a new micro-batch shape or count builds a new schedule): every data-parallel rank must
-        run the same forwards. So the ranks agree on the step's micro-batch count, rows and, for token ids, width
-        (each rank's share of ragged text is as wide as its own longest sequence): sequences padded on the right
-        (tokens 0, targets ignored: the causal model's earlier positions do not see them), micro-batches of
-        padding rows added (their loss is 0)."""
-        from ringtrain.data.text import IGNORE_INDEX
-
-        x0, t0 = micro_batches[0]
-        tokens = x0.dim() == 2 and t0.dim() == 2 and not x0.is_floating_point()
-        need = torch.tensor([len(micro_batches), rows, x0.shape[1] if tokens else 0], dtype=torch.int64,
-                            device=x0.device)
-        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.dp_group)
-        count, rows, width = need.tolist()
-        if tokens:
-            micro_batches = [(nn.functional.pad(x, (0, width - x.shape[1])),
-                              nn.functional.pad(t, (0, width - t.shape[1]), value=IGNORE_INDEX)) for x, t in micro_batches]
-        x0, t0 = micro_batches[0]
-        return micro_batches + [(x0[:0], t0[:0])] * (count - len(micro_batches)), rows
-
     def _build_schedule(self, key: tuple, loss_fn: Callable) -> Any:
-        import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
 
         stages = [PipelineStage(run, module.index, self.stages, self.device, group=self.pp_group)
                   for run, module in zip(self._runs, self.modules)]
         for stage, run in zip(stages, self._runs):
             self._time_chunks(stage, run)
-        cls = getattr(pipelining, SCHEDULES[self.schedule])
-        count = key[-1]
-        if self.schedule in _MULTI:
-            schedule = cls(stages, n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
-        else:
-            schedule = cls(stages[0], n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
+        schedule = make_schedule(self.schedule, stages, key[-1], loss_fn)
         # Token budgets make many (shape, count) pairs; each schedule keeps receive buffers for its micro-batches.
         # Every rank of a pipeline sees the same keys in the same order, so all drop the same one.
         while len(self._schedules) >= _SCHEDULES_KEPT:
@@ -878,7 +691,7 @@ class PipelineStrategy(ReplicatedStrategy):
         view = nn.Module()
         if self.split is not None:  # user stages: their paths merged (two stages' "model.layers" become one)
             for module in self.modules:
-                _merge_into(view, module)
+                merge_into(view, module)
             return view
         for module in self.modules:
             for name, child in module.named_children():
@@ -905,7 +718,7 @@ class PipelineStrategy(ReplicatedStrategy):
         input from the previous one's rank and sends its output on. The logits on the rank of the last stage (the
         first of its tensor-parallel ranks), None on the others. Every rank of the pipeline calls it with the same batch."""
         rows = len(inputs)
-        x = inputs = _pad_rows(inputs, max(rows, 1))  # a replica with no batch left still runs the stages' gathers
+        x = inputs = pad_rows(inputs, max(rows, 1))  # a replica with no batch left still runs the stages' gathers
         if self.context is not None:
             self.context.length = inputs.shape[1]
         for stage in range(self.stages):
@@ -925,33 +738,6 @@ class PipelineStrategy(ReplicatedStrategy):
         answers = (last and (self.tp == 1 or self.mesh.get_local_rank("tp") == 0)
                    and (self.cp == 1 or self.context.rank == 0))
         return x[:rows] if answers else None
-
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
-_HEADER = 10
-"""A transfer's header: dtype code, ndim, then up to 8 sizes."""
-
-
-def _send_tensor(x: torch.Tensor, dst: int, group: Any) -> None:
-    """``x`` to pipeline rank ``dst``: its dtype and shape first, then its values (evaluation's transfers, whose
-    shapes no schedule inferred)."""
-    if x.dtype not in _DTYPES or x.dim() > _HEADER - 2:
-        raise ConfigError(f"a pipeline stage's output of dtype {x.dtype} and {x.dim()} dimensions cannot be passed on; "
-                          "return a tensor of a float, integer or bool dtype with at most 8 dimensions")
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
-    header[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    dist.send(header.to(x.device), group_dst=dst, group=group)
-    dist.send(x.contiguous(), group_dst=dst, group=group)
-
-
-def _recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, group_src=src, group=group)
-    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
-    dist.recv(x, group_src=src, group=group)
-    return x
 
 
 def _qkv_dim(name: str) -> int | None:
@@ -990,83 +776,3 @@ def _rename(optim_sd: dict[str, Any], old: str, new: str) -> None:
     optim_sd["state"][new] = optim_sd["state"].pop(old)
     for group in optim_sd["param_groups"]:
         group["params"] = [new if name == old else name for name in group["params"]]
-
-
-def _describe_stages(made: Any) -> str:
-    if isinstance(made, (list, tuple)):
-        return f"a {type(made).__name__} of {len(made)}: " + ", ".join(type(m).__name__ for m in made[:4])
-    return f"a {type(made).__name__}"
-
-
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    if len(x) == rows:
-        return x
-    return torch.cat([x, x.new_zeros(rows - len(x), *x.shape[1:])])
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
-_TENSOR = "\u0000tensor"
-"""The one key of the JSON object that stands for a tensor in ``_all_gather_tensors``'s structure."""
-_GATHER_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
-
-
-def _all_gather_tensors(value: dict[str, Any], group: dist.ProcessGroup) -> list[dict[str, Any]]:
-    """Every rank's ``value`` (dicts with string keys; leaves CPU tensors or JSON values) in rank order of
-    ``group``, without pickle (architecture.md: no object collective): the structure travels as JSON
-    (``comm/objects.py``), each tensor as its dtype, shape and place in one buffer of raw bytes, rebuilt on
-    arrival; anything else a peer sends is ``PeerDataError``."""
-    blob = bytearray()
-
-    def encode(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            flat = item.detach().cpu().contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            entry = {_TENSOR: [str(flat.dtype).removeprefix("torch."), list(item.shape), len(blob), len(raw)]}
-            blob.extend(raw)
-            return entry
-        if isinstance(item, dict):
-            if not all(isinstance(key, str) for key in item):
-                raise TypeError(f"pipeline state gather: keys must be strings, got {sorted(map(repr, item))[:4]}")
-            return {key: encode(inner) for key, inner in item.items()}
-        if isinstance(item, (list, tuple)):
-            return [encode(inner) for inner in item]
-        return item
-
-    structure = encode(value)
-    structures = all_gather_json(structure, group=group)
-    blobs = all_gather_bytes(bytes(blob), group=group)
-    return [_decode_tensors(tree, data, dist.get_global_rank(group, rank))
-            for rank, (tree, data) in enumerate(zip(structures, blobs))]
-
-
-def _decode_tensors(tree: Any, data: bytes, rank: int) -> Any:
-    """``_all_gather_tensors``'s structure from ``rank`` with its tensors rebuilt from ``data``."""
-    if isinstance(tree, list):
-        return [_decode_tensors(inner, data, rank) for inner in tree]
-    if not isinstance(tree, dict):
-        return tree
-    if _TENSOR not in tree:
-        return {key: _decode_tensors(inner, data, rank) for key, inner in tree.items()}
-    entry = tree[_TENSOR]
-    dtype_name, shape, offset, length = entry if isinstance(entry, list) and len(entry) == 4 else (None,) * 4
-    dtype = _GATHER_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-    good_shape = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-    if (len(tree) != 1 or dtype is None or not good_shape or type(offset) is not int or type(length) is not int
-            or not 0 <= offset <= offset + length <= len(data)
-            or length != math.prod(shape) * torch.empty((), dtype=dtype).element_size()):
-        shown = repr(entry)
-        raise PeerDataError(f"rank {rank} sent a tensor entry {shown[:80]}{'...' * (len(shown) > 80)} that its "
-                            f"{len(data)} bytes do not hold; refused", peer=rank)
-    if not length:
-        return torch.zeros(shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(data[offset:offset + length]), dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)

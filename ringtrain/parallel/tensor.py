@@ -32,18 +32,22 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from ringtrain.errors import ConfigError
-from ringtrain.parallel.fsdp import FSDPStrategy, _broadcast_from_rank0, _full
+from ringtrain.monitor.comm_timer import CommTimer
+from ringtrain.parallel.base import ReplicatedStrategy
+from ringtrain.parallel.fsdp import (FSDPStrategy, _broadcast_from_rank0, _full, full_optimizer_state,
+                                    load_dtensor_model_state, local_state_tensors, shard_blocks,
+                                    shard_optimizer_state_like)
 from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
 from ringtrain.parallel.tp_plan_check import check_colwise_partners
-from ringtrain.parallel.units import block_units
 
-__all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "apply_plan", "gpt2_plan", "huggingface_plan",
+__all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "TensorSplit", "apply_plan", "gpt2_plan", "huggingface_plan",
            "parallelize_stage", "parallelize_transformer", "user_plan", "vocabulary_split_output"]
 
 _FUSED = {"attn.qkv.weight": 0, "attn.qkv.bias": 0}
@@ -53,38 +57,24 @@ _GPT2_FUSED = {"attn.c_attn.weight": 1, "attn.c_attn.bias": 0}
 """Hugging Face GPT-2's fused c_attn, a ``Conv1D``: its weight is (in, out), so q | k | v are columns."""
 
 
-class TensorParallelStrategy(FSDPStrategy):
-    """Tensor parallelism over ``mesh['tp']``, FSDP2 over ``mesh['dp']`` when it has more than one rank."""
-
-    gradients_replicated = False
-    reduces_every_micro_batch = True
-    forward_is_collective = True
-    splits_model = True
-    step_operation = "all_reduce (tensor-parallel layers in forward and backward, gradient sync)"
+class TensorSplit:
+    """The tensor-parallel transform over ``mesh['tp']`` (no data-parallel wrapper: a strategy applies one after
+    it): the plan (the built-in transformer's, a Hugging Face model's, or a user's ``plan``) applied to rank 0's
+    weights, and what the full forms need from it (which parameters hold fused q | k | v rows in rank order,
+    and how to put them back), the loss context of a vocabulary split, the wait on its collectives."""
 
     def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None,
-                 sequence_parallel: bool = False, loss_parallel: bool = False, dp_mesh: Any = None,
-                 outer_loop: OuterLoop = NO_OUTER_LOOP):
-        super().__init__(device)
-        self.outer_loop = outer_loop
-        """DiLoCo's beside tp: a replica is a tp group, the replicas kept together by outer steps over dp (no FSDP2)."""
-        self.sequence_parallel = sequence_parallel
-        self.loss_parallel = loss_parallel
-        """The model's own output layer split by vocabulary (its logits ``Shard(-1)``), the loss on the shards."""
-        """The built-in transformer's norms and residual stream split by sequence over tp (``parallelize_transformer``)."""
+                 sequence_parallel: bool = False, loss_parallel: bool = False):
+        self.device = device
         self.mesh = mesh
         self.tp = mesh["tp"].size()
-        replicas = "dp_replicate" in mesh.mesh_dim_names
-        self.dp_mesh = dp_mesh if dp_mesh is not None else mesh[("dp_replicate", "dp_shard")] if replicas else mesh["dp"]
-        """FSDP2's mesh: the data-parallel dimension, or its two (replicas of shard groups: HSDP), or the ranks
-        gradients are averaged over beside context parallelism (``dp_cp``: the data-parallel ranks and their cp
-        groups, given as ``dp_mesh``)."""
-        self.dp = self.dp_mesh.size()
-        self.name = ("tp" if self.dp == 1 else "diloco+tp" if outer_loop.syncs_replicas else "fsdp+tp" if not replicas
-                     else "ddp+tp" if self.dp_mesh.size(-1) == 1 else "hsdp+tp")  # (its shard groups' size)
         self.plan = plan
         """A user's plan (``fit(tp_plan=...)``): module paths (``*`` for any one name) to "colwise", "rowwise" or
         a torch ParallelStyle. None: the model's own (the built-in transformer's, or a Hugging Face model's)."""
+        self.sequence_parallel = sequence_parallel
+        """The built-in transformer's norms and residual stream split by sequence over tp (``parallelize_transformer``)."""
+        self.loss_parallel = loss_parallel
+        """The model's own output layer split by vocabulary (its logits ``Shard(-1)``), the loss on the shards."""
         self._fused_dims: dict[str, int] = {}
         """Name suffixes of the parameters kept in rank order (fused q | k | v layers), and along which dimension."""
         self._fused: dict[int, int] = {}
@@ -92,39 +82,9 @@ class TensorParallelStrategy(FSDPStrategy):
         self._shm_group = mesh["tp"].get_group()
         self._waits = CollectiveWaits(self._shm_group)
 
-    def collective_wait_s(self) -> float:
-        """Seconds this rank spent on the split layers' collectives (DTensor's all-reduces in forward and
-        backward) since the last call: the waits for asynchronous ones (Gloo's), and the time inside
-        synchronous ones (``parallel.tp_algorithm = 'shm'``). The step's ``tp_comm`` phase."""
-        return self._waits.take()
-
-    def figures(self) -> dict[str, Any]:
-        """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
-        ringtrain's shared memory so far (records and the summary)."""
-        ops = getattr(self._shm_group, "shm_ops", None)  # every op the backend ran on shm, by op
-        calls = None if ops is None else ops["all_reduce"]
-        return {**super().figures(), **({} if calls is None else {"tp_shm_all_reduces": calls})}
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The tensor-parallel transform (``split``), then FSDP2 over ``dp_mesh`` when it has more than one rank."""
-        self.split(model)
-        if self.dp > 1 and not self.outer_loop.syncs_replicas:  # (DiLoCo's replicas step on their own)
-            from torch.distributed.fsdp import fully_shard
-
-            for block in block_units(model):
-                fully_shard(block, mesh=self.dp_mesh)
-            fully_shard(model, mesh=self.dp_mesh)
-            self._index_fused(model)  # FSDP2's parameters are new DTensors
-        self.outer_loop.attach(model, list(model.parameters()), self.mesh["dp"].get_group())  # DiLoCo's, or none
-        return model
-
-    def _index_fused(self, model: nn.Module) -> None:
-        self._fused = {id(p): self._fused_dim(name) for name, p in model.named_parameters()
-                       if self._fused_dim(name) is not None}
-
-    def split(self, model: nn.Module) -> nn.Module:
-        """The transform alone: ``model`` on this rank's device, rank 0's weights cut by the plan over
-        ``mesh['tp']`` (every parameter a DTensor: the split ones sharded, the rest replicated)."""
+    def apply(self, model: nn.Module) -> nn.Module:
+        """``model`` on this rank's device, rank 0's weights cut by the plan over ``mesh['tp']`` (every parameter
+        a DTensor: the split ones sharded, the rest replicated)."""
         from ringtrain.models.transformer import TransformerLM
 
         builtin = self.plan is None and isinstance(model, TransformerLM)
@@ -154,17 +114,130 @@ class TensorParallelStrategy(FSDPStrategy):
             if self.loss_parallel:
                 plan = {**plan, **vocabulary_split_output(model)}
             apply_plan(model, plan, self.mesh["tp"])
-        self._index_fused(model)
+        self.index_fused(model)
         self._waits.install()
         return model
 
-    def loss_context(self):
+    def index_fused(self, model: nn.Module) -> None:
+        """Find the fused parameters of ``model`` again (a wrapper after the split made new parameter objects)."""
+        self._fused = {id(p): self.fused_dim(name) for name, p in model.named_parameters()
+                       if self.fused_dim(name) is not None}
+
+    def fused_dim(self, name: str) -> int | None:
+        return next((dim for suffix, dim in self._fused_dims.items() if name.endswith(suffix)), None)
+
+    def natural(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A full value of parameter ``name`` in the unsplit model's order (qkv rows back in q | k | v order)."""
+        dim = self.fused_dim(name)
+        return _to_natural(value, self.tp, dim) if dim is not None and isinstance(value, torch.Tensor) else value
+
+    def ranked(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``natural``'s inverse: a full value in the split's order, ready to cut."""
+        dim = self.fused_dim(name)
+        return _to_ranks(value, self.tp, dim) if dim is not None and isinstance(value, torch.Tensor) else value
+
+    def map_state(self, optimizer: torch.optim.Optimizer, state: dict, move) -> dict:
+        """A full optimizer state's fused entries (shaped like their parameter) moved by ``move``
+        (``_to_natural`` or ``_to_ranks``)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        mapped = {}
+        for index, entry in state.items():
+            param = params[int(index)]
+            if id(param) not in self._fused:
+                mapped[index] = entry
+                continue
+            mapped[index] = {key: move(value, self.tp, self._fused[id(param)]) if isinstance(value, torch.Tensor)
+                             and tuple(value.shape) == tuple(param.shape) else value for key, value in entry.items()}
+        return mapped
+
+    def loss_context(self) -> AbstractContextManager:
         """torch's ``loss_parallel`` when the output layer is split by vocabulary (``loss_parallel``)."""
         if not self.loss_parallel:
-            return super().loss_context()
+            return nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
+
+    def collective_wait_s(self) -> float:
+        """Seconds this rank spent on the split layers' collectives (DTensor's all-reduces in forward and
+        backward) since the last call: the waits for asynchronous ones (Gloo's), and the time inside
+        synchronous ones (``parallel.tp_algorithm = 'shm'``). The step's ``tp_comm`` phase."""
+        return self._waits.take()
+
+    def figures(self) -> dict[str, Any]:
+        """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
+        ringtrain's shared memory so far (records and the summary)."""
+        ops = getattr(self._shm_group, "shm_ops", None)  # every op the backend ran on shm, by op
+        return {} if ops is None else {"tp_shm_all_reduces": ops["all_reduce"]}
+
+
+class TensorParallelStrategy(ReplicatedStrategy):
+    """Tensor parallelism over ``mesh['tp']`` (``TensorSplit``), then at most one data-parallel wrapper on the
+    split model's DTensors: FSDP2 (or HSDP) over ``dp_mesh`` when it has more than one rank (``data``, an
+    ``FSDPStrategy``), or DiLoCo's outer loop over the tp groups. Its state methods are DTensor's (fsdp.py's
+    module functions), with the fused qkv rows put back in the unsplit model's order."""
+
+    gradients_replicated = False
+    reduces_every_micro_batch = True
+    forward_is_collective = True
+    splits_model = True
+    step_operation = "all_reduce (tensor-parallel layers in forward and backward, gradient sync)"
+
+    def __init__(self, device: torch.device, mesh: Any, plan: Mapping[str, Any] | None = None,
+                 sequence_parallel: bool = False, loss_parallel: bool = False, dp_mesh: Any = None,
+                 outer_loop: OuterLoop = NO_OUTER_LOOP):
+        self.device = device
+        self.comm_timer = CommTimer()
+        """FSDP2 and DTensor run their collectives themselves: the timer sees none (``tp_comm`` has tp's waits)."""
+        self.tensor = TensorSplit(device, mesh, plan=plan, sequence_parallel=sequence_parallel,
+                                  loss_parallel=loss_parallel)
+        self.outer_loop = outer_loop
+        """DiLoCo's beside tp: a replica is a tp group, the replicas kept together by outer steps over dp (no FSDP2)."""
+        self.mesh = mesh
+        self.tp = self.tensor.tp
+        replicas = "dp_replicate" in mesh.mesh_dim_names
+        self.dp_mesh = dp_mesh if dp_mesh is not None else mesh[("dp_replicate", "dp_shard")] if replicas else mesh["dp"]
+        """FSDP2's mesh: the data-parallel dimension, or its two (replicas of shard groups: HSDP), or the ranks
+        gradients are averaged over beside context parallelism (``dp_cp``: the data-parallel ranks and their cp
+        groups, given as ``dp_mesh``)."""
+        self.dp = self.dp_mesh.size()
+        self.name = ("tp" if self.dp == 1 else "diloco+tp" if outer_loop.syncs_replicas else "fsdp+tp" if not replicas
+                     else "ddp+tp" if self.dp_mesh.size(-1) == 1 else "hsdp+tp")  # (its shard groups' size)
+        self.data = FSDPStrategy(device, mesh=self.dp_mesh) if self.dp > 1 and not outer_loop.syncs_replicas else None
+        """The one data-parallel wrapper after the split (DiLoCo's replicas step on their own: none)."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.tensor.loss_parallel
+
+    def collective_wait_s(self) -> float:
+        return self.tensor.collective_wait_s()
+
+    def figures(self) -> dict[str, Any]:
+        return {**super().figures(), **self.tensor.figures()}
+
+    def loss_context(self) -> AbstractContextManager:
+        return self.tensor.loss_context()
+
+    def split(self, model: nn.Module) -> nn.Module:
+        """The transform alone (``TensorSplit.apply``)."""
+        return self.tensor.apply(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The tensor-parallel transform, then FSDP2 over ``dp_mesh`` (``data``) when there is one."""
+        self.split(model)
+        if self.data is not None:
+            shard_blocks(model, self.dp_mesh)
+            self.tensor.index_fused(model)  # FSDP2's parameters are new DTensors
+        self.outer_loop.attach(model, list(model.parameters()), self.mesh["dp"].get_group())  # DiLoCo's, or none
+        return model
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return nullcontext()  # FSDP2 reduces on every micro-batch; the split layers' collectives must run
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """torch's clip over the whole model's gradients, which may mix DTensors (split layers, on the tp or the
@@ -182,21 +255,24 @@ class TensorParallelStrategy(FSDPStrategy):
 
     # --- the full form: the unsplit model's (qkv rows back in q | k | v order) -----------------------------
     def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {name: self._natural(name, _full(p.detach())) for name, p in model.named_parameters()}
+        return {name: self.tensor.natural(name, _full(p.detach())) for name, p in model.named_parameters()}
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {key: self._natural(key, _full(value)) for key, value in model.state_dict().items()}
+        return {key: self.tensor.natural(key, _full(value)) for key, value in model.state_dict().items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        super().load_model_state_dict(model, {key: self._ranked(key, value) for key, value in state.items()})
+        load_dtensor_model_state(model, {key: self.tensor.ranked(key, value) for key, value in state.items()})
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        full = super().optimizer_state_dict(optimizer)
-        return {**full, "state": self._map_state(optimizer, full["state"], _to_natural)}
+        full = full_optimizer_state(optimizer)
+        return {**full, "state": self.tensor.map_state(optimizer, full["state"], _to_natural)}
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        ranked = {**state, "state": self._map_state(optimizer, state["state"], _to_ranks)}
-        return super().shard_optimizer_state(optimizer, ranked)
+        ranked = {**state, "state": self.tensor.map_state(optimizer, state["state"], _to_ranks)}
+        return shard_optimizer_state_like(optimizer, ranked)
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+        return local_state_tensors(model, optimizer)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's slices for a sharded (DCP) checkpoint, in the unsplit model's order: every DTensor as it
@@ -208,7 +284,7 @@ class TensorParallelStrategy(FSDPStrategy):
 
         model_sd, optim_sd = get_state_dict(self.unwrap(model), optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        for name, moments, value, dim in _fused_entries(state, self._fused_dim):
+        for name, moments, value, dim in _fused_entries(state, self.tensor.fused_dim):
             moments[name] = _recut(value, _to_natural(_full(value), self.tp, dim))
         return state
 
@@ -218,33 +294,10 @@ class TensorParallelStrategy(FSDPStrategy):
 
         state = self.checkpoint_state(model, optimizer)  # natural-order qkv stretches to read into
         load(state)
-        for name, moments, value, dim in _fused_entries(state, self._fused_dim):
+        for name, moments, value, dim in _fused_entries(state, self.tensor.fused_dim):
             moments[name] = _recut(value, _to_ranks(_full(value), self.tp, dim))
         set_state_dict(self.unwrap(model), optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-
-    def _fused_dim(self, name: str) -> int | None:
-        return next((dim for suffix, dim in self._fused_dims.items() if name.endswith(suffix)), None)
-
-    def _natural(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        dim = self._fused_dim(name)
-        return _to_natural(value, self.tp, dim) if dim is not None and isinstance(value, torch.Tensor) else value
-
-    def _ranked(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        dim = self._fused_dim(name)
-        return _to_ranks(value, self.tp, dim) if dim is not None and isinstance(value, torch.Tensor) else value
-
-    def _map_state(self, optimizer: torch.optim.Optimizer, state: dict, move) -> dict:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        mapped = {}
-        for index, entry in state.items():
-            param = params[int(index)]
-            if id(param) not in self._fused:
-                mapped[index] = entry
-                continue
-            mapped[index] = {key: move(value, self.tp, self._fused[id(param)]) if isinstance(value, torch.Tensor)
-                             and tuple(value.shape) == tuple(param.shape) else value for key, value in entry.items()}
-        return mapped
 
 
 def parallelize_transformer(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> None:

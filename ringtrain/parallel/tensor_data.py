@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.parallel.tensor import TensorParallelStrategy, _recut, _to_natural
+from ringtrain.parallel.base import ReplicatedStrategy
+from ringtrain.parallel.tensor import TensorParallelStrategy, TensorSplit, _recut, _to_natural
 
 __all__ = ["LocalSpec", "TensorBesideData", "localize_parameters"]
 
@@ -103,12 +104,21 @@ def _as_locals(held: dict[str, nn.Parameter]) -> Callable:
     return hook
 
 
-class TensorBesideData(TensorParallelStrategy):
-    """Tensor parallelism over ``mesh['tp']`` with ``data``, a data-parallel strategy over plain tensors (manual,
-    zero1/2/3, DDP), on the data-parallel (or dp x cp) ranks it was built with."""
+class TensorBesideData(ReplicatedStrategy):
+    """Tensor parallelism over ``mesh['tp']`` (the transform, ``TensorSplit``) with ``data``, a data-parallel
+    strategy over plain tensors (manual, zero1/2/3, DDP), on the data-parallel (or dp x cp) ranks it was built
+    with: the one wrapper after the split."""
+
+    gradients_replicated = False
+    reduces_every_micro_batch = True  # the split layers' all-reduces run in every backward
+    forward_is_collective = True
+    splits_model = True
 
     def __init__(self, device: torch.device, mesh: Any, data: Any, **tensor: Any):
-        super().__init__(device, mesh, **tensor)
+        self.device = device
+        self.tensor = TensorSplit(device, mesh, **tensor)
+        self.mesh = mesh
+        self.tp = self.tensor.tp
         self.data = data
         self.name = f"{data.name}+tp"
         self.comm_timer = data.comm_timer
@@ -118,16 +128,32 @@ class TensorBesideData(TensorParallelStrategy):
         self._names: dict[str, LocalSpec] = {}
         """Every name a local parameter has (a tied weight under each), to its spec."""
         self._optimizer_params: list[nn.Parameter] = []
-        self.step_operation = f"{self.step_operation}; {data.step_operation}"
-        self.reduces_every_micro_batch = True  # the split layers' all-reduces run in every backward
+        self.step_operation = f"{TensorParallelStrategy.step_operation}; {data.step_operation}"
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.tensor.loss_parallel
+
+    def collective_wait_s(self) -> float:
+        return self.tensor.collective_wait_s()
+
+    def figures(self) -> dict[str, Any]:
+        return {**super().figures(), **self.tensor.figures()}
+
+    def loss_context(self) -> AbstractContextManager:
+        return self.tensor.loss_context()
 
     # --- the transforms, in order --------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
-        self.split(model)
+        self.tensor.apply(model)
         self._specs = localize_parameters(model)
         self._names = {name: self._specs[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
         self._model_names = list(model.named_parameters())
-        self._index_fused(model)  # the local parameters
+        self.tensor.index_fused(model)  # the local parameters
         return self.data.wrap(model)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
@@ -195,14 +221,14 @@ class TensorBesideData(TensorParallelStrategy):
     def _gathered(self, name: str, value: Any, spec: LocalSpec | None) -> Any:
         if spec is None or not isinstance(value, torch.Tensor):
             return value
-        return self._natural(name, spec.dtensor(value.detach()).full_tensor())
+        return self.tensor.natural(name, spec.dtensor(value.detach()).full_tensor())
 
     def _cut(self, name: str, value: Any, spec: LocalSpec | None) -> Any:
         if spec is None or not isinstance(value, torch.Tensor):
             return value
         from torch.distributed.tensor import distribute_tensor
 
-        ranked = self._ranked(name, value)
+        ranked = self.tensor.ranked(name, value)
         return distribute_tensor(ranked, spec.mesh, spec.placements, src_data_rank=None).to_local().clone()
 
     def full_named_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -247,7 +273,7 @@ class TensorBesideData(TensorParallelStrategy):
             if spec is None or not isinstance(value, torch.Tensor):
                 return value
             dtensor = spec.dtensor(value.detach())
-            dim = self._fused_dim(name)
+            dim = self.tensor.fused_dim(name)
             return dtensor if dim is None else _recut(dtensor, _to_natural(dtensor.full_tensor(), self.tp, dim))
 
         model_sd = {key: tp_form(key, value, self._names.get(key))

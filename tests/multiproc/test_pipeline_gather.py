@@ -40,7 +40,7 @@ def _state(rank: int) -> dict:
 def _gather(rank: int, world_size: int) -> list:
     import torch.distributed as dist
 
-    from ringtrain.parallel.pipeline import _all_gather_tensors
+    from ringtrain.parallel.pipeline_wire import _all_gather_tensors
 
     return _all_gather_tensors(_state(rank), dist.group.WORLD)
 
@@ -76,7 +76,7 @@ BAD_ENTRIES = [
 def _hostile(rank: int, world_size: int, entry: list) -> str | None:
     import torch.distributed as dist
 
-    from ringtrain.parallel.pipeline import _all_gather_tensors
+    from ringtrain.parallel.pipeline_wire import _all_gather_tensors
 
     if rank == 1:  # a peer on the pipeline's wire, sending what the gather carries but lying about its bytes
         all_gather_json({"blocks.1.weight": {"\u0000tensor": entry}})
