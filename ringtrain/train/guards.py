@@ -56,13 +56,17 @@ class ReplicasDiverged(RingtrainError):
 class StopSignal:
     """Turns SIGTERM, SIGINT and SIGUSR1 into a request to stop at the next step boundary (installed while
     training). SIGUSR1 is SLURM's warning before the time limit (``#SBATCH --signal=USR1@90``), which SLURM sends
-    to every process of the job step, the workers included; the launcher stops on it too (launch.py). Once a stop
-    was requested (or the loop leaves with ``Stopped``), a signal whose disposition was SIG_DFL stays absorbed after
-    the block: the process is stopping, and a late copy must not kill it before it says where it stopped."""
+    to every process of the job step, the workers included; the launcher stops on it too (launch.py).
+
+    Leaving the block restores the handlers that were there (a hand-written loop's ``StepGuard`` decides itself what
+    a stop means). ``absorb_after_stop`` (the Trainer's, whose stop ends the process with ``Stopped``): once a stop
+    was requested, or the block is left with ``Stopped``, a signal whose disposition was SIG_DFL stays absorbed, so
+    a late copy cannot kill the worker before it says where it stopped."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, absorb_after_stop: bool = False):
+        self.absorb_after_stop = absorb_after_stop
         self.signal_number: int | None = None
         self._received = threading.Event()
         self._previous: dict = {}
@@ -74,7 +78,8 @@ class StopSignal:
         return self
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
-        stopping = self.requested or isinstance(exc_value, Stopped)  # this worker's signal, or a peer's
+        # this worker's signal, or a peer's
+        stopping = self.absorb_after_stop and (self.requested or isinstance(exc_value, Stopped))
         for sig, handler in self._previous.items():
             # After a stop was requested, the process is on its way out (``Stopped`` goes up to the worker's
             # main, which says "stopped at step N after saving ..." and exits 128 + N). A stop signal may still
