@@ -5,7 +5,7 @@
 
 Each case is a real ``ringtrain train`` of the byte-level Transformer LM (``configs/debug_lm.toml`` at
 ``--d-model``; the global batch fixed at ``--per-worker`` sequences x workers, so every case sees the same
-samples in the same number of steps) on test hosts (``tests/hosts.py``: network namespaces on this machine,
+samples in the same number of steps) on test hosts (``ringtrain/testing/hosts.py``: network namespaces on this machine,
 the link between them capped with ``tc tbf`` at ``--rate``). A checkpoint every ``--every`` steps (a multiple
 of every H) holds the model; afterwards each one is scored here, in one process, on the same validation split
 (the global parameters of a DiLoCo checkpoint: the model the outer steps made). The training time to a
@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.hosts import Hosts  # noqa: E402 - the repository's own test hosts
+from ringtrain.testing.hosts import Hosts  # noqa: E402 - the repository's own test hosts
 
 PORT = 29510
 CONFIG = "configs/debug_lm.toml"

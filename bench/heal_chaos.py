@@ -1,5 +1,5 @@
 """Randomized chaos under --heal, many seeds (issue 21): for each seed, a schedule of overlapping failures
-(tests/chaos/random_chaos.py: kills at fault points inside steps, heals, admissions, sharded and background
+(ringtrain/testing/random_chaos.py: kills at fault points inside steps, heals, admissions, sharded and background
 saves and evaluations; stops past dist.timeout_s; joins and joiners that leave) runs as a real job and every
 invariant is checked. Prints one line per seed and writes them, with the count of failures, to OUT.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.chaos.random_chaos import Schedule, check, run_schedule  # noqa: E402 - the chaos tests' driver
+from ringtrain.testing.random_chaos import Schedule, check, run_schedule  # noqa: E402 - the chaos tests' driver
 
 
 def seeds(text: str) -> list[int]:

@@ -7,7 +7,7 @@ worst recovery_s, and the steps lost.
         --out bench-out/heal
 
 With ``--join`` (issue 12's repeated failures): ``--kills K`` kills, and after each but the last a `ringtrain
-join` worker (started ahead) is admitted, so the group goes N -> N-1 -> N ... (tests/chaos/heal_cycles.py):
+join` worker (started ahead) is admitted, so the group goes N -> N-1 -> N ... (ringtrain/testing/heal_cycles.py):
 
     flock -x /tmp/ringtrain-cpu.lock .venv/bin/python bench/heal_recovery.py --runs 2 --nproc 3 --min-nproc 2 \
         --kills 5 --join --every-steps 5 --out bench-out/heal-join
@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ringtrain.data.ledger import check_ledger  # noqa: E402
-from tests.chaos.heal_cycles import kill_and_join  # noqa: E402 - the chaos tests' kills and joins
-from tests.chaos.jobs import Job, records  # noqa: E402 - the chaos tests' job harness
+from ringtrain.testing.heal_cycles import kill_and_join  # noqa: E402 - the chaos tests' kills and joins
+from ringtrain.testing.jobs import Job, records  # noqa: E402 - the chaos tests' job harness
 
 SETS = ["--set", "train.global_batch_size=96", "--set", "train.local_batch_size=8", "--set", "data.ledger=true",
         "--set", "monitor.log_every_steps=1", "--set", "monitor.progress=false", "--set", "dist.timeout_s=20",

@@ -3,7 +3,7 @@
     sudo .venv/bin/python bench/hosts_collectives.py --hosts 2 --nproc 2 --rate 1gbit \\
         --sizes 1M,4M,16M,64M --iters 5 --out bench-out/hosts-2x2-1gbit
 
-Makes ``--hosts`` namespaces (``tests/hosts.py``: a veth each into one bridge, 198.18.0.x, a ``tbf`` cap of
+Makes ``--hosts`` namespaces (``ringtrain/testing/hosts.py``: a veth each into one bridge, 198.18.0.x, a ``tbf`` cap of
 ``--rate`` on every link, both directions), runs ``ringtrain bench collectives --nnodes H --node-rank R`` in
 each with ``--nproc`` workers, prints node 0's table (which writes ``--out``) and removes the namespaces.
 Other flags go to ``ringtrain bench collectives`` as they are. Needs root.
@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.hosts import Hosts  # noqa: E402 - the repository's own test hosts
+from ringtrain.testing.hosts import Hosts  # noqa: E402 - the repository's own test hosts
 
 PORT = 29500
 

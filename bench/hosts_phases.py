@@ -3,7 +3,7 @@
     sudo .venv/bin/python bench/hosts_phases.py --rate 1gbit --mb 64 --iters 6
     sudo .venv/bin/python bench/hosts_phases.py --hosts 3 --rate 1gbit --mb 64 --iters 5
 
-``--hosts`` test hosts (``tests/hosts.py``, default 2) x 2 ranks, each rank's main thread pinned to core ``local_rank`` as
+``--hosts`` test hosts (``ringtrain/testing/hosts.py``, default 2) x 2 ranks, each rank's main thread pinned to core ``local_rank`` as
 ``ringtrain bench collectives`` pins them. Every round runs, in turn, after a barrier:
 
 - ``sequential``: the hierarchical all-reduce as it was before the two-host stream: the host sums the whole
@@ -127,7 +127,7 @@ def main() -> int:
     if os.environ.get("PHASES_WORKER"):
         worker()
         return 0
-    from tests.hosts import INTERFACE, Hosts
+    from ringtrain.testing.hosts import INTERFACE, Hosts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=2, help="test hosts of 2 ranks each (default 2)")

@@ -4,7 +4,7 @@
         --layouts 1x1,1x2,2x1,1x4,2x2 --algorithms torch,ring,shm,bf16,powersgd --steps 8 --out bench-out/hosts-training
 
 Each case is a real ``ringtrain train`` (weak scaling: a fixed batch per worker) for ``--steps`` optimizer
-steps, on test hosts (``tests/hosts.py``: network namespaces on this machine, every link capped with
+steps, on test hosts (``ringtrain/testing/hosts.py``: network namespaces on this machine, every link capped with
 ``tc tbf`` at the rate). A layout ``HxP`` is H hosts of P workers: ``2x2`` runs one launcher per host across
 the capped links, ``1x4`` the same four workers in one namespace (loopback, no cap), so that between the
 two only the link differs (the two cores of this machine run four workers' compute either way). ``1x1``
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.hosts import Hosts  # noqa: E402 - the repository's own test hosts
+from ringtrain.testing.hosts import Hosts  # noqa: E402 - the repository's own test hosts
 
 PORT = 29500
 

@@ -56,11 +56,17 @@ class ReplicasDiverged(RingtrainError):
 class StopSignal:
     """Turns SIGTERM, SIGINT and SIGUSR1 into a request to stop at the next step boundary (installed while
     training). SIGUSR1 is SLURM's warning before the time limit (``#SBATCH --signal=USR1@90``), which SLURM sends
-    to every process of the job step, the workers included; the launcher stops on it too (launch.py)."""
+    to every process of the job step, the workers included; the launcher stops on it too (launch.py).
+
+    Leaving the block restores the handlers that were there (a hand-written loop's ``StepGuard`` decides itself what
+    a stop means). ``absorb_after_stop`` (the Trainer's, whose stop ends the process with ``Stopped``): once a stop
+    was requested, or the block is left with ``Stopped``, a signal whose disposition was SIG_DFL stays absorbed, so
+    a late copy cannot kill the worker before it says where it stopped."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, absorb_after_stop: bool = False):
+        self.absorb_after_stop = absorb_after_stop
         self.signal_number: int | None = None
         self._received = threading.Event()
         self._previous: dict = {}
@@ -71,9 +77,19 @@ class StopSignal:
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        # this worker's signal, or a peer's
+        stopping = self.absorb_after_stop and (self.requested or isinstance(exc_value, Stopped))
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # After a stop was requested, the process is on its way out (``Stopped`` goes up to the worker's
+            # main, which says "stopped at step N after saving ..." and exits 128 + N). A stop signal may still
+            # be on its way: SLURM signals every process of the job step and the agent forwards the launcher's
+            # own copy to each worker, which can land after this point on a loaded machine (as can the agent's
+            # copy to a worker a peer's signal stopped, after its 5 s wait for it). Restoring SIG_DFL here let
+            # that copy kill the worker before it said its line (issue 45's flake of test_slurm_signal.py's
+            # to-every-process case); this handler keeps absorbing it instead.
+            absorb = stopping and handler == signal.SIG_DFL
+            signal.signal(sig, self._handle if absorb else handler)
         self._previous = {}
 
     @property

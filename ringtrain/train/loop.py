@@ -65,7 +65,7 @@ class Trainer(GroupSeams, CheckpointSeams, RecordKeeping):
         """An epoch ended and its evaluation has not run yet (a heal in between runs it again)."""
         self.final_eval_done = False
         """The last evaluation ran (a heal inside the last summary does not run it again)."""
-        self.stop_signal = StopSignal()
+        self.stop_signal = StopSignal(absorb_after_stop=True)  # a stop ends this worker (guards.py)
         self.notices: list[dict[str, Any]] = []
         """Records of the resume (warnings, the restart report), logged once training starts."""
         self.previous = PreviousAttempt(starts=1, last_step=None, last_step_time=None)

@@ -29,10 +29,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_cli, run_clis, run_main
+from tests.distributed import run_distributed
 from tests.fit.background import Background
 from tests.fit.test_fit import SCRIPT, script_args
 from tests.integration.test_cli_train import free_port
 from tests.runs import records, summary
+from tests.trainers import train_run
 
 QUIET = {"monitor": {"progress": False}}
 """The script's config plus this: no progress bar in the captured output."""
@@ -195,8 +197,9 @@ def test_6_resume_and_run_dir_are_fit_arguments_and_environment_variables(tmp_pa
 
 def test_7_resume_of_a_finished_run_has_nothing_to_do_and_leaves_every_file(tmp_path):
     run_dir = tmp_path / "run"
-    done = run_cli("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir))
-    assert done.returncode == 0, done.stderr
+    # The finished run: what `ringtrain train configs/debug_mlp.toml --nproc 2` leaves, trained in the harness's
+    # 2 ranks (issue 45); the --resume below is the real command, whose workers find it done.
+    run_distributed(train_run, 2, "configs/debug_mlp.toml", [], str(run_dir), False, timeout_s=240)
     before = fingerprint(run_dir)
     again = run_cli("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(run_dir), "--resume")
     assert again.returncode == 0, again.stderr

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import run_clis
+from tests.runs import records, summary
 
 STEPS = 6
 SCRIPT = "tests/fit/tp_code.py"
@@ -28,14 +29,6 @@ def fit_run(run_dir: Path, case: str, nproc: int, loss: str = "token_loss", **se
     config = {**CONFIG, **sections}
     return ["run", SCRIPT, "--nproc", str(nproc), "--run-dir", str(run_dir), "--", "--case", case,
             "--config", json.dumps(config), "--loss", loss]
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("type") == kind]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def assert_same_run(run_dir: Path, oracle: Path) -> None:

@@ -11,11 +11,8 @@ from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, assert_loopback_only
 from tests.conftest import REPO, run_cli, run_clis
 from tests.distributed import run_distributed
+from tests.runs import summary
 from tests.trainers import train_uninterrupted
-
-
-def summary(run_dir) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def metrics(run_dir) -> list[dict]:

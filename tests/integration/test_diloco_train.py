@@ -13,16 +13,13 @@ import pytest
 import torch
 
 from tests.conftest import run_cli, run_clis, run_main
+from tests.runs import summary as _summary
 
 CONFIG = "configs/debug_mlp.toml"
 INNER_SGD = ["--set", "train.momentum=0.0"]  # plain SGD inside, as the DDP run it is compared with
 DILOCO = ["--set", "comm.strategy='diloco'"]
 H5 = ["--set", "train.max_steps=23", *DILOCO, "--set", "diloco.sync_every=5", "--set", "checkpoint.every_steps=6",
       "--set", "data.ledger=true"]
-
-
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def _model(run_dir: Path, step: int) -> dict[str, torch.Tensor]:

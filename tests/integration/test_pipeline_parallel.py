@@ -7,17 +7,13 @@ in-process: tests/multiproc/test_composition.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import run_cli, run_clis
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("type") == kind]
+from tests.runs import records
 
 
 def parameters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:

@@ -18,28 +18,16 @@ import torch
 from ringtrain.bench.plan_layouts import Layout, ModelShape, layout_memory
 from ringtrain.data.ledger import check_ledger
 from tests.conftest import run_cli, run_clis
+from tests.runs import losses, records, summary, train_args
 
 STEPS, SAVED = 6, 3
-COMMON = ["--set", "train.precision='fp32'", "--set", "data.ledger=true", "--set", "monitor.log_every_steps=1",
-          "--set", "train.auto_micro_batch=false", "--set", f"checkpoint.every_steps={SAVED}"]
+COMMON = ["train.precision='fp32'", "data.ledger=true", "monitor.log_every_steps=1", "train.auto_micro_batch=false",
+          f"checkpoint.every_steps={SAVED}"]
 SHAPE = ModelShape(layers=4, hidden=64, heads=2, seq=128, vocab=256)  # configs/debug_pp.toml's model
 
 
 def train(run_dir: Path, nproc: int, *settings: str) -> list[str]:
-    return ["train", "configs/debug_pp.toml", "--nproc", str(nproc), "--run-dir", str(run_dir), *COMMON,
-            "--set", f"train.max_steps={STEPS}", *(arg for s in settings for arg in ("--set", s))]
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("type") == kind]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir, "train")}
+    return train_args("configs/debug_pp.toml", run_dir, *COMMON, f"train.max_steps={STEPS}", *settings, nproc=nproc)
 
 
 def assert_same_run(run_dir: Path, oracle: Path) -> None:

@@ -16,16 +16,12 @@ from ringtrain.config import Config
 from ringtrain.monitor.sinks import TensorBoardLogger
 from ringtrain.monitor.trackers import Guarded, build_trackers
 from tests.conftest import REPO, run_cli
+from tests.runs import records as _records
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
 
 JOB = ["configs/debug_mlp.toml", "--nproc", "2", "--set", "train.epochs=1", "--set", "monitor.log_every_steps=2"]
-
-
-def _records(run_dir, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["type"] == kind]
 
 
 def test_mlflow_and_wandb_get_what_metrics_jsonl_has(tmp_path):

@@ -22,6 +22,7 @@ import pytest
 from ringtrain.data.ledger import check_ledger
 from tests.distributed import run_distributed
 from ringtrain.train.resume import ResumePlan
+from tests.runs import losses, records
 from tests.trainers import build_test_trainer, params_of, train_run
 
 CONFIG = "configs/debug_lm.toml"
@@ -47,14 +48,6 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str):
     return {name: value.detach().numpy().copy() for name, value in full.items()}
 
 
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in records(run_dir) if r.get("type") == "train"]
-
-
 SGD = ["train.optimizer='sgd'", "train.momentum=0.0", "train.lr=0.5", "train.grad_clip_norm=1e9"]
 """Plain SGD without clipping: the update is linear in the gradient, so a gradient off by the cp degree (the
 sum over the cp ranks taken as their average) shows; AdamW's update hardly changes with the gradient's scale."""
@@ -70,7 +63,7 @@ def one_worker(tmp_path_factory):
         if key not in made:
             run_dir = tmp_path_factory.mktemp("one")
             params = run_distributed(train, 1, optimizer, str(run_dir), timeout_s=300)[0]
-            made[key] = losses(run_dir), params
+            made[key] = list(losses(run_dir).values()), params
             reference.run_dirs[key] = run_dir
         return made[key]
 
@@ -101,12 +94,12 @@ def test_a_sequence_split_over_cp_ranks_trains_as_one_worker(case, one_worker, t
     results = run_distributed(train, world_size, overrides, str(tmp_path), timeout_s=600)
     reference_losses, reference = one_worker([o for o in overrides if o in SGD])
     assert len(losses(tmp_path)) == STEPS
-    np.testing.assert_allclose(losses(tmp_path), reference_losses, rtol=1e-5)
+    np.testing.assert_allclose(list(losses(tmp_path).values()), reference_losses, rtol=1e-5)
     for params in results:  # every rank ends on the one worker's parameters
         for name, value in reference.items():
             np.testing.assert_allclose(params[name], value, atol=1e-5, err_msg=name)
     check_ledger(tmp_path / "ledger.jsonl")  # the cp peers' shared samples counted once
-    steps = [r for r in records(tmp_path) if r.get("type") == "train"]
+    steps = records(tmp_path, "train")
     assert all(r["time/cp_comm_s"] > 0 for r in steps), steps[0]
     if case == "pp2-cp2-tp2-sp-sgd":  # the pipeline's clip norm over tp and cp ranks: the one worker's, every rank
         expected = json.loads((one_worker.run_dirs[tuple(o for o in overrides if o in SGD)] / "norms-0.json").read_text())

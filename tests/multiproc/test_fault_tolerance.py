@@ -24,6 +24,7 @@ from ringtrain.group.watch import CollectiveFailed, CollectiveWatch, Heartbeat
 from ringtrain.errors import CheckpointError
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import DistributedTestError, run_distributed
+from tests.runs import losses, records
 from tests.trainers import build_test_trainer, params_of, train_uninterrupted
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
@@ -105,17 +106,8 @@ def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume
     return summary, params_of(trainer), trainer.state.state_dict()
 
 
-def records(run_dir: Path, kind: str = "train") -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["type"] == kind]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir)}
-
-
 def lrs(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["lr"] for r in records(run_dir)}
+    return {r["step"]: r["lr"] for r in records(run_dir, "train")}
 
 
 @pytest.mark.parametrize("stop", [23, 16], ids=["epoch-boundary", "mid-epoch"])

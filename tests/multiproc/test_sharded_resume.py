@@ -5,7 +5,6 @@ saved; zero1/zero3 resume bit for bit from their own per-rank stretches."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from ringtrain.checkpoint.sharded import committed, verify
 from ringtrain.config import load_config
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
+from tests.runs import losses as _losses, records as _records
 from tests.trainers import build_test_trainer, params_of, train_run
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
@@ -31,14 +31,6 @@ def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume
     loaded = params_of(trainer)
     summary = trainer.fit()
     return {"summary": summary, "params": params_of(trainer), "resumed_at": resumed_at, "loaded": loaded}
-
-
-def _records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["type"] == kind]
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(run_dir, "train")}
 
 
 @pytest.mark.parametrize("mode", ["sharded", "async"])
