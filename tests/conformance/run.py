@@ -25,22 +25,37 @@ REPO = Path(__file__).resolve().parent.parent.parent
 SUITE = "tests/conformance/torch_suite.py"
 
 
-def run_suite(world_size: int, pytest_args: list[str], timeout_s: float | None = None) -> dict:
-    """One pytest run of the suite at ``world_size`` ranks; its counts and the tests that failed, by outcome."""
+def run_suite(world_size: int, pytest_args: list[str], timeout_s: float | None = None, echo=None) -> dict:
+    """One pytest run of the suite at ``world_size`` ranks; its counts and the tests that failed, by outcome.
+    ``echo``, if given, gets pytest's lines as they come (one per test: a long run shows its progress)."""
     with tempfile.TemporaryDirectory(prefix="ringtrain-conformance-") as scratch:
         report = Path(scratch) / "junit.xml"
         env = {**os.environ, "WORLD_SIZE": str(world_size), "TEMP_DIR": scratch, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "addopts=",
                    "--timeout", "600", f"--junitxml={report}", SUITE, *pytest_args]
         start = time.monotonic()
-        done = subprocess.run(command, cwd=REPO, env=env, timeout=timeout_s, capture_output=True, text=True)
+        output: list[str] = []
+        with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as pytest:
+            try:
+                for line in pytest.stdout:
+                    output.append(line)
+                    if echo is not None and "::" in line:
+                        echo(f"  [{world_size} ranks] {line.rstrip()}")
+                    if timeout_s is not None and time.monotonic() - start > timeout_s:
+                        raise TimeoutError(f"conformance at {world_size} ranks ran past {timeout_s:.0f} s")
+            finally:
+                if pytest.poll() is None:
+                    pytest.kill()
+            returncode = pytest.wait()
         elapsed = time.monotonic() - start
+        tail = "".join(output)[-4000:]
         if not report.exists():  # pytest itself failed (a bad -k, an import error): its own words
-            raise SystemExit(f"conformance at {world_size} ranks: pytest wrote no report (exit {done.returncode}):\n"
-                             f"{(done.stdout + done.stderr).strip()[-3000:]}")
+            raise SystemExit(f"conformance at {world_size} ranks: pytest wrote no report (exit {returncode}):\n"
+                             f"{tail.strip()[-3000:]}")
         return {**_outcomes(report), "world_size": world_size, "seconds": round(elapsed, 1),
-                "pytest_exit": done.returncode, "output_tail": done.stdout[-4000:]}
+                "pytest_exit": returncode, "output_tail": tail}
 
 
 def _outcomes(report: Path) -> dict:
@@ -73,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     pytest_args = ["-k", args.select] if args.select else []
     results = []
     for world_size in world_sizes:
-        result = run_suite(world_size, pytest_args)
+        result = run_suite(world_size, pytest_args, echo=lambda line: print(line, flush=True))
         results.append(result)
         counts = result["counts"]
         print(f"conformance ringtrain_shm, {world_size} ranks: {counts['passed']} passed, {counts['failed']} failed, "

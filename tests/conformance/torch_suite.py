@@ -61,6 +61,20 @@ class TestRingtrainShm(TestDistBackend, DistributedTest._DistTestBase):
         super().setUp()
         self._spawn_processes()
 
+    def test_ringtrain_process_groups_are_ringtrain_shm(self):
+        """ringtrain's own check of the registration (not torch's): the groups torch's tests run on -- the
+        default one and a ``new_group`` -- are ringtrain_shm's, and its collectives' profiler events are asked
+        for by name. Without it, a registration that fell back to Gloo would pass every test on Gloo."""
+        from ringtrain.comm.c10d_backend import ShmProcessGroup
+
+        subgroup = dist.new_group(list(range(dist.get_world_size())))
+        for group in (dist.group.WORLD, subgroup):
+            self.assertIsInstance(group, ShmProcessGroup)
+            self.assertEqual(dist.get_backend(group), BACKEND)
+        for name in ("PROFILING_SUPPORTED_BACKENDS", "SEND_RECV_PROFILING_SUPPORTED_BACKENDS"):
+            self.assertIn(BACKEND, getattr(distributed_test, name))
+        self._barrier()
+
 
 for _test, _why in EXCLUDED.items():
     if not hasattr(TestRingtrainShm, _test):
