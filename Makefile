@@ -1,5 +1,6 @@
 # `make run`: set up and train the default job on 2 workers. `make test`: set up, build the docs, run every test.
-# `make docs`: the documentation site into site/ (warnings are errors).
+# `make docs`: the documentation site into site/ (warnings are errors). `make conformance`: torch's own c10d tests
+# against the ringtrain_shm backend.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 # One compute thread per worker: workers are pinned one per core.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install run test docs clean
+.PHONY: install run test docs clean conformance
 
 install: $(STAMP)
 
@@ -55,6 +56,16 @@ test: install
 	$(BIN)/python -m pytest -n 3 --dist loadscope -m "not exclusive"; shared=$$?; \
 	$(BIN)/python -m pytest -m exclusive; alone=$$?; \
 	test $$docs -eq 0 && test $$shared -eq 0 && test $$alone -eq 0
+
+# torch's own c10d tests (DistributedTest._DistTestBase, the set Gloo passes) against ringtrain_shm at 2, 3 and 4
+# ranks (tests/conformance/: the driver, run.py, and the explained exclusions, exclusions.py). Long: every test
+# spawns its ranks afresh. Counts and failed tests go to conformance-results.json; `make test` runs one test per
+# op of it. A subset: make conformance CONFORMANCE_WORLD_SIZES=2 CONFORMANCE_K="all_reduce or broadcast".
+CONFORMANCE_WORLD_SIZES ?= 2,3,4
+CONFORMANCE_K ?=
+conformance: install
+	$(BIN)/python -m tests.conformance.run --world-sizes $(CONFORMANCE_WORLD_SIZES) --out conformance-results.json \
+		$(if $(CONFORMANCE_K),-k "$(CONFORMANCE_K)")
 
 clean:
 	rm -rf $(VENV) runs site .pytest_cache .hypothesis

@@ -37,6 +37,10 @@ def _add_collectives(benchmarks) -> None:
     collectives.add_argument("--algorithms", default="torch,ring,ring_chunked,shm",
                              help="comma-separated: torch, ring, ring_chunked, shm, shm_inplace, deepspeed_shm, openmpi "
                              "(default: the first four)")
+    collectives.add_argument("--ops", default="all_reduce",
+                             help="collectives, comma-separated: all_reduce, all_gather, reduce_scatter, all_to_all, "
+                             "broadcast, sendrecv, or all (default all_reduce); the ops other than all_reduce are timed "
+                             "for torch (Gloo), shm (the ringtrain_shm c10d backend) and openmpi")
     collectives.add_argument("--sizes", default="4K:64M", help="MIN:MAX[:FACTOR] or a list, e.g. 4K:64M, 1M,16M (default 4K:64M)")
     collectives.add_argument("--out", default="bench-out", help="folder for collectives.json/.csv/.png (default bench-out)")
     collectives.add_argument("--iters", type=int, default=20, help="timed calls per point, at least (default 20)")
@@ -102,12 +106,13 @@ def _bench_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:
-    from ringtrain.bench.options import BenchOptions, parse_sizes, parse_world_sizes
+    from ringtrain.bench.options import BenchOptions, parse_ops, parse_sizes, parse_world_sizes
 
     options = BenchOptions(
         nprocs=parse_world_sizes(args.nproc),
         algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
         sizes=parse_sizes(args.sizes),
+        ops=parse_ops(args.ops),
         out=Path(args.out),
         iters=args.iters,
         dtype=args.dtype,

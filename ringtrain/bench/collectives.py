@@ -3,6 +3,8 @@
     ringtrain bench collectives --nproc 2,4 --algorithms torch,ring,ring_chunked,shm --sizes 4K:64M --out DIR
     ringtrain bench collectives --nproc 2,4 --algorithms torch,shm,shm_inplace,deepspeed_shm --out DIR
     ringtrain bench collectives --nproc 2,4 --algorithms shm,openmpi --sizes 4K,64K,1M,16M,64M --out DIR
+    ringtrain bench collectives --nproc 2,4 --algorithms torch,shm,openmpi --out DIR \
+        --ops all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,sendrecv
 
 For every world size, N worker processes are started (pinned one per core, round robin, as ``ringtrain
 train`` pins them; sockets on loopback) and time ``all_reduce(sum)`` of every size with every algorithm,
@@ -19,6 +21,17 @@ manual strategy's gradient buckets do. ``deepspeed_shm`` is DeepSpeed's CPU shar
 (``torch.ops.deepspeed.inference_all_reduce_``, see ``deepspeed_shm.py``), called directly. ``openmpi`` is Open
 MPI's ``MPI_Allreduce`` (mpi4py, ranks started by ``mpirun``), which takes its turns between ringtrain's blocks
 (``openmpi.py``). Writes ``DIR/collectives.json`` (a list of rows), ``.csv`` and ``.png`` (busbw against size).
+
+``--ops`` times other collectives the same way, each for the algorithms that have it (``options.OP_ALGORITHMS``):
+``torch`` is Gloo through ``torch.distributed``, ``shm`` is ringtrain's ``ringtrain_shm`` c10d backend (a group
+of that backend made with ``dist.new_group``, called through ``torch.distributed`` as DTensor, FSDP2 and the
+pipeline schedules call it) and ``openmpi`` is Open MPI's matching call (``MPI_Allgather``,
+``MPI_Reduce_scatter_block``, ``MPI_Alltoall``, ``MPI_Bcast``, ``MPI_Sendrecv``). ``bytes`` is always the whole
+buffer, nccl-tests' convention: all_gather's output, reduce_scatter's input, all_to_all's input (each rank's),
+broadcast's tensor and the message each rank sends in sendrecv (to rank + 1, receiving from rank - 1, at once).
+busbw's factor is the op's: 2 (n - 1) / n for all_reduce, (n - 1) / n for all_gather, reduce_scatter and
+all_to_all, 1 for broadcast and sendrecv. Every row names its ``op``; ``collectives.png`` plots all_reduce and
+``collectives_OP.png`` each other op.
 
 Across hosts (``--nnodes H --node-rank R --rdzv-endpoint ADDR:PORT --local-addr ADDR``, the flags of
 ``ringtrain train``), each host runs the command with ``--nproc`` workers; node 0 hosts the store, prints
@@ -47,7 +60,7 @@ import torch.distributed as dist
 
 from ringtrain import comm
 from ringtrain.bench import openmpi
-from ringtrain.bench.options import BenchOptions
+from ringtrain.bench.options import OP_ALGORITHMS, BenchOptions
 from ringtrain.bench.plot import plot_busbw
 from ringtrain.comm import shm
 from ringtrain.comm.shm_group import get_shm_group
@@ -59,7 +72,7 @@ from ringtrain.group.init import init_distributed
 from ringtrain.errors import RingtrainError
 from ringtrain.launch import LaunchOptions, job_secret_for, split_endpoint
 
-__all__ = ["run_collectives_bench", "bus_bandwidth_factor"]
+__all__ = ["run_collectives_bench", "bus_bandwidth_factor", "op_bus_factor"]
 
 _MAX_ITERS = 2000
 BLOCK = 5
@@ -75,6 +88,15 @@ _REFERENCES = ("torch", "deepspeed_shm", "openmpi")
 def bus_bandwidth_factor(world_size: int) -> float:
     """busbw / algbw for all-reduce: the share of the data each rank must send, 2 (n - 1) / n."""
     return 2 * (world_size - 1) / world_size if world_size > 1 else 1.0
+
+
+def op_bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw for ``op`` (nccl-tests' factors): the share of the buffer each rank's links carry."""
+    if op == "all_reduce":
+        return bus_bandwidth_factor(world_size)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (world_size - 1) / world_size if world_size > 1 else 1.0
+    return 1.0
 
 
 def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = print) -> list[dict]:
@@ -99,24 +121,25 @@ def run_collectives_bench(options: BenchOptions, echo: Callable[[str], None] = p
         echo(f"# node {options.node_rank}: done")
         return []
     links = "loopback" if options.nnodes == 1 else f"{options.nnodes} hosts x {options.nprocs[0]} workers"
-    echo(f"# ringtrain bench collectives: all_reduce(sum) of {options.dtype}, Gloo over {links} + ringtrain, "
+    what = "all_reduce(sum)" if options.ops == ("all_reduce",) else ", ".join(options.ops)
+    echo(f"# ringtrain bench collectives: {what} of {options.dtype}, Gloo over {links} + ringtrain, "
          f"p50 per call of blocks of {BLOCK}, max over ranks; {os.cpu_count()} cores, load average {load}")
     rows: list[dict] = []
     for world_size in world_sizes:
-        echo(f"#\n# world_size {world_size}\n# {'size':>10}  {'algorithm':<13}{'iters':>6}{'p50(us)':>12}"
+        echo(f"#\n# world_size {world_size}\n# {'op':<15}{'size':>10}  {'algorithm':<13}{'iters':>6}{'p50(us)':>12}"
              f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'vs torch':>10}{'vs deepspeed':>14}{'vs openmpi':>12}")
         for row in _run_world(world_size, options):
             ratios = []
             for reference_name, key in zip(_REFERENCES, ("vs_torch", "vs_deepspeed", "vs_openmpi")):
                 reference = next((r for r in rows if r["algorithm"] == reference_name and r["bytes"] == row["bytes"]
-                                  and r["world_size"] == world_size), None)
+                                  and r["world_size"] == world_size and r["op"] == row["op"]), None)
                 # Speed relative to the reference (same bytes, so the ratio of the times): above 1 is faster. From
                 # the times, not the rounded bandwidths (a call slowed to 2.8 ms on a loaded machine had 0.0015 GB/s,
                 # rounded to 0.002), and to three significant figures.
                 row[key] = float(f"{reference['p50_s'] / row['p50_s']:.3g}") if reference else None
                 ratios.append(f"{row[key]:.2f}" if row[key] is not None else "-")
             rows.append(row)
-            echo(f"  {_format_size(row['bytes']):>10}  {row['algorithm']:<13}{row['iters']:>6}{row['p50_s'] * 1e6:>12.1f}"
+            echo(f"  {row['op']:<15}{_format_size(row['bytes']):>10}  {row['algorithm']:<13}{row['iters']:>6}{row['p50_s'] * 1e6:>12.1f}"
                  f"{row['algbw_gbps']:>13.3f}{row['busbw_gbps']:>13.3f}{ratios[0]:>10}{ratios[1]:>14}{ratios[2]:>12}")
     _write(rows, options.out)
     echo(f"# wrote {options.out / 'collectives.json'}, .csv and .png")
@@ -207,33 +230,47 @@ def _sweep(rank: int, world_size: int, port: int, options: BenchOptions, turns: 
     # One shared-memory arena for every size: slices at offset 0 are at the same offset on every rank.
     arena = shm.shared_empty(largest, dtype) if "shm_inplace" in options.algorithms else None
     deepspeed_call = None
-    if "deepspeed_shm" in options.algorithms:
+    if "deepspeed_shm" in options.algorithms and "all_reduce" in options.ops:
         from ringtrain.bench import deepspeed_shm
 
         deepspeed_call = deepspeed_shm.init(rank, world_size, port)
-    for nbytes in options.sizes:
-        numel = max(1, nbytes // itemsize)
-        calls = {}
-        for algorithm in options.algorithms:
-            if algorithm == "openmpi":  # Open MPI's ranks check their own first call
-                calls[algorithm] = _Remote(turns, numel * itemsize, options.dtype)
-                continue
-            tensor = arena[:numel] if algorithm == "shm_inplace" else torch.empty(numel, dtype=dtype)
-            calls[algorithm] = _caller(tensor, algorithm, options.chunk_kb, deepspeed_call)
-            _verify(tensor, calls[algorithm], rank, world_size)
-            tensor.zero_()  # sums of zeros stay zeros: every call does the same work
-        for algorithm, times in _time(calls, options).items():
-            p50_s = float(times.median())
-            algbw = numel * itemsize / p50_s / 1e9
-            yield {
-                "algorithm": _label(algorithm),
-                "world_size": world_size,
-                "bytes": numel * itemsize,
-                "p50_s": p50_s,
-                "algbw_gbps": round(algbw, 4),
-                "busbw_gbps": round(algbw * bus_bandwidth_factor(world_size), 4),
-                "iters": len(times),
-            }
+    groups = {"torch": None}  # the default group: Gloo
+    if "shm" in options.algorithms and any(op != "all_reduce" for op in options.ops):
+        import ringtrain.comm.c10d_backend as c10d_backend  # registers "ringtrain_shm"
+
+        groups["shm"] = dist.new_group(backend=c10d_backend.BACKEND)  # collective: every rank, in order
+    for op in options.ops:
+        if op == "sendrecv" and world_size < 2:
+            continue  # nobody to send to
+        algorithms = [a for a in options.algorithms if op == "all_reduce" or a in OP_ALGORITHMS]
+        for nbytes in options.sizes:
+            numel = max(1, nbytes // itemsize)
+            if op in ("all_gather", "reduce_scatter", "all_to_all"):  # a whole share per rank
+                numel = max(world_size, numel // world_size * world_size)
+            calls = {}
+            for algorithm in algorithms:
+                if algorithm == "openmpi":  # Open MPI's ranks check their own first call
+                    calls[algorithm] = _Remote(turns, numel * itemsize, options.dtype, op)
+                elif op == "all_reduce":
+                    tensor = arena[:numel] if algorithm == "shm_inplace" else torch.empty(numel, dtype=dtype)
+                    calls[algorithm] = _caller(tensor, algorithm, options.chunk_kb, deepspeed_call)
+                    _verify(tensor, calls[algorithm], rank, world_size)
+                    tensor.zero_()  # sums of zeros stay zeros: every call does the same work
+                else:
+                    calls[algorithm] = _op_caller(op, numel, dtype, groups[algorithm], rank, world_size)
+            for algorithm, times in _time(calls, options).items():
+                p50_s = float(times.median())
+                algbw = numel * itemsize / p50_s / 1e9
+                yield {
+                    "op": op,
+                    "algorithm": _label(algorithm),
+                    "world_size": world_size,
+                    "bytes": numel * itemsize,
+                    "p50_s": p50_s,
+                    "algbw_gbps": round(algbw, 4),
+                    "busbw_gbps": round(algbw * op_bus_factor(op, world_size), 4),
+                    "iters": len(times),
+                }
 
 
 def _label(algorithm: str) -> str:
@@ -253,15 +290,60 @@ def _caller(tensor: torch.Tensor, algorithm: str, chunk_kb: int | None, deepspee
     return lambda: comm.all_reduce(tensor, algorithm=name, **options)
 
 
+def _op_caller(op: str, numel: int, dtype: torch.dtype, group, rank: int, world_size: int) -> Callable[[], None]:
+    """``op`` on ``group`` (None: the default group, Gloo) through torch.distributed, its result checked once.
+
+    Every rank's input is filled with rank + 1, so each op's right answer is known: the checked call must give
+    it on every rank, then the buffers are zeroed (every later call moves zeros: the same work)."""
+    share = numel // world_size
+    if op == "all_gather":
+        inp, out = torch.empty(share, dtype=dtype), torch.empty(numel, dtype=dtype)
+        call = lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
+        expected = torch.arange(1, world_size + 1).repeat_interleave(share)
+    elif op == "reduce_scatter":
+        inp, out = torch.empty(numel, dtype=dtype), torch.empty(share, dtype=dtype)
+        call = lambda: dist.reduce_scatter_single(out, inp, group=group)  # noqa: E731
+        expected = torch.full((share,), world_size * (world_size + 1) // 2)
+    elif op == "all_to_all":
+        inp, out = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        call = lambda: dist.all_to_all_single(out, inp, group=group)  # noqa: E731
+        expected = torch.arange(1, world_size + 1).repeat_interleave(share)
+    elif op == "broadcast":
+        inp = out = torch.empty(numel, dtype=dtype)
+        call = lambda: dist.broadcast(out, src=0, group=group)  # noqa: E731
+        expected = torch.ones(numel)
+    elif op == "sendrecv":  # a ring: send to rank + 1 while receiving from rank - 1
+        inp, out = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        after, before = (rank + 1) % world_size, (rank - 1) % world_size
+
+        def call() -> None:
+            sent = dist.isend(inp, after, group=group)
+            dist.recv(out, before, group=group)
+            sent.wait()
+
+        expected = torch.full((numel,), before + 1)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    inp.fill_(rank + 1)
+    out.zero_() if out is not inp else None
+    call()
+    if not torch.equal(out.to(torch.float64), expected.to(torch.float64)):
+        raise RuntimeError(f"{op} of {numel} elements on rank {rank} gave {out[:4].tolist()}..., "
+                           f"not {expected[:4].tolist()}...")
+    inp.zero_()
+    out.zero_()
+    return call
+
+
 class _Remote:
     """An algorithm that runs in other processes (Open MPI's ranks): a block is a turn handed to them."""
 
-    def __init__(self, turns: openmpi.Turns, nbytes: int, dtype: str):
-        self.turns, self.nbytes, self.dtype = turns, nbytes, dtype
+    def __init__(self, turns: openmpi.Turns, nbytes: int, dtype: str, op: str = "all_reduce"):
+        self.turns, self.nbytes, self.dtype, self.op = turns, nbytes, dtype, op
 
     def block(self, calls: int) -> float:
         """One untimed call, then ``calls`` back to back: the time per call (max over the other side's ranks)."""
-        return self.turns.block(self.nbytes, self.dtype, calls)
+        return self.turns.block(self.nbytes, self.dtype, calls, self.op)
 
 
 def _block(call, calls: int) -> float:
@@ -324,7 +406,9 @@ def _write(rows: list[dict], out: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot_busbw(rows, out / "collectives.png")
+    for op in dict.fromkeys(row["op"] for row in rows):
+        path = out / ("collectives.png" if op == "all_reduce" else f"collectives_{op}.png")
+        plot_busbw([row for row in rows if row["op"] == op], path, title=f"{op} bus bandwidth")
 
 
 def _format_size(nbytes: int) -> str:

@@ -196,17 +196,17 @@ class Turns:
     def connect(cls, port: int, rank: int) -> Turns:
         return cls(socket.create_connection((_LOOPBACK, port), timeout=_START_S), rank)
 
-    def block(self, nbytes: int, dtype: str, calls: int) -> float:
-        """Open MPI's all-reduce of ``nbytes``: one untimed call, then ``calls`` timed; the time per call of
-        the slowest MPI rank (0 calls: warm-up only)."""
-        _send(self.sock, {"bytes": nbytes, "dtype": dtype, "calls": calls})
+    def block(self, nbytes: int, dtype: str, calls: int, op: str = "all_reduce") -> float:
+        """Open MPI's ``op`` (all-reduce unless said) of ``nbytes``: one untimed call, then ``calls`` timed; the
+        time per call of the slowest MPI rank (0 calls: warm-up only)."""
+        _send(self.sock, {"bytes": nbytes, "dtype": dtype, "calls": calls, "op": op})
         self.sock.settimeout(None)
         try:
             answer = self.lines.read()
         except ConnectionError:
             raise RingtrainError("Open MPI's side of the bench stopped (see the lines above)") from None
         if "error" in answer or "stop" in answer:
-            raise RingtrainError(f"Open MPI's all-reduce failed: {answer.get('error', 'the referee stopped')}")
+            raise RingtrainError(f"Open MPI's {op} failed: {answer.get('error', 'the referee stopped')}")
         return float(answer["per_call_s"])
 
     def close(self) -> None:
@@ -223,7 +223,7 @@ def _mpi_rank(host: str, port: int) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     sock = socket.create_connection((host, port), timeout=_START_S)
     sock.settimeout(None)
     lines = _Lines(sock)
@@ -236,27 +236,65 @@ def _mpi_rank(host: str, port: int) -> None:
             break
         if request.get("stop"):
             break
-        key = (request["bytes"], request["dtype"])
+        key = (request.get("op", "all_reduce"), request["bytes"], request["dtype"])
         try:
             if key not in buffers:
-                dtype = np.dtype(request["dtype"])
-                buffer = np.full(max(1, request["bytes"] // dtype.itemsize), rank + 1, dtype=dtype)
-                comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)  # a fast wrong answer is not fast: check
-                expected = size * (size + 1) // 2
-                if not bool((buffer == expected).all()):
-                    raise RuntimeError(f"Open MPI's all_reduce of {buffer.size} elements gave {buffer[0]}, not {expected}")
-                buffer[:] = 0  # sums of zeros stay zeros: every call does the same work
-                buffers = {key: buffer}  # one size at a time: memory stays that of one buffer
-            buffer = buffers[key]
-            comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+                call = _mpi_call(comm, MPI, np, *key)
+                buffers = {key: call}  # one size at a time: memory stays that of one buffer
+            call = buffers[key]
+            call()
             start = time.perf_counter()
             for _ in range(request["calls"]):
-                comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+                call()
             reply = {"per_call_s": (time.perf_counter() - start) / max(1, request["calls"])}
         except Exception as err:  # noqa: BLE001 - the referee reports it to the ringtrain workers
             reply = {"error": f"{type(err).__name__}: {err}"}
         _send(sock, reply)
     sock.close()
+
+
+def _mpi_call(comm, MPI, np, op: str, nbytes: int, dtype_name: str):
+    """Open MPI's ``op`` on buffers of ``nbytes`` (the bench's sizes: the whole buffer), checked once; the call.
+
+    Every rank's input holds rank + 1, so the right answer is known; then the buffers are zeroed (every later
+    call moves zeros: the same work)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dtype = np.dtype(dtype_name)
+    numel = max(1, nbytes // dtype.itemsize)
+    share = numel // size
+    if op == "all_reduce":
+        inp = out = np.full(numel, rank + 1, dtype=dtype)
+        call = lambda: comm.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)  # noqa: E731
+        expected = np.full(numel, size * (size + 1) // 2)
+    elif op == "all_gather":
+        inp, out = np.full(share, rank + 1, dtype=dtype), np.zeros(share * size, dtype=dtype)
+        call = lambda: comm.Allgather(inp, out)  # noqa: E731
+        expected = np.repeat(np.arange(1, size + 1), share)
+    elif op == "reduce_scatter":
+        inp, out = np.full(share * size, rank + 1, dtype=dtype), np.zeros(share, dtype=dtype)
+        call = lambda: comm.Reduce_scatter_block(inp, out, op=MPI.SUM)  # noqa: E731
+        expected = np.full(share, size * (size + 1) // 2)
+    elif op == "all_to_all":
+        inp, out = np.full(share * size, rank + 1, dtype=dtype), np.zeros(share * size, dtype=dtype)
+        call = lambda: comm.Alltoall(inp, out)  # noqa: E731
+        expected = np.repeat(np.arange(1, size + 1), share)
+    elif op == "broadcast":
+        inp = out = np.full(numel, rank + 1, dtype=dtype)
+        call = lambda: comm.Bcast(out, root=0)  # noqa: E731
+        expected = np.ones(numel)
+    elif op == "sendrecv":
+        inp, out = np.full(numel, rank + 1, dtype=dtype), np.zeros(numel, dtype=dtype)
+        after, before = (rank + 1) % size, (rank - 1) % size
+        call = lambda: comm.Sendrecv(inp, dest=after, recvbuf=out, source=before)  # noqa: E731
+        expected = np.full(numel, before + 1)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    call()  # a fast wrong answer is not fast: check
+    if not bool((out == expected).all()):
+        raise RuntimeError(f"Open MPI's {op} of {out.size} elements gave {out[:4].tolist()}, not {expected[:4].tolist()}")
+    inp[:] = 0
+    out[:] = 0
+    return call
 
 
 if __name__ == "__main__":

@@ -12,12 +12,19 @@ from pathlib import Path
 
 from ringtrain.errors import ConfigError
 
-__all__ = ["BenchOptions", "BENCH_ALGORITHMS", "parse_sizes", "parse_world_sizes"]
+__all__ = ["BenchOptions", "BENCH_ALGORITHMS", "BENCH_OPS", "OP_ALGORITHMS", "parse_ops", "parse_sizes",
+           "parse_world_sizes"]
 
 BENCH_ALGORITHMS = ("torch", "ring", "ring_chunked", "shm", "shm_inplace", "deepspeed_shm", "openmpi")
 """ringtrain.comm.ALGORITHMS, plus shm on a tensor that lives in shared memory, plus DeepSpeed's CPU shm
 all-reduce (``pip install -e '.[bench]'``), plus Open MPI's MPI_Allreduce (Debian's Open MPI and
 ``pip install -e '.[mpi]'``)."""
+BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
+"""The collectives ``--ops`` times. all_reduce is every algorithm's; the others are torch.distributed's calls."""
+OP_ALGORITHMS = ("torch", "shm", "openmpi")
+"""The algorithms that have the ops other than all_reduce: Gloo (``torch``), ringtrain's ``ringtrain_shm`` c10d
+backend (``shm``, through torch.distributed on a group of that backend) and Open MPI. The others (ring,
+ring_chunked, shm_inplace, deepspeed_shm) are all-reduces only: they give rows for all_reduce alone."""
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -27,6 +34,8 @@ class BenchOptions:
 
     nprocs: tuple[int, ...] = (2,)
     algorithms: tuple[str, ...] = ("torch", "ring", "ring_chunked", "shm")
+    ops: tuple[str, ...] = ("all_reduce",)
+    """The collectives timed (BENCH_OPS); each with every algorithm that has it (OP_ALGORITHMS)."""
     sizes: tuple[int, ...] = field(default_factory=lambda: parse_sizes("4K:64M"))
     out: Path = Path("bench-out")
     iters: int = 20
@@ -59,6 +68,16 @@ class BenchOptions:
         unknown = [a for a in self.algorithms if a not in BENCH_ALGORITHMS]
         if unknown:
             raise ConfigError(f"--algorithms: unknown {unknown[0]!r}; choose from {','.join(BENCH_ALGORITHMS)}")
+        bad_ops = [op for op in self.ops if op not in BENCH_OPS]
+        if bad_ops or not self.ops:
+            raise ConfigError(f"--ops: unknown {bad_ops[0] if bad_ops else ''!r}; choose from {','.join(BENCH_OPS)}")
+        others = [op for op in self.ops if op != "all_reduce"]
+        if others and not any(a in OP_ALGORITHMS for a in self.algorithms):
+            raise ConfigError(f"--ops {others[0]} is timed for --algorithms {','.join(OP_ALGORITHMS)}; "
+                              f"none of them is in --algorithms {','.join(self.algorithms)}")
+        if others and self.nnodes > 1:
+            raise ConfigError(f"--ops {others[0]} is measured on one host; across hosts (--nnodes above 1) "
+                              "use --ops all_reduce")
         # Across hosts the large sizes take seconds a call, limited by the link (steady): fewer blocks do.
         least = 20 if self.nnodes == 1 else 5
         if self.iters < least:
@@ -94,6 +113,16 @@ def parse_sizes(text: str) -> tuple[int, ...]:
             low *= factor
         return tuple(sizes)
     return tuple(_parse_size(part) for part in text.split(","))
+
+
+def parse_ops(text: str) -> tuple[str, ...]:
+    """``all_reduce,all_gather`` -> ('all_reduce', 'all_gather'); ``all``: every op. A bad name is one line."""
+    ops = BENCH_OPS if text.strip() == "all" else tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [op for op in ops if op not in BENCH_OPS]
+    if unknown or not ops:
+        raise ConfigError(f"--ops {text!r}: unknown {unknown[0] if unknown else 'empty'!r}; "
+                          f"choose from {','.join(BENCH_OPS)} (or all)")
+    return tuple(dict.fromkeys(ops))
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:

@@ -226,7 +226,7 @@ def links_from_bench(rows: list[dict], world_size: int) -> dict[str, Link]:
     """One Link per algorithm in a collectives.json, at ``world_size`` ranks."""
     by_algorithm: dict[str, list[tuple[float, float]]] = {}
     for row in rows:
-        if row.get("world_size") == world_size:
+        if row.get("world_size") == world_size and row.get("op", "all_reduce") == "all_reduce":
             by_algorithm.setdefault(row["algorithm"], []).append((float(row["bytes"]), float(row["p50_s"])))
     if not by_algorithm:
         raise PlanError(f"no measurement at {world_size} ranks in the collectives results")

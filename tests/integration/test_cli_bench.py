@@ -9,7 +9,7 @@ import re
 import pytest
 
 from ringtrain import comm
-from ringtrain.bench.options import BENCH_ALGORITHMS, BenchOptions, parse_sizes, parse_world_sizes
+from ringtrain.bench.options import BENCH_ALGORITHMS, BENCH_OPS, BenchOptions, parse_ops, parse_sizes, parse_world_sizes
 from ringtrain.errors import ConfigError
 from tests.conftest import run_cli
 
@@ -65,3 +65,46 @@ def test_size_ranges_are_powers_of_the_factor():
     assert parse_sizes("1M, 512") == (1 << 20, 512)
     with pytest.raises(ConfigError):
         parse_sizes("64M:4K")
+
+
+def test_bench_ops_time_every_collective_for_gloo_and_ringtrain_shm(tmp_path):
+    out = tmp_path / "bench"
+    result = run_cli("bench", "collectives", "--nproc", "2", "--sizes", "4K", "--algorithms", "torch,ring,shm",
+                     "--ops", "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,sendrecv", "--out", str(out),
+                     timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((out / "collectives.json").read_text())
+    # ring is an all-reduce only; every other op has a row for Gloo (torch) and the ringtrain_shm backend (shm).
+    expected = {("all_reduce", a) for a in ("torch", "ring", "shm")} | {
+        (op, a) for op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv") for a in ("torch", "shm")}
+    assert {(r["op"], r["algorithm"]) for r in rows} == expected
+    factors = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5, "broadcast": 1.0,
+               "sendrecv": 1.0}  # busbw / algbw at two ranks
+    for row in rows:
+        assert row["bytes"] == 4096 and row["p50_s"] > 0 and row["iters"] >= 20
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factors[row["op"]], rel=1e-2, abs=1e-4)
+    assert len(list(csv.DictReader((out / "collectives.csv").open()))) == len(rows)
+    for name in ("collectives", "collectives_all_gather", "collectives_sendrecv"):
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert re.search(r"^  sendrecv +4 KiB  shm ", result.stdout, re.M), result.stdout
+
+
+def test_a_bad_op_is_one_line_and_exit_2(tmp_path):
+    result = run_cli("bench", "collectives", "--ops", "all_reduce,allgather", "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("ringtrain: error: --ops 'all_reduce,allgather': unknown 'allgather'; choose "
+                                     "from all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,sendrecv (or all)")
+
+
+def test_ops_flag_parsing():
+    assert parse_ops("all") == BENCH_OPS
+    assert parse_ops(" all_gather, sendrecv,all_gather") == ("all_gather", "sendrecv")
+    with pytest.raises(ConfigError, match=re.escape("--ops ',': unknown 'empty'")):
+        parse_ops(",")
+    with pytest.raises(ConfigError, match=re.escape("--ops broadcast is timed for --algorithms torch,shm,openmpi")):
+        BenchOptions(algorithms=("ring", "deepspeed_shm"), ops=("all_reduce", "broadcast")).validate()
+    with pytest.raises(ConfigError, match=re.escape("--ops sendrecv is measured on one host")):
+        BenchOptions(ops=("sendrecv",), nnodes=2, nprocs=(2,), rdzv_endpoint="198.18.0.1:29500").validate()
+    with pytest.raises(ConfigError, match=re.escape("--ops: unknown 'gather'")):
+        BenchOptions(ops=("gather",)).validate()
+    BenchOptions(algorithms=("torch", "ring"), ops=BENCH_OPS).validate()
