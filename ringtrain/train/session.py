@@ -31,6 +31,12 @@ holds what ``ringtrain train`` writes: config.toml, metrics.jsonl, the ledger, c
 default of torch's losses) and weights it by their share of the step's samples; ``reduction="sum"`` takes a
 sum and divides by the step's sample count, which is exactly what ``ringtrain train`` does (bit for bit).
 Launch with ``torchrun``, ``ringtrain run``, or ``python`` (one worker).
+
+Pipeline parallelism (``[parallel] pp`` > 1): ``setup(model, optimizer, data=..., pp_split=split)`` cuts the model
+into stages (``split(model, stages)``, as ``fit(pp_split=...)``; an ``nn.Sequential`` by its children without
+one); the loader yields each step's whole share once, and ``loss = session.forward_backward((inputs, targets),
+loss_fn)`` runs it through the schedule in place of ``model(inputs)`` and ``backward`` (the loss comes back on
+every rank of the pipeline); ``optimizer.step()`` commits the step as above.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ class EvalLoader:
 
 
 class SessionLoader:
-    """This rank's micro-batches of each step of the epoch, from the sampler's cursor (see ``Session``)."""
+    """This rank's micro-batches of each step of the epoch, from the sampler's cursor (see ``Session``); under a
+    pipeline (pp > 1) each step's whole share once, for ``Session.forward_backward``."""
 
     def __init__(self, session: Session):
         self.session = session
