@@ -31,6 +31,12 @@ holds what ``ringtrain train`` writes: config.toml, metrics.jsonl, the ledger, c
 default of torch's losses) and weights it by their share of the step's samples; ``reduction="sum"`` takes a
 sum and divides by the step's sample count, which is exactly what ``ringtrain train`` does (bit for bit).
 Launch with ``torchrun``, ``ringtrain run``, or ``python`` (one worker).
+
+Pipeline parallelism (``[parallel] pp`` > 1): ``setup(model, optimizer, data=..., pp_split=split)`` cuts the model
+into stages (``split(model, stages)``, as ``fit(pp_split=...)``; an ``nn.Sequential`` by its children without
+one); the loader yields each step's whole share once, and ``loss = session.forward_backward((inputs, targets),
+loss_fn)`` runs it through the schedule in place of ``model(inputs)`` and ``backward`` (the loss comes back on
+every rank of the pipeline); ``optimizer.step()`` commits the step as above.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from ringtrain.checkpoint.front import CheckpointFront
 from ringtrain.config import validate_for_world_size
 from ringtrain.config.checks import outer_step_warning
 from ringtrain.config.parallel import resolve_layout
+from ringtrain.data.batch import split as split_rows
 from ringtrain.data.ledger import build_ledger
 from ringtrain.data.loader import StepBatch, build_eval_loader, build_train_loader
 from ringtrain.data.sampler import ResumableSampler
@@ -103,10 +110,6 @@ class Session:
             self.config = resolve_config(config, env, run_dir)
             validate_for_world_size(self.config, env.world_size)
             layout = resolve_layout(self.config.parallel, self.config.comm.strategy, env.world_size)
-            if layout.pp > 1:
-                raise ConfigError("[parallel] pp > 1 in a Session: a pipeline runs the forward and backward itself, "
-                                  "not your loop's model(inputs); train it with ringtrain.fit(..., pp_split=...), or "
-                                  "set pp = 1 here")
             self._layout = layout
             self.plan = resume_plan(resume, env, self.config)
         except RingtrainError as err:
@@ -155,6 +158,8 @@ class Session:
         """The micro-batch in the user's hands: (its rows, whether it is the step's last, the step's samples)."""
         self._step_loss = torch.zeros(())
         self._batch: StepBatch | None = None
+        self._plan: Any = None
+        """Under pp: the step's micro-batch plan until ``forward_backward`` runs it (None: it ran)."""
         self._window = 0
         self._saved_step = -1
         self._pending = None
@@ -188,14 +193,18 @@ class Session:
 
     # --- setting up ---------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-              data: Dataset | None = None, collate_fn: Any = None, *, tp_plan: Any = None) -> tuple:
+              data: Dataset | None = None, collate_fn: Any = None, *, tp_plan: Any = None,
+              pp_split: Any = None) -> tuple:
         """Wrap ``model`` with the configured strategy (``[comm] strategy``: ddp, manual, zero1-3, fsdp) after
         making every rank's weights rank 0's; take ``optimizer`` over it (None: ``[train] optimizer``) and
         ``scheduler`` over that (None with no optimizer given: ``[train]``'s warm-up and cosine; with your
         optimizer, none: pass your own), each stepped once a step; ``data``: as ``loader(data)``. ``tp_plan``:
         with ``[parallel] tp`` > 1, how the model splits over the tensor-parallel ranks (as ``fit(tp_plan=...)``;
-        a Hugging Face model's own plan when left out); those ranks read the same samples. Returns the model,
-        optimizer, scheduler and loader (those given or made), in that order."""
+        a Hugging Face model's own plan when left out); those ranks read the same samples. ``pp_split``: with
+        ``[parallel] pp`` > 1, how the model is cut into pipeline stages (as ``fit(pp_split=...)``:
+        ``pp_split(model, stages)`` returns the stage modules in order; an ``nn.Sequential`` is cut by its children
+        when left out); the model returned is this rank's stages, which ``forward_backward`` runs. Returns the
+        model, optimizer, scheduler and loader (those given or made), in that order."""
         if self.model is not None:
             usage("Session.setup was called twice; set up the model and optimizer in one call")
         module = model.to(self.device)
@@ -206,9 +215,15 @@ class Session:
         if tp_plan is not None and self._layout.tp == 1:
             usage("session.setup(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1 "
                   "here; set {'parallel': {'tp': 2}} (or more), or leave tp_plan out")
+        if pp_split is not None and self._layout.pp == 1:
+            usage("session.setup(pp_split=...) cuts the model into pipeline stages, but parallel.pp is 1 here; set "
+                  "{'parallel': {'pp': 2}} (or more), or leave pp_split out")
+        if pp_split is not None and not callable(pp_split):
+            usage(f"session.setup(pp_split=...) takes a callable split(model, stages) returning the stage modules "
+                  f"in order, not {type(pp_split).__name__}")
         # The one way in to every layout, as fit's: the layout's mesh, the tp split, checkpointing, the strategy.
         names = {id(param): name for name, param in module.named_parameters()}
-        parallel = build_parallel(self.config, self.ctx, module, tp_plan=tp_plan)
+        parallel = build_parallel(self.config, self.ctx, module, tp_plan=tp_plan, pp_split=pp_split)
         self.ctx, self.strategy = parallel.ctx, parallel.strategy
         self.module, self.model = module, parallel.model
         if optimizer is not None:  # made over the whole module: moved onto the split (tp) or sharded parameters
@@ -253,7 +268,8 @@ class Session:
                                           num_workers=self.config.data.num_workers, collate_fn=collate_fn)
         self.ledger = build_ledger(self.config.data.ledger, self.config.run_dir, len(data), ctx.rank, ctx.dp_group,
                                    ctx.data_leader)
-        self.batcher = MicroBatcher(self.config.train, Samples(), ctx.dp_rank, ctx.dp_size, self.device, ctx.dp_group)
+        self.batcher = MicroBatcher(self.config.train, Samples(), ctx.dp_rank, ctx.dp_size, self.device, ctx.dp_group,
+                                    count=self.strategy.microbatches, count_multiple=self.strategy.microbatch_multiple)
 
     def _ready(self) -> None:
         """Before the first step: continue from a checkpoint when the session resumes, open the records."""
@@ -334,6 +350,10 @@ class Session:
         on the step's last micro-batch only."""
         if reduction not in ("mean", "sum"):
             usage(f"Session.backward(reduction={reduction!r}): use 'mean' or 'sum'")
+        if self.strategy is not None and self.strategy.pipelined:
+            usage("session.backward(loss) under parallel.pp > 1: the pipeline's schedule runs the forward and "
+                  "backward; call loss = session.forward_backward((inputs, targets), loss_fn) instead of "
+                  "model(inputs) and session.backward(loss)")
         rows, _, items = self._micro
         weight = rows if reduction == "mean" else 1
         if rows == 0:  # an empty share (the step's samples do not divide over the ranks): no loss, every hook
@@ -347,6 +367,62 @@ class Session:
         if self._micro[1]:
             self.clock.move("forward_backward", "comm_exposed", self.strategy.comm_timer.backward_done())
         self._step_loss = self._step_loss + loss.detach().float().cpu() * weight
+
+    def forward_backward(self, batch: tuple[Any, torch.Tensor], loss_fn: Any, reduction: str = "mean") -> torch.Tensor:
+        """Under ``[parallel] pp`` > 1, the step's forward and backward through the pipeline's schedule (as
+        torch's ``schedule.step`` and torchtitan's pipelined train step): ``batch``, the (inputs, targets) the
+        loader yielded for the step (this rank's whole share), is cut into the schedule's ``pp_microbatches``;
+        the last stage calls ``loss_fn(outputs, targets)`` on each micro-batch's rows, a mean over them (or a sum:
+        ``reduction="sum"``), scaled as ``backward`` scales it so the step's gradient is the full batch's; the
+        gradients are then averaged over the pipeline's data-parallel replicas. Returns the loss of this rank's
+        share (its mean, or its sum), on every rank of the pipeline (sent from the last stage). Call it once a
+        step, between ``optimizer.zero_grad()`` and ``optimizer.step()``."""
+        if reduction not in ("mean", "sum"):
+            usage(f"Session.forward_backward(reduction={reduction!r}): use 'mean' or 'sum'")
+        if self.strategy is None or not self.strategy.pipelined:
+            usage("session.forward_backward(batch, loss_fn) runs a pipeline's schedule (parallel.pp > 1), and pp is 1 "
+                  "here; compute loss_fn(model(inputs), targets) and call session.backward(loss)")
+        if self._plan is None:
+            usage("session.forward_backward(batch, loss_fn) outside a step: call it once for each batch the "
+                  "session's loader yields")
+        try:
+            inputs, targets = batch
+        except (TypeError, ValueError):
+            usage(f"session.forward_backward(batch, loss_fn) takes the loader's (inputs, targets), not a "
+                  f"{type(batch).__name__}")
+        rows, _, items = self._micro
+        if len(targets) != rows:
+            usage(f"session.forward_backward: the batch has {len(targets)} targets, but this rank's share of the "
+                  f"step is {rows} samples; pass the (inputs, targets) the loader yielded, whole")
+        count = len(self._plan.micro_batches)
+        micro = list(zip(split_rows(inputs, count), torch.tensor_split(targets, count)))
+        self._plan, scale, sums = None, self.ctx.gradient_ranks / items, []
+
+        def scaled(outputs: torch.Tensor, micro_targets: torch.Tensor) -> torch.Tensor:
+            if len(micro_targets) == 0:  # a share with fewer samples than micro-batches: its padding
+                sums.append(torch.zeros((), device=self.device))
+                return outputs.sum() * 0.0
+            loss = loss_fn(outputs[: len(micro_targets)], micro_targets)  # rows past them pad the micro-batch
+            weight = len(micro_targets) if reduction == "mean" else 1
+            sums.append(loss.detach().float() * weight)
+            return self.precision.scale(loss * (scale * weight))
+
+        start = time.perf_counter()
+        with self.watch.op(self.strategy.step_operation, self.state.step + 1):
+            compute_s = self.strategy.pipeline_step(micro, scaled, self.precision.autocast)
+            # The breakdown, as the Trainer's pipelined step: the loop's code since the loader yielded and the
+            # schedule are forward+backward, less the waits on the neighbours (the bubble, the transfers).
+            done = time.perf_counter()
+            self.clock.phase_totals["forward_backward"] += done - self._yielded
+            self.clock.move("forward_backward", "pipeline_wait", max(0.0, done - start - compute_s))
+            with self.clock.phase("comm_exposed"):
+                self.strategy.synchronize_gradients()
+                # The last stage's losses, one a micro-batch (a new schedule's first step also called it for shapes).
+                real = sums[len(sums) - count:]
+                loss_sum = torch.stack(real).sum() if real else torch.zeros((), device=self.device)
+                loss_sum = self.strategy.share_loss(loss_sum)
+        self._step_loss = loss_sum.detach().float().cpu()
+        return loss_sum / max(1, rows) if reduction == "mean" else loss_sum
 
     def _commit_step(self) -> Verdict:
         """The step in progress is complete (its last micro-batch's backward ran): commit it as ``ringtrain train``
@@ -452,6 +528,10 @@ class Session:
         if model is not None and model is not self.model and model is not self.module:
             usage("session.unwrap(model) takes the model session.setup returned (or the module you gave it)")
         strategy = self.config.comm.strategy
+        if self.strategy.pipelined:
+            usage("session.unwrap(model) under parallel.pp > 1: each pipeline rank holds its own stages, so no rank's "
+                  "module is the whole model; take the whole weights with session.model_state_dict() (every rank "
+                  "calls it)")
         if not strategy_spec(strategy).module_is_users:
             usage(f"session.unwrap(model) under comm.strategy '{strategy}': each rank holds a shard of the weights, "
                   "so no rank's module is the whole model; take the whole weights with session.model_state_dict() "

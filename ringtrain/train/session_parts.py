@@ -57,7 +57,8 @@ class EvalLoader:
 
 
 class SessionLoader:
-    """This rank's micro-batches of each step of the epoch, from the sampler's cursor (see ``Session``)."""
+    """This rank's micro-batches of each step of the epoch, from the sampler's cursor (see ``Session``); under a
+    pipeline (pp > 1) each step's whole share once, for ``Session.forward_backward``."""
 
     def __init__(self, session: Session):
         self.session = session
@@ -89,8 +90,15 @@ class SessionLoader:
             seed_everything(derive_seed(STEP_STREAM, s.config.train.seed, step, s.ctx.dp_rank))
             with s.clock.phase("data"):
                 plan = s.batcher.plan(batch, s._window)
-            last = len(plan.micro_batches) - 1
-            for index, (inputs, targets) in enumerate(plan.micro_batches):
+            if s.strategy.pipelined:  # the step's whole share, for session.forward_backward's schedule
+                s._plan, s._micro, s._first = plan, (len(batch), True, plan.global_items), True
+                s._yielded = time.perf_counter()
+                yield batch.inputs, batch.targets
+                if s._plan is not None:
+                    usage(f"step {step}: session.forward_backward(batch, loss_fn) was not called for the step's "
+                          "batch; call it once per batch, before optimizer.step()")
+            last = -1 if s.strategy.pipelined else len(plan.micro_batches) - 1
+            for index, (inputs, targets) in enumerate(plan.micro_batches[:last + 1]):
                 s._micro = (len(targets), index == last, plan.global_items)
                 s._first = index == 0
                 # Accumulation micro-batches do not synchronise (their forward and backward in no_sync).
@@ -122,6 +130,9 @@ class SessionOptimizer:
             return
         if s._stepped:
             usage("optimizer.step() was called twice on a step's last micro-batch")
+        if s._plan is not None:  # under pp: the step's batch has not been through the schedule
+            usage("optimizer.step() before session.forward_backward(batch, loss_fn) in this step: run the step's "
+                  "batch through the pipeline first")
         verdict = s._commit_step()
         s._stepped = True
         s._after_step(verdict, s._step_loss)

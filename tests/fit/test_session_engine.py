@@ -215,3 +215,169 @@ def test_a_session_with_tensor_parallelism_trains_as_one_worker(tmp_path):
         assert rank["weights"].keys() == one["weights"].keys()
         for name, whole in one["weights"].items():
             torch.testing.assert_close(rank["weights"][name], whole, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --- every layout in a Session: pipeline parallelism with the user's split ----------------------------------
+def stack():
+    """The user's own model: an nn.Sequential of five layers, cut by the user's split (below)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def two_stages(model, stages):
+    """The user's split: the first three layers, then the rest."""
+    assert stages == 2
+    return [model[:3], model[3:]]
+
+
+def _pipeline_run(rank: int, world_size: int, port: int, run_dir: str, sections: dict, resume: bool = False,
+                  crash_after: int | None = None) -> dict:
+    """A Session loop over ``stack()`` with SGD (so a wrong loss scale shows in the weights): under pp through
+    ``session.forward_backward`` (one call a step, the loss back on every rank), else the plain loop, whose step
+    loss is its micro-batches' mean (each the same size). ``crash_after``: leave the loop after that step (no
+    finish, no save: a resume goes on from the last checkpoint)."""
+    import torch
+    from torch import nn
+
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    with as_launched_worker(rank, world_size, port) as stderr:
+        config = {**BREAKDOWN, "train": {**BREAKDOWN["train"], "max_steps": 6},
+                  "checkpoint": {"every_steps": 2}, "data": {"ledger": True}, **sections}
+        session = ringtrain.Session(config, run_dir=run_dir, resume=resume)
+        pipelined = config.get("parallel", {}).get("pp", 1) > 1
+        model = stack()
+        model, optimizer, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.2),
+                                                 data=breakdown_data(), pp_split=two_stages if pipelined else None)
+        losses, micro = [], []
+        for _ in session.epochs(1):
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                if pipelined:
+                    loss = session.forward_backward((inputs, targets), nn.functional.cross_entropy)
+                    losses.append(session.sum(loss.item()) / session.sum(1))  # the mean over the replicas' shares
+                else:
+                    loss = nn.functional.cross_entropy(model(inputs), targets)
+                    session.backward(loss)
+                    micro.append(loss.item())
+                    if len(micro) == 2:
+                        losses.append(sum(micro) / 2)
+                        micro = []
+                optimizer.step()
+                if session.state.step == crash_after:
+                    break
+            if session.state.step == crash_after:
+                break
+        weights = {k: v.clone() for k, v in session.model_state_dict().items()}
+        if crash_after is not None:
+            session.close()
+            return {"losses": losses, "weights": weights, "stderr": stderr.getvalue()}
+        summary = session.finish()
+        session.close()
+    return {"losses": losses, "weights": weights, "summary": summary, "stderr": stderr.getvalue()}
+
+
+def test_a_session_with_pipeline_parallelism_trains_as_one_worker(tmp_path):
+    """pp = 2 (the user's split) at 2 ranks, and pp = 2 x dp = 2 at 4, match one worker: the step losses every
+    rank gets back from forward_backward, and the weights after 6 SGD steps."""
+    import torch
+
+    from tests.distributed import run_distributed
+    from tests.fit.test_session_loop import free_port
+
+    one = run_distributed(_pipeline_run, 1, free_port(), str(tmp_path / "one"), {}, timeout_s=240)[0]
+    assert len(one["losses"]) == 6, one["stderr"]
+    for ranks in (2, 4):
+        split = run_distributed(_pipeline_run, ranks, free_port(), str(tmp_path / f"pp{ranks}"),
+                                {"parallel": {"pp": 2}}, timeout_s=300)
+        for rank in split:
+            assert rank["summary"]["steps"] == 6, rank["stderr"]
+            torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+            assert rank["weights"].keys() == one["weights"].keys()
+            for name, whole in one["weights"].items():
+                torch.testing.assert_close(rank["weights"][name], whole, rtol=1e-5, atol=1e-6, msg=name)
+        if ranks == 2:
+            uninterrupted = split
+    # A pp run stopped after step 3 (its checkpoint: step 2) and resumed ends on the uninterrupted run's weights,
+    # bit for bit; the ledger holds every sample of the 6 steps once; the report breaks its steps down.
+    run_dir = tmp_path / "resumed"
+    run_distributed(_pipeline_run, 2, free_port(), str(run_dir), {"parallel": {"pp": 2}}, False, 3, timeout_s=300)
+    resumed = run_distributed(_pipeline_run, 2, free_port(), str(run_dir), {"parallel": {"pp": 2}}, True,
+                              timeout_s=300)
+    for rank, whole in zip(resumed, uninterrupted):
+        assert "resumed from step_00000002" in resumed[0]["stderr"], resumed[0]["stderr"]
+        assert rank["summary"]["steps"] == 6 and len(rank["losses"]) == 4, rank["stderr"]
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(whole["losses"][2:]), rtol=0, atol=0)
+        for name, value in whole["weights"].items():
+            assert torch.equal(rank["weights"][name], value), name
+    from ringtrain.data.ledger import check_ledger
+    from ringtrain.monitor.report import PHASES, load_run
+
+    reports = check_ledger(run_dir / "ledger.jsonl")  # a step redone after the resume is recorded once
+    assert [(r.used, r.duplicates) for r in reports] == [(6 * 16, 0)], reports
+    run = load_run(run_dir)
+    phases, step_s = run.phase_means(), run.mean("step_time_s")
+    assert phases["forward_backward"] > 0 and phases["pipeline_wait"] >= 0 and phases["optimizer"] > 0, phases
+    assert abs(sum(phases[p] for p in PHASES) / step_s - 1) <= 0.10, (phases, step_s)
+
+
+def _pipeline_misuse(rank: int, world_size: int, port: int, run_dir: str, sections: dict, launched_as: int) -> dict:
+    """What a loop does wrong around a pipeline, each one line and exit 2: pp with tp in a Session (refused before
+    any group starts), ``session.unwrap`` and ``session.backward`` under pp, ``forward_backward`` under pp = 1."""
+    import torch
+
+    import ringtrain
+    from tests.fit.test_session_loop import as_launched_worker
+
+    exits = []
+    with as_launched_worker(rank, launched_as, port) as stderr:
+        try:
+            session = ringtrain.Session({**BREAKDOWN, **sections}, run_dir=run_dir)
+        except SystemExit as exit_:
+            return {"exits": [exit_.code], "stderr": stderr.getvalue()}
+        pipelined = sections.get("parallel", {}).get("pp", 1) > 1
+        model = stack()
+        model, optimizer, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.2),
+                                                 data=breakdown_data())  # an nn.Sequential: cut by its children
+        if pipelined:
+            try:
+                session.unwrap(model)
+            except SystemExit as exit_:
+                exits.append(exit_.code)
+        for inputs, targets in loader:
+            try:
+                if pipelined:
+                    session.backward(torch.zeros((), requires_grad=True))
+                else:
+                    session.forward_backward((inputs, targets), torch.nn.functional.cross_entropy)
+            except SystemExit as exit_:
+                exits.append(exit_.code)
+            break
+        session.close()
+    return {"exits": exits, "stderr": stderr.getvalue()}
+
+
+def test_a_pipeline_used_wrong_in_a_session_is_one_line_each(tmp_path):
+    from tests.distributed import run_distributed
+    from tests.fit.test_session_loop import free_port, in_two
+
+    def lines(result):
+        return [line for line in result["stderr"].splitlines() if line.startswith("ringtrain: error:")]
+
+    refused = run_distributed(_pipeline_misuse, 1, free_port(), str(tmp_path / "pptp"), {"parallel": {"pp": 2, "tp": 2}},
+                              4, timeout_s=120)[0]
+    assert refused["exits"] == [2] and len(lines(refused)) == 1, refused["stderr"]
+    assert "tp = 2 with pp = 2" in lines(refused)[0] and "set tp = 1 or pp = 1" in lines(refused)[0]
+    for rank in in_two(_pipeline_misuse, str(tmp_path / "pp"), {"parallel": {"pp": 2}}, 2):
+        assert rank["exits"] == [2, 2] and len(lines(rank)) == 2, rank["stderr"]
+        assert "session.unwrap(model) under parallel.pp > 1" in lines(rank)[0]
+        assert "session.model_state_dict()" in lines(rank)[0]
+        assert "session.backward(loss) under parallel.pp > 1" in lines(rank)[1]
+        assert "session.forward_backward((inputs, targets), loss_fn)" in lines(rank)[1]
+    plain = run_distributed(_pipeline_misuse, 1, free_port(), str(tmp_path / "plain"), {}, 1, timeout_s=120)[0]
+    assert plain["exits"] == [2] and len(lines(plain)) == 1, plain["stderr"]
+    assert "runs a pipeline's schedule (parallel.pp > 1), and pp is 1 here" in lines(plain)[0]
