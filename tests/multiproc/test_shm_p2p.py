@@ -198,3 +198,26 @@ def test_torch_pipelining_on_ringtrain_shm_matches_gloo():
     for shm_result, gloo_result in zip(on_shm, on_gloo):
         assert all(torch.equal(a, b) for a, b in zip(shm_result["params"], gloo_result["params"]))
         assert shm_result["ops"].get("send", 0) >= 12 and shm_result["ops"].get("recv", 0) >= 12, shm_result["ops"]
+
+
+def mismatched_sizes(rank: int, world_size: int) -> dict:
+    from ringtrain.comm.c10d_backend import BACKEND
+    from ringtrain.comm.errors import CollectiveError
+
+    group = dist.new_group(backend=BACKEND, timeout=timedelta(seconds=30))
+    try:
+        if rank == 0:
+            dist.send(torch.ones(10), group_dst=1, group=group)  # fits the slot: done when posted, as on Gloo
+            dist.barrier(group=group)  # the group's next op fails: the receiver posted the abort line
+        else:
+            dist.recv(torch.zeros(12), group_src=0, group=group)  # a mistake: the sizes differ
+    except CollectiveError as err:
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None}
+
+
+def test_a_recv_whose_size_differs_from_its_send_fails_in_one_line_and_the_sender_at_its_next_op():
+    results = run_distributed(mismatched_sizes, 2, timeout_s=120)
+    assert all(r["type"] == "MismatchError" and "\n" not in r["message"] for r in results), results
+    assert "rank 0 sent 40 bytes of float32" in results[1]["message"] and "expected 48 bytes" in results[1]["message"], results
+    assert "called a different collective (seen by rank 1)" in results[0]["message"], results  # in or before the barrier
