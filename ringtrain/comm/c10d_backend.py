@@ -69,11 +69,11 @@ class ShmProcessGroup(dist.ProcessGroup):
     def _built(self):
         """This group's ShmGroup, built (collectively) on the first collective; None while it is being built: the
         set-up's own exchange runs on Gloo."""
+        if self._building:  # the set-up's exchanges (the workspace's, then the point-to-point segment's)
+            return None
         sg = self._shm
         if sg is not None and sg.board is not None:
             return sg
-        if self._building:
-            return None
         from ringtrain.comm.shm_group import get_shm_group
 
         self._building = True

@@ -117,7 +117,7 @@ def profiled(rank: int, world_size: int) -> dict:
 def test_sends_and_recvs_on_shm_record_profiler_events():
     for result in run_distributed(profiled, 2, timeout_s=120):
         assert result["names"] == ["ringtrain_shm:recv", "ringtrain_shm:send"], result
-        assert (result["ops"]["send"], result["ops"]["recv"]) == (2, 2), result["ops"]
+        assert result["ops"] == {"send": 2, "recv": 2}, result["ops"]  # the set-up's own exchanges on Gloo
 
 
 def killed_during_recv(rank: int, world_size: int) -> dict:
