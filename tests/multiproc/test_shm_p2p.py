@@ -42,7 +42,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 def ring_against_gloo(rank: int, world_size: int) -> dict:
     from ringtrain.comm.c10d_backend import BACKEND
 
-    shm = dist.new_group(backend=BACKEND)
+    shm = dist.new_group(backend=BACKEND, timeout=timedelta(seconds=60))  # a deadlock fails in one line
     shm.init_shm(piece_kb=PIECE_KB)
     gloo = dist.group.WORLD
     after, before = (rank + 1) % world_size, (rank - 1) % world_size
