@@ -5,7 +5,8 @@ DTensor (tensor parallelism), FSDP2 and other torch code reach a group's collect
 when all their ranks are on one host, on that host's shared memory: every sum all-reduce of a contiguous CPU
 float tensor through ``comm.all_reduce(..., algorithm="shm")`` (the native path, on the group itself), and
 all-gathers, reduce-scatters (sum, avg, max, min, product), broadcasts, all-to-alls (uneven splits too), the
-other all-reduces and barriers through ``shm_ops`` on the same workspace. Everything else (send/recv, gather,
+other all-reduces and barriers through ``shm_ops`` on the same workspace, and sends and receives (so
+``batch_isend_irecv``) through ``shm_p2p``'s channels. Everything else (recv from any source, gather,
 scatter, reduce, non-contiguous or non-CPU tensors, groups across hosts, the set-up's own exchange) goes to a
 Gloo group over the same ranks and store. Each collective on shm records a profiler event
 ``ringtrain_shm:<op>`` (as Gloo's ``gloo:<op>``) and a flight-recorder entry::
