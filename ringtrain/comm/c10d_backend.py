@@ -5,7 +5,8 @@ DTensor (tensor parallelism), FSDP2 and other torch code reach a group's collect
 when all their ranks are on one host, on that host's shared memory: every sum all-reduce of a contiguous CPU
 float tensor through ``comm.all_reduce(..., algorithm="shm")`` (the native path, on the group itself), and
 all-gathers, reduce-scatters (sum, avg, max, min, product), broadcasts, all-to-alls (uneven splits too), the
-other all-reduces and barriers through ``shm_ops`` on the same workspace. Everything else (send/recv, gather,
+other all-reduces and barriers through ``shm_ops`` on the same workspace, and sends and receives (so
+``batch_isend_irecv``) through ``shm_p2p``'s channels. Everything else (recv from any source, gather,
 scatter, reduce, non-contiguous or non-CPU tensors, groups across hosts, the set-up's own exchange) goes to a
 Gloo group over the same ranks and store. Each collective on shm records a profiler event
 ``ringtrain_shm:<op>`` (as Gloo's ``gloo:<op>``) and a flight-recorder entry::
@@ -69,19 +70,29 @@ class ShmProcessGroup(dist.ProcessGroup):
     def _built(self):
         """This group's ShmGroup, built (collectively) on the first collective; None while it is being built: the
         set-up's own exchange runs on Gloo."""
+        if self._building:  # the set-up's exchanges (the workspace's, then the point-to-point segment's)
+            return None
         sg = self._shm
         if sg is not None and sg.board is not None:
             return sg
-        if self._building:
-            return None
         from ringtrain.comm.shm_group import get_shm_group
 
         self._building = True
         try:
             self._shm = get_shm_group(self)  # a new one if a heal destroyed the last (its board is gone)
+            self._open_channels()
         finally:
             self._building = False
         return self._shm
+
+    def _open_channels(self) -> None:
+        """Collective, right after the workspace: the point-to-point segment (``shm_p2p``) of a group whose
+        ranks are all on this host (its own exchange runs on Gloo)."""
+        sg = self._shm
+        if sg is not None and sg.p2p is None and shm_ops.fits(sg):
+            from ringtrain.comm.shm_p2p import Channels
+
+            sg.p2p = Channels(sg)
 
     def _workspace(self):
         """The ShmGroup when ``shm_ops`` can run on it (every rank on this host), else None (Gloo)."""
@@ -96,6 +107,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._building = True
         try:
             self._shm = init_shm(self, **options)
+            self._open_channels()
         finally:
             self._building = False
 
@@ -116,6 +128,43 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _timeout_s(self) -> float:
         return self._shm.timeout_s
+
+    # --- point-to-point ----------------------------------------------------------------------------------------
+    def _channels(self):
+        """The point-to-point channels when this group's sends and receives can run on shm, else None (Gloo).
+        They are made with the workspace, collectively: a group of two builds it on its first send or recv
+        (both ranks take part in every message); a larger one on its first collective, and sends before that
+        go to Gloo (as do receives, so the two sides agree)."""
+        sg = self._shm
+        if sg is None or sg.board is None:
+            if self.size() != 2 or self._building:
+                return None
+            sg = self._built()
+        return sg.p2p if sg is not None else None
+
+    def _p2p(self, kind: str, tensors, peer: int, tag: int):
+        """A posted shm ``send``/``recv`` of ``tensors[0]`` to/from group rank ``peer``, or None (Gloo's)."""
+        if len(tensors) != 1 or not _takes(tensors) or not 0 <= peer < self.size() or peer == self.rank():
+            return None
+        channels = self._channels()
+        if channels is None:
+            return None
+        tensor = tensors[0]
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"ringtrain_shm:{kind}"):
+            op = channels.post(kind, self._shm.local.index(peer), tensor, tag, flight.begin(kind, "shm", tensor))
+        self.shm_s += time.perf_counter() - start
+        self.shm_calls += 1
+        self.shm_ops[kind] += 1
+        return _P2PWork(self, channels, op, peer)
+
+    def send(self, tensors, dstRank, tag=0):
+        work = self._p2p("send", tensors, dstRank, tag)
+        return work if work is not None else self.gloo.send(tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag=0):
+        work = self._p2p("recv", tensors, srcRank, tag)
+        return work if work is not None else self.gloo.recv(tensors, srcRank, tag)
 
     # --- collectives -------------------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=AllreduceOptions()):
@@ -232,7 +281,7 @@ ShmProcessGroup.all_to_all_single = ShmProcessGroup.alltoall_base
 # base methods: those dispatch to the registered backend too, but from a Python group they hung now and then
 # (a scatter, 2 runs in 4 of 20 scatters each; delegated here, 5 of 5 passed).
 _TO_GLOO = ("allreduce_coalesced", "allgather_coalesced", "gather", "gather_into_tensor", "gather_single", "reduce",
-            "scatter", "send", "recv", "recv_anysource", "monitored_barrier")
+            "scatter", "recv_anysource", "monitored_barrier")
 
 
 def _to_gloo(name: str):
@@ -245,6 +294,33 @@ def _to_gloo(name: str):
 
 for _name in _TO_GLOO:
     setattr(ShmProcessGroup, _name, _to_gloo(_name))
+
+class _P2PWork(dist.Work):
+    """A shm send or recv: ``wait`` moves its bytes (and those of every other pending one of this rank, so that
+    peers that both send first never deadlock) until it is done, or fails naming the peer in one line."""
+
+    def __init__(self, group: ShmProcessGroup, channels, op, peer: int):
+        super().__init__()
+        self._group, self._channels, self._op, self._peer = group, channels, op, peer
+
+    def wait(self, timeout=None) -> bool:
+        if not self._op.done:
+            start = time.perf_counter()
+            self._channels.wait(self._op, self._group._timeout_s())
+            self._group.shm_s += time.perf_counter() - start
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._op.done:
+            self._channels.progress()
+        return self._op.done
+
+    def is_success(self) -> bool:
+        return self._op.done
+
+    def _source_rank(self) -> int:
+        return self._peer
+
 
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 _OP_NAMES = ((ReduceOp.SUM, "sum"), (ReduceOp.AVG, "avg"), (ReduceOp.MAX, "max"), (ReduceOp.MIN, "min"),

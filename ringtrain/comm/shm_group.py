@@ -277,6 +277,8 @@ class ShmGroup:
         self.fast = None
         """``native`` where ``comm.all_reduce`` may hand it tensors directly (``fast_path``): not across hosts."""
         self.native_dtypes: frozenset = frozenset()
+        self.p2p = None
+        """The point-to-point channels (``shm_p2p.Channels``) the c10d backend makes with the workspace, or None."""
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -345,6 +347,9 @@ class ShmGroup:
         if self.native is not None:
             flight.recorder().detach(self.native)
         self.fast = self.native = None
+        if self.p2p is not None:
+            self.p2p.close()
+            self.p2p = None
         self.native_dtypes = frozenset()
         self.turns = Turns()
         self._views.clear()
