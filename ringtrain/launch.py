@@ -241,7 +241,10 @@ def launch(options: LaunchOptions, program: Program) -> None:
         rdzv_backend=rendezvous.BACKEND,
         rdzv_endpoint=f"{_bracket(host)}:{port}",
         # Node 0's launcher hosts the store above; every agent, node 0's included, joins as a client.
-        rdzv_configs={**parse_rdzv_conf(options.rdzv_conf), "is_host": False},
+        # node_rank: torch ranks a round's nodes by address; ringtrain's handler by --node-rank first, so global
+        # rank 0 runs on node 0 (group/rendezvous.py).
+        rdzv_configs={**parse_rdzv_conf(options.rdzv_conf), "is_host": False,
+                      rendezvous.NODE_RANK_OPTION: options.node_rank},
         max_restarts=options.max_restarts,
         local_addr=bind_addr,
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
