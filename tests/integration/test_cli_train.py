@@ -107,10 +107,11 @@ def test_rank_0_runs_on_node_0_whatever_the_addresses_sort_to(tmp_path):
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for rank, addr in ((0, last), (1, first))]
     try:
-        (out0, err0), (out1, err1) = (node.communicate(timeout=240) for node in nodes)
-    finally:
+        (out0, err0), (out1, err1) = [node.communicate(timeout=240) for node in nodes]
+    except subprocess.TimeoutExpired:
         for node in nodes:
             node.kill()
+        pytest.fail(f"the two nodes did not finish in 240 s: {[node.communicate()[1][-2000:] for node in nodes]}")
     assert [node.returncode for node in nodes] == [0, 0], (err0, err1)
     assert "ringtrain summary" in out0 and "ringtrain summary" not in out1, (out0, out1)
 
