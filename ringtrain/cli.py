@@ -20,6 +20,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+# Before torch loads (below): c10d's C++ warnings off unless the user asks for them. A job that stops (Ctrl-C,
+# SIGTERM from SLURM) closes its stores, and a peer's agent or worker still reading one logged its warning with
+# a ~25-line C++ stack (`TCPStore recvVector failed ... Exception raised from recvBytes`); errors still show.
+# The workers inherit it; a user's own TORCH_CPP_LOG_LEVEL (INFO, WARNING) is kept.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 from ringtrain.bench.cli import add_bench_parser
 from ringtrain.bench.plan import add_plan_parser
 from ringtrain.errors import RingtrainError

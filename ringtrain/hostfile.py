@@ -57,6 +57,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -70,7 +71,7 @@ from ringtrain.group.auth import SECRET_VAR
 
 __all__ = ["Hostfile", "parse_hostfile", "read_hostfile", "check_host", "host_address", "hostfile_flags",
            "add_hostfile_arguments", "node_argv", "remote_command", "ssh_command", "first_line", "launch_hosts",
-           "read_first_line", "serve_node", "STOP_GRACE_S"]
+           "read_first_line", "serve_node", "STOP_GRACE_S", "machine_of", "ssh_hint", "THIS_MACHINE"]
 
 STOP_GRACE_S = 60.0
 """After stdin closes, how long the remote launcher has to save and exit after SIGTERM before SIGKILL."""
@@ -124,13 +125,46 @@ def host_address(host: str) -> str:
     return host.rpartition("@")[2]
 
 
-def parse_hostfile(text: str, path: str = "hostfile") -> Hostfile:
+THIS_MACHINE = "this machine"
+_LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def _this_machines_names() -> frozenset[str]:
+    """The names and addresses this machine answers to: its hostname (short and full) and what that hostname
+    resolves to here (``/etc/hosts`` or DNS); loopback addresses are recognised by themselves (machine_of)."""
+    names = {socket.gethostname()}
+    try:
+        full, aliases, addresses = socket.gethostbyname_ex(socket.gethostname())
+        names.update([full, *aliases, *addresses])
+    except OSError:
+        pass
+    return frozenset(name.lower() for name in names if name)
+
+
+def machine_of(host: str, own: frozenset[str] | None = None) -> str:
+    """Which machine a hostfile host is, for counting each once: THIS_MACHINE for ``localhost``, a loopback
+    address (127.0.0.1, ::1) and this machine's own hostname or addresses; else the host's address, lowercased
+    (``alice@node01`` and ``node01`` are one machine). ``own``: this machine's names (default: looked up)."""
+    address = host_address(host).lower()
+    try:
+        if ipaddress.ip_address(address.partition("%")[0]).is_loopback:
+            return THIS_MACHINE
+    except ValueError:
+        pass
+    if address.rstrip(".") in _LOCAL_NAMES:
+        return THIS_MACHINE
+    own = _this_machines_names() if own is None else own
+    return THIS_MACHINE if address.rstrip(".") in own else address
+
+
+def parse_hostfile(text: str, path: str = "hostfile", own: frozenset[str] | None = None) -> Hostfile:
     """``HOST slots=N`` lines -> Hostfile; LaunchError naming the file, the line and the fix.
 
         >>> parse_hostfile("# two nodes\\nnode01 slots=4\\n\\nnode02 slots=4\\n").hosts
         ('node01', 'node02')
     """
     hosts: dict[str, tuple[int, int]] = {}
+    machines: dict[str, tuple[str, int]] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -148,6 +182,17 @@ def parse_hostfile(text: str, path: str = "hostfile") -> Hostfile:
         if host in hosts:
             raise LaunchError(f"{path}:{number}: {host} is listed twice (first on line {hosts[host][0]}); list each "
                               "host once, with its workers as slots=N")
+        # Refused, not merged: two lines for one machine would start two launchers there, each one node of the
+        # job, and torch's rendezvous ranks nodes by address, so the second line's launcher could hold rank 0;
+        # merged, its slots would add up against "the same slots on every host". Either way the file is not what
+        # the user meant: one line saying which lines name the same machine, and the fix.
+        machine = machine_of(host, own)
+        if machine in machines:
+            other, line_number = machines[machine]
+            what = "this machine (the one you launch from)" if machine == THIS_MACHINE else f"the machine {machine}"
+            raise LaunchError(f"{path}:{number}: {host} is listed twice: it is {what}, as {other} on line "
+                              f"{line_number} is; list each machine once, with its workers as slots=N")
+        machines[machine] = (host, number)
         hosts[host] = (number, slots)
     if not hosts:
         raise LaunchError(f"{path} lists no host; write one 'HOST slots=N' per line")
@@ -192,7 +237,8 @@ def hostfile_flags(hostfile: Hostfile, given: LaunchFlags, local_addr: str | Non
     flags = LaunchFlags(nproc=hostfile.slots, nnodes=str(len(hostfile.hosts)), node_rank=0,
                         rdzv_endpoint=f"{first}:{port}")
     workers = f"{hostfile.slots} worker{'s' * (hostfile.slots != 1)}"
-    line = (f"ringtrain: hostfile {hostfile.path}: {len(hostfile.hosts)} hosts ({', '.join(hostfile.hosts)}), "
+    count = len(hostfile.hosts)
+    line = (f"ringtrain: hostfile {hostfile.path}: {count} host{'s' * (count != 1)} ({', '.join(hostfile.hosts)}), "
             f"{workers} per host, rendezvous {flags.rdzv_endpoint}")
     return FilledFlags(flags, line)
 
@@ -288,6 +334,25 @@ def first_line(environ: Mapping[str, str] | None = None) -> bytes:
     return f"secret {secret}\n".encode()
 
 
+def ssh_hint(last_line: str, host: str) -> str:
+    """The fix for ssh's own failure (exit 255), from its last line. ssh runs with BatchMode=yes: it never asks
+    (a password, a new host key), so what it would have asked must be set up first (docs/many-hosts.md)."""
+    text = last_line.lower()
+    if "host key verification failed" in text or "remote host identification has changed" in text:
+        fix = (f"{host}'s host key is not in ~/.ssh/known_hosts: run `ssh {host} true` once and accept it (or "
+               "ssh-keyscan it into known_hosts), or pass --ssh-option StrictHostKeyChecking=accept-new")
+    elif "permission denied" in text:
+        fix = (f"no key of yours is accepted there and passwords cannot be asked: `ssh-copy-id {host}` (or "
+               "--ssh-option IdentityFile=KEY)")
+    elif "could not resolve" in text or "name or service not known" in text:
+        fix = f"{host} is not a name this machine resolves: write its address or fix the name"
+    elif "connection refused" in text or "timed out" in text or "no route" in text:
+        fix = f"no ssh server answers on {host}: check that sshd runs there (and --ssh-port)"
+    else:
+        fix = "set up key login without prompts"
+    return f"{fix}; check with `ssh -o BatchMode=yes {host} true` first"
+
+
 # --- this machine: one ssh per host ----------------------------------------------------------------------
 class _Host:
     """One host's ssh client: its output relayed with the host's name, its last line kept for the report."""
@@ -374,7 +439,8 @@ def launch_hosts(hostfile: Hostfile, argvs: Sequence[list[str]], python: str, cw
                 host.process.kill()
     if failed is not None:
         code = failed.process.returncode
-        why = f"ssh failed: {failed.last_line.rstrip('.')}" if code == SSH_EXIT else f"its launcher exited {code}"
+        why = (f"ssh failed: {failed.last_line.rstrip('.')}; {ssh_hint(failed.last_line, failed.host)}"
+               if code == SSH_EXIT else f"its launcher exited {code}")
         print(f"ringtrain: error: host {failed.host} (node {hosts.index(failed)}): {why}; the other hosts were stopped",
               file=sys.stderr, flush=True)
         return code if code > 0 else 1

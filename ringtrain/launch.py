@@ -53,6 +53,16 @@ _RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_t
 """read_timeout: also how long a node waits for the rendezvous endpoint to answer (group/addresses.py: 45 s)."""
 _WORKER_LOG = "torch.distributed.elastic.multiprocessing.api"
 """The agent's logger of worker processes: 'Sending process N closing signal SIGTERM', 'failed (exitcode: 2)'."""
+_AGENT_LOG = "torch.distributed.elastic.agent.server.api"
+"""The agent's own logger: on Ctrl-C or SIGTERM it warns 'Received 2 death signal, shutting down workers'."""
+
+
+class _ShutdownNoise(logging.Filter):
+    """Drops the agent's 'Received N death signal' warning: the stop is ringtrain's to report (the workers'
+    "stopped at step N" lines and the launcher's last line, cli.py), once. Every other agent record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in str(record.msg)
 
 
 class WorkerFailed(RingtrainError):
@@ -231,7 +241,10 @@ def launch(options: LaunchOptions, program: Program) -> None:
         rdzv_backend=rendezvous.BACKEND,
         rdzv_endpoint=f"{_bracket(host)}:{port}",
         # Node 0's launcher hosts the store above; every agent, node 0's included, joins as a client.
-        rdzv_configs={**parse_rdzv_conf(options.rdzv_conf), "is_host": False},
+        # node_rank: torch ranks a round's nodes by address; ringtrain's handler by --node-rank first, so global
+        # rank 0 runs on node 0 (group/rendezvous.py).
+        rdzv_configs={**parse_rdzv_conf(options.rdzv_conf), "is_host": False,
+                      rendezvous.NODE_RANK_OPTION: options.node_rank},
         max_restarts=options.max_restarts,
         local_addr=bind_addr,
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
@@ -247,6 +260,8 @@ def launch(options: LaunchOptions, program: Program) -> None:
     worker_log = logging.getLogger(_WORKER_LOG)
     worker_log_level = worker_log.level
     worker_log.setLevel(logging.CRITICAL)
+    shutdown_noise = _ShutdownNoise()
+    logging.getLogger(_AGENT_LOG).addFilter(shutdown_noise)
     try:
         elastic_launch(config, sys.executable)("-u", *program.args)
     except ChildFailedError as err:
@@ -263,6 +278,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         worker_log.setLevel(worker_log_level)
+        logging.getLogger(_AGENT_LOG).removeFilter(shutdown_noise)
         # The rendezvous store lives exactly as long as this node's agent.
         del store
 

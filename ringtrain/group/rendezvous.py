@@ -7,6 +7,14 @@ registry): the store under it is an ``AuthStore`` (every value sealed with the j
 job wrote is unpickled), and the backend writes its last good state over one it cannot open, so a job whose
 state was tampered with goes on. torchrun keeps torch's ``c10d`` backend as it is.
 
+Node order: torch numbers the nodes of a round by sorting their descriptors (address, pid, id), so node i of
+the job got whichever group rank its ``--local-addr`` sorted to, not ``--node-rank i``: a hostfile of
+``localhost`` then ``127.0.0.1`` (or ``node9`` then ``node10``) put global rank 0 on its second host, whose name
+then prefixed rank 0's lines. Here each agent's descriptor is a ``RankedNode`` that sorts by the launcher's
+``--node-rank`` first (the ``node_rank`` rendezvous option, launch.py), then as torch does: node i holds ranks
+``i * nproc ...``, rank 0 on node 0, the rendezvous host. Agents of one ``--node-rank`` (every agent of a
+one-node job, the joiners of an elastic one) keep torch's order among themselves.
+
     LaunchConfig(..., rdzv_backend=BACKEND)      # after register()
 """
 
@@ -14,20 +22,49 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, _create_tcp_store
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, create_handler
 
 from ringtrain.group.auth import JobSecret, UnsealedValue, load_job_secret
 from ringtrain.group.auth_store import AuthStore
 
-__all__ = ["BACKEND", "register", "SealedRendezvousBackend"]
+__all__ = ["BACKEND", "register", "SealedRendezvousBackend", "RankedNode", "NODE_RANK_OPTION"]
 
 BACKEND = "ringtrain-c10d"
 """The name the launcher asks torch's launcher for (bench/rendezvous_cost.py sets it to torch's "c10d" to compare)."""
 _SEALED = BACKEND
+NODE_RANK_OPTION = "node_rank"
+"""The rendezvous option (LaunchConfig.rdzv_configs) that carries the launcher's --node-rank to the handler."""
+
+
+@dataclass(eq=True, order=False, frozen=True)
+class RankedNode(_NodeDesc):
+    """torch's node descriptor that sorts by the launcher's ``--node-rank`` first (torch ranks a round's nodes
+    in sorted order): the rest of torch sees the same address, pid and id."""
+
+    node_rank: int = 0
+
+    def _order(self) -> tuple:
+        return (getattr(self, "node_rank", 0), self.addr, self.pid, self.local_id)
+
+    def __lt__(self, other: _NodeDesc) -> bool:
+        return self._order() < RankedNode._order(other)
+
+    def __le__(self, other: _NodeDesc) -> bool:
+        return self._order() <= RankedNode._order(other)
+
+    def __gt__(self, other: _NodeDesc) -> bool:
+        return self._order() > RankedNode._order(other)
+
+    def __ge__(self, other: _NodeDesc) -> bool:
+        return self._order() >= RankedNode._order(other)
+
+    def __repr__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}_node{self.node_rank}"
 
 
 class SealedRendezvousBackend(C10dRendezvousBackend):
@@ -66,7 +103,13 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if secret is None:  # the launcher always sets one (launch.py); never a rendezvous without it
         raise RendezvousConnectionError("ringtrain's rendezvous needs the job's secret (RINGTRAIN_JOB_SECRET)")
     store = _sealed_client(params, secret)
-    return create_handler(store, SealedRendezvousBackend(store, params.run_id), params)
+    handler = create_handler(store, SealedRendezvousBackend(store, params.run_id), params)
+    node_rank = params.get_as_int(NODE_RANK_OPTION, 0) or 0
+    node, executor = getattr(handler, "_this_node", None), getattr(handler, "_op_executor", None)
+    if isinstance(node, _NodeDesc) and hasattr(executor, "_node"):
+        # The handler's descriptor, as torch made it, with the node rank beside it (both places torch keeps it).
+        handler._this_node = executor._node = RankedNode(node.addr, node.pid, node.local_id, node_rank)
+    return handler
 
 
 def _sealed_client(params: RendezvousParameters, secret: JobSecret) -> AuthStore:

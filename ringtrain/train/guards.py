@@ -60,7 +60,8 @@ class StopSignal:
 
     Leaving the block restores the handlers that were there (a hand-written loop's ``StepGuard`` decides itself what
     a stop means). ``absorb_after_stop`` (the Trainer's, whose stop ends the process with ``Stopped``): once a stop
-    was requested, or the block is left with ``Stopped``, a signal whose disposition was SIG_DFL stays absorbed, so
+    was requested, or the block is left with ``Stopped`` or after ``mark_stopped()`` (the Session's, whose stop
+    ends the process with ``SystemExit``), a signal whose disposition was SIG_DFL stays absorbed, so
     a late copy cannot kill the worker before it says where it stopped."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -68,6 +69,7 @@ class StopSignal:
     def __init__(self, absorb_after_stop: bool = False):
         self.absorb_after_stop = absorb_after_stop
         self.signal_number: int | None = None
+        self._stopped = False
         self._received = threading.Event()
         self._previous: dict = {}
 
@@ -79,7 +81,7 @@ class StopSignal:
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
         # this worker's signal, or a peer's
-        stopping = self.absorb_after_stop and (self.requested or isinstance(exc_value, Stopped))
+        stopping = self.absorb_after_stop and (self.requested or self._stopped or isinstance(exc_value, Stopped))
         for sig, handler in self._previous.items():
             # After a stop was requested, the process is on its way out (``Stopped`` goes up to the worker's
             # main, which says "stopped at step N after saving ..." and exits 128 + N). A stop signal may still
@@ -91,6 +93,10 @@ class StopSignal:
             absorb = stopping and handler == signal.SIG_DFL
             signal.signal(sig, self._handle if absorb else handler)
         self._previous = {}
+
+    def mark_stopped(self) -> None:
+        """The job agreed to stop (this worker's signal or a peer's) and this process is on its way out."""
+        self._stopped = True
 
     @property
     def requested(self) -> bool:

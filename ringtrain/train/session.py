@@ -135,7 +135,9 @@ class Session:
         self.state = TrainState()
         self.clock = StepClock()
         self.precision = Precision(self.config.train.precision, self.device)
-        self.stop_signal = StopSignal()
+        # A stop ends this worker (SystemExit below): a late SIGUSR1 (SLURM's copy to every process, or the agent's
+        # forwarded one) must not kill it before its "stopped" line and exit code, as in the Trainer (guards.py).
+        self.stop_signal = StopSignal(absorb_after_stop=True)
         self.guard = StepGuard(self.rank, self.world_size, self.device, self.config.train.max_consecutive_nonfinite_steps,
                                self.stop_signal)
         self.watch = CollectiveWatch(self.job_store, self.rank, self.world_size, self.config.dist.timeout_s,
@@ -457,6 +459,7 @@ class Session:
             if verdict.skip:
                 self.logger.log({"type": "skip", "step": self.state.step, "reason": verdict.describe()})
         if verdict.stop:  # SIGTERM or Ctrl-C on some rank: every rank saves this step and leaves
+            self.stop_signal.mark_stopped()
             self.save()
             self._wait_save()
             number = self.stop_signal.signal_number or signal.SIGTERM

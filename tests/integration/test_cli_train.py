@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+
+import psutil
+import pytest
 
 from ringtrain.data.ledger import check_ledger
 from tests.chaos.jobs import Job, assert_loopback_only
@@ -74,6 +78,42 @@ def test_two_nodes_on_one_host(tmp_path):
     assert node1.returncode == 0, node1.stderr
     assert node0.returncode == 0, err0
     assert summary(run_dir)["world_size"] == 2
+
+
+def _a_second_address() -> str | None:
+    """An IPv4 address of this machine besides loopback (None: only loopback here)."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    return None
+
+
+def test_rank_0_runs_on_node_0_whatever_the_addresses_sort_to(tmp_path):
+    """Issue 41's hostfile row ("rank 0's lines prefixed with the second host"): torch's rendezvous ranked nodes by
+    their address, so node 1 at the address that sorts first held global rank 0. Node 0's launcher, here at the
+    address that sorts last, prints rank 0's summary; node 1's does not."""
+    other = _a_second_address()
+    if other is None:
+        pytest.skip("this machine has no address besides loopback")
+    first, last = sorted(["127.0.0.1", other])
+    with socket.socket() as probe:
+        probe.bind((last, 0))
+        port = probe.getsockname()[1]
+    args = ["train", "configs/debug_mlp.toml", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"{last}:{port}",
+            "--run-dir", str(tmp_path / "run"), "--set", "train.max_steps=3"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    nodes = [subprocess.Popen([sys.executable, "-m", "ringtrain", *args, "--node-rank", str(rank), "--local-addr", addr],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank, addr in ((0, last), (1, first))]
+    try:
+        (out0, err0), (out1, err1) = [node.communicate(timeout=240) for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        pytest.fail(f"the two nodes did not finish in 240 s: {[node.communicate()[1][-2000:] for node in nodes]}")
+    assert [node.returncode for node in nodes] == [0, 0], (err0, err1)
+    assert "ringtrain summary" in out0 and "ringtrain summary" not in out1, (out0, out1)
 
 
 def test_corrupt_newest_checkpoint_is_skipped_on_resume_with_a_warning_naming_it(tmp_path):

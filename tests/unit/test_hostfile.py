@@ -12,8 +12,8 @@ from ringtrain.cli import build_parser, main
 from ringtrain.cluster import LaunchFlags
 from ringtrain.errors import LaunchError
 from ringtrain.group.env import remote_environ
-from ringtrain.hostfile import (FORWARDED, Hostfile, hostfile_flags, node_argv, parse_hostfile, read_hostfile,
-                                remote_command, ssh_command)
+from ringtrain.hostfile import (FORWARDED, Hostfile, hostfile_flags, launch_hosts, node_argv, parse_hostfile,
+                                read_hostfile, remote_command, ssh_command, ssh_hint)
 from tests.conftest import run_cli
 
 GOOD = """\
@@ -141,3 +141,56 @@ def test_the_hosts_get_the_users_variables_not_the_launchers_own():
                           "RINGTRAIN_FAULT_PLAN": "/plan", "RINGTRAIN_BIND_ADDR": "1.2.3.4", "SLURM_JOB_ID": "1",
                           "RINGTRAIN_JOB_SECRET": "ab" * 16, "RINGTRAIN_JOB_SECRET_FILE": "/home/me/.secret"})
     assert env == {"PYTHONPATH": "/p", "OMP_NUM_THREADS": "1", "RINGTRAIN_CACHE_DIR": "/c"}
+
+
+# --- issue 41's --hostfile row: one machine counted once, "1 host", a hint on ssh's own failure -------------------
+OWN = frozenset({"trainbox", "trainbox.lab", "192.0.2.7"})
+"""This machine's names, as _this_machines_names would find them (given: no lookup in a unit test)."""
+
+
+@pytest.mark.parametrize("first, second", [("localhost", "127.0.0.1"), ("127.0.0.1", "alice@localhost"),
+                                           ("localhost", "::1"), ("trainbox", "localhost"), ("192.0.2.7", "127.0.0.2"),
+                                           ("node01", "alice@NODE01")])
+def test_two_lines_for_one_machine_are_refused_in_one_line(first, second):
+    with pytest.raises(LaunchError) as err:
+        parse_hostfile(f"{first} slots=1\n{second} slots=1\n", "hosts", own=OWN)
+    message = str(err.value)
+    assert message.startswith(f"hosts:2: {second} is listed twice: it is ") and f"as {first} on line 1" in message
+    assert "list each machine once" in message and "\n" not in message
+
+
+def test_distinct_machines_and_this_machine_once_are_accepted():
+    assert parse_hostfile("localhost slots=2\nnode02 slots=2\n10.0.0.3 slots=2\n", own=OWN).hosts == (
+        "localhost", "node02", "10.0.0.3")
+
+
+def test_one_host_is_one_host():
+    filled = hostfile_flags(Hostfile("hosts", ("node01",), 1), LaunchFlags(), None, None, pid=123)
+    assert filled.line == "ringtrain: hostfile hosts: 1 host (node01), 1 worker per host, rendezvous node01:15123"
+
+
+FAKE_SSH = """#!/bin/sh
+echo "Host key verification failed." >&2
+exit 255
+"""
+
+
+def test_an_ssh_failure_names_the_fix(tmp_path, monkeypatch, capsys):
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    code = launch_hosts(Hostfile("hosts", ("node01",), 1), [["train", "x.toml"]], "python3", "/tmp", {})
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 255
+    assert last.startswith("ringtrain: error: host node01 (node 0): ssh failed: Host key verification failed; "), last
+    assert "`ssh node01 true`" in last and "StrictHostKeyChecking=accept-new" in last and "known_hosts" in last, last
+
+
+@pytest.mark.parametrize("line, fix", [("Permission denied (publickey).", "ssh-copy-id node01"),
+                                       ("ssh: Could not resolve hostname node01: Name or service not known",
+                                        "not a name this machine resolves"),
+                                       ("ssh: connect to host node01 port 22: Connection refused", "sshd runs there")])
+def test_other_ssh_failures_name_their_fix(line, fix):
+    hint = ssh_hint(line, "node01")
+    assert fix in hint and hint.endswith("check with `ssh -o BatchMode=yes node01 true` first"), hint

@@ -24,9 +24,12 @@ try:
         if sys.argv[1] in ("stopped", "hand-written"):
             os.kill(os.getpid(), signal.SIGUSR1)  # the test's (SLURM's) copy: a stop at the next step boundary
             assert stop.wait(10) and stop.requested
+        if sys.argv[1] == "session":  # the Session's stop: marked, then SystemExit out of the loop's block
+            stop.mark_stopped()
+            raise SystemExit(0)
         if sys.argv[1] == "peer":  # the loop's stop agreed on a peer's signal: this worker got none yet
             raise Stopped("stopped at step 3 after saving step_00000003.pt", signal_number=signal.SIGUSR1)
-except Stopped:
+except (Stopped, SystemExit):
     pass
 os.kill(os.getpid(), signal.SIGUSR1)  # the agent's copy, after the loop let go of the signals
 print("alive after", sys.argv[1], flush=True)
@@ -64,3 +67,18 @@ def _trainers_flag(rank: int, world_size: int, run_dir: str) -> bool:
 
 def test_the_trainer_absorbs_stop_signals_after_a_stop(tmp_path):
     assert run_distributed(_trainers_flag, 1, str(tmp_path / "run")) == [True]
+
+
+def test_a_sessions_stop_absorbs_the_late_copy_too():
+    done = _child("session")
+    assert done.returncode == 0 and done.stdout.strip() == "alive after session", (done.returncode, done.stderr)
+
+
+def test_the_session_absorbs_stop_signals_after_a_stop(tmp_path):
+    code = ("import sys, ringtrain\n"
+            "session = ringtrain.Session({'train': {'global_batch_size': 2, 'local_batch_size': 2}}, run_dir=sys.argv[1])\n"
+            "print(session.stop_signal.absorb_after_stop, flush=True)\n"
+            "session.close()\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.strip() == "True", (done.returncode, done.stdout, done.stderr)
