@@ -51,7 +51,7 @@ def reach_rendezvous(host: str, port: int, local_addr: str | None, timeout_s: fl
             return _connect(host, port, local_addr, max(0.2, min(5.0, deadline - time.monotonic())))
         except OSError as err:
             reason = err.strerror or str(err) or type(err).__name__
-            if err.errno in _FATAL or (local_addr and _is_loopback(local_addr) != _is_loopback(host)):
+            if err.errno in _FATAL or _loopback_cannot_reach(local_addr, host):
                 raise LaunchError(
                     f"cannot reach the rendezvous {host}:{port} {source} ({reason}): --rdzv-endpoint must be node 0's "
                     "address on a network this host shares, and --local-addr this host's address on it"
@@ -74,6 +74,23 @@ def _connect(host: str, port: int, local_addr: str | None, timeout_s: float) -> 
             sock.bind((local_addr, 0))
         sock.connect((host, port))
         return sock.getsockname()[0]
+
+
+def _loopback_cannot_reach(local_addr: str | None, host: str) -> bool:
+    """A loopback source and a host on another machine (or the reverse) never meet, however long one waits.
+    One of this machine's own addresses is reachable from loopback: that is a refusal worth waiting out (node
+    0's launcher on this machine may not be listening yet)."""
+    if not local_addr or _is_loopback(local_addr) == _is_loopback(host):
+        return False
+    return not (_on_this_host(host) and _on_this_host(local_addr))
+
+
+def _on_this_host(address: str) -> bool:
+    try:
+        interface_for_address(address)
+        return True
+    except (OSError, LaunchError):
+        return False
 
 
 def _is_loopback(address: str) -> bool:
