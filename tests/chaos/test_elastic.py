@@ -75,11 +75,18 @@ def join_mid_epoch(job: Job, run_dir: Path, joined: contextlib.ExitStack, latest
 def scenario(tmp_path_factory) -> Scenario:
     run_dir = tmp_path_factory.mktemp("elastic") / "run"
     with Job("train", *ARGS, "--run-dir", str(run_dir), watch_sockets=True) as job, contextlib.ExitStack() as joined:
-        # 2 -> 1: the agent of rank 1 is lost in the middle of epoch 0.
+        # 2 -> 1: the agent of rank 1 is lost in the middle of epoch 0. The processes are found first, and rank 0
+        # is held (SIGSTOP) from step 8 while the agent is killed: on a loaded machine the two workers would
+        # otherwise train on past the epoch's end while the test looks for the agent (the 2026-12-07 clean run).
+        job.wait_for(lambda: last_step(run_dir) >= 1, what="step 1")
+        rank_0, agent_1 = job.worker(0), job.agent_of(1)
         job.wait_for(lambda: last_step(run_dir) >= 8, what="step 8")
+        rank_0.suspend()
         kill_step = last_step(run_dir)
-        job.agent_of(1).kill()
+        agent_1.kill()
         killed = time.monotonic()
+        rank_0.resume()
+        assert kill_step < STEPS_PER_EPOCH - 1, f"the kill came at step {kill_step}, not mid-epoch 0"
         job.wait_for(lambda: any(r["world_size"] == 1 for r in ledger_steps(run_dir)), what="a step with 1 worker")
         shrink_s = time.monotonic() - killed
         # 1 -> 2: a worker joins while the lone worker is in the middle of an epoch.
