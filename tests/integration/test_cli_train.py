@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -103,15 +104,25 @@ def test_rank_0_runs_on_node_0_whatever_the_addresses_sort_to(tmp_path):
     args = ["train", "configs/debug_mlp.toml", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"{last}:{port}",
             "--run-dir", str(tmp_path / "run"), "--set", "train.max_steps=3"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    nodes = [subprocess.Popen([sys.executable, "-m", "ringtrain", *args, "--node-rank", str(rank), "--local-addr", addr],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank, addr in ((0, last), (1, first))]
-    try:
-        (out0, err0), (out1, err1) = [node.communicate(timeout=240) for node in nodes]
-    except subprocess.TimeoutExpired:
-        for node in nodes:
+
+    def start(rank: int, addr: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "ringtrain", *args, "--node-rank", str(rank), "--local-addr",
+                                 addr], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    # Node 1 first, from loopback: it is refused until node 0's launcher listens, and must wait for it (the CI
+    # failure of 2026-12-07: it took the refusal for "loopback cannot reach that address" and quit).
+    node_1 = start(1, first)
+    time.sleep(1)
+    nodes = [start(0, last), node_1]
+    deadline = time.monotonic() + 240
+    while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+        if any(node.returncode not in (None, 0) for node in nodes):
+            break  # one node failed: the other would wait for it until its rendezvous timeout
+        time.sleep(0.2)
+    for node in nodes:
+        if node.poll() is None:
             node.kill()
-        pytest.fail(f"the two nodes did not finish in 240 s: {[node.communicate()[1][-2000:] for node in nodes]}")
+    (out0, err0), (out1, err1) = [node.communicate() for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], (err0, err1)
     assert "ringtrain summary" in out0 and "ringtrain summary" not in out1, (out0, out1)
 
