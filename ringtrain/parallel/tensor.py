@@ -171,7 +171,31 @@ class TensorSplit:
         return {} if ops is None else {"tp_shm_all_reduces": ops["all_reduce"]}
 
 
-class TensorParallelStrategy(ReplicatedStrategy):
+class HoldsTensorSplit:
+    """What a strategy holding a TensorSplit (``self.tensor``) answers from it: the split's options, its timed
+    collective wait, its figures and the loss context (mixed in before the strategy's base class)."""
+
+    tensor: TensorSplit
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.tensor.loss_parallel
+
+    def collective_wait_s(self) -> float:
+        return self.tensor.collective_wait_s()
+
+    def figures(self) -> dict[str, Any]:
+        return {**super().figures(), **self.tensor.figures()}
+
+    def loss_context(self) -> AbstractContextManager:
+        return self.tensor.loss_context()
+
+
+class TensorParallelStrategy(HoldsTensorSplit, ReplicatedStrategy):
     """Tensor parallelism over ``mesh['tp']`` (``TensorSplit``), then at most one data-parallel wrapper on the
     split model's DTensors: FSDP2 (or HSDP) over ``dp_mesh`` when it has more than one rank (``data``, an
     ``FSDPStrategy``), or DiLoCo's outer loop over the tp groups. Its state methods are DTensor's (fsdp.py's
@@ -205,23 +229,6 @@ class TensorParallelStrategy(ReplicatedStrategy):
                      else "ddp+tp" if self.dp_mesh.size(-1) == 1 else "hsdp+tp")  # (its shard groups' size)
         self.data = FSDPStrategy(device, mesh=self.dp_mesh) if self.dp > 1 and not outer_loop.syncs_replicas else None
         """The one data-parallel wrapper after the split (DiLoCo's replicas step on their own: none)."""
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.tensor.sequence_parallel
-
-    @property
-    def loss_parallel(self) -> bool:
-        return self.tensor.loss_parallel
-
-    def collective_wait_s(self) -> float:
-        return self.tensor.collective_wait_s()
-
-    def figures(self) -> dict[str, Any]:
-        return {**super().figures(), **self.tensor.figures()}
-
-    def loss_context(self) -> AbstractContextManager:
-        return self.tensor.loss_context()
 
     def split(self, model: nn.Module) -> nn.Module:
         """The transform alone (``TensorSplit.apply``)."""

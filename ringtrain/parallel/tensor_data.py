@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.parallel.base import ReplicatedStrategy
-from ringtrain.parallel.tensor import TensorParallelStrategy, TensorSplit, _recut, _to_natural
+from ringtrain.parallel.tensor import HoldsTensorSplit, TensorParallelStrategy, TensorSplit, _recut, _to_natural
 
 __all__ = ["LocalSpec", "TensorBesideData", "localize_parameters"]
 
@@ -104,7 +104,7 @@ def _as_locals(held: dict[str, nn.Parameter]) -> Callable:
     return hook
 
 
-class TensorBesideData(ReplicatedStrategy):
+class TensorBesideData(HoldsTensorSplit, ReplicatedStrategy):
     """Tensor parallelism over ``mesh['tp']`` (the transform, ``TensorSplit``) with ``data``, a data-parallel
     strategy over plain tensors (manual, zero1/2/3, DDP), on the data-parallel (or dp x cp) ranks it was built
     with: the one wrapper after the split."""
@@ -129,23 +129,6 @@ class TensorBesideData(ReplicatedStrategy):
         """Every name a local parameter has (a tied weight under each), to its spec."""
         self._optimizer_params: list[nn.Parameter] = []
         self.step_operation = f"{TensorParallelStrategy.step_operation}; {data.step_operation}"
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.tensor.sequence_parallel
-
-    @property
-    def loss_parallel(self) -> bool:
-        return self.tensor.loss_parallel
-
-    def collective_wait_s(self) -> float:
-        return self.tensor.collective_wait_s()
-
-    def figures(self) -> dict[str, Any]:
-        return {**super().figures(), **self.tensor.figures()}
-
-    def loss_context(self) -> AbstractContextManager:
-        return self.tensor.loss_context()
 
     # --- the transforms, in order --------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
