@@ -291,3 +291,45 @@ def test_fit_result_says_the_rank_and_a_finished_run_directory_holds_no_lock(tmp
     assert ranks == [{"rank": 0, "is_main": True, "steps": STEPS_PER_EPOCH},
                      {"rank": 1, "is_main": False, "steps": STEPS_PER_EPOCH}]
     assert (tmp_path / "run" / "summary.json").is_file() and not (tmp_path / "run" / ".lock").exists()
+
+
+# --- a non-finite step: the guarantee fit's trainer gives (tests/multiproc/test_fault_tolerance.py), here ----------
+def _nan_at(rank: int, world_size: int, port: int, run_dir: str, steps: int, nan_rank: int, nan_step: int | None):
+    """A Session loop of ``steps`` steps whose loss is NaN on ``nan_rank`` at ``nan_step`` (None: never)."""
+    import ringtrain
+
+    with as_launched_worker(rank, world_size, port):
+        session = ringtrain.Session({**CONFIG, "checkpoint": {"every_steps": 100}}, run_dir=run_dir)
+        model = plain_model()
+        model, optimizer, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.5), data=data())
+        for _ in session.epochs(EPOCHS):
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+                if rank == nan_rank and session.state.step + 1 == nan_step:
+                    loss = loss * float("nan")
+                session.backward(loss)
+                optimizer.step()
+                if session.state.step == steps:
+                    break
+            if session.state.step == steps:
+                break
+        seen = {"step": session.state.step, "skipped": session.state.skipped_steps,
+                "params": {k: v.detach().clone() for k, v in session.unwrap(model).state_dict().items()}}
+        session.close()
+    return seen
+
+
+def test_a_nan_loss_on_one_rank_of_a_session_loop_is_skipped_by_every_rank(tmp_path):
+    """As fit's trainer does (Chaos 9): a NaN loss on rank 1 at step 2: both ranks skip step 2, the parameters stay
+    identical on every rank and equal those after step 1, and metrics.jsonl records the skip naming the rank."""
+    skipped = in_two(_nan_at, str(tmp_path / "nan"), 2, 1, 2)
+    clean = in_two(_nan_at, str(tmp_path / "clean"), 1, 1, None)
+    for seen in skipped:
+        assert (seen["step"], seen["skipped"]) == (2, 1), seen
+        for name, value in clean[0]["params"].items():
+            assert torch.equal(seen["params"][name], value), f"{name}: the skipped step changed the parameters"
+    assert any(not torch.equal(clean[0]["params"][k], v) for k, v in plain_model().state_dict().items())
+    records = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if r["type"] == "skip"] == [{"type": "skip", "step": 2,
+                                                             "reason": "non-finite loss on rank 1"}]
