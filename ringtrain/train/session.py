@@ -525,7 +525,8 @@ class Session:
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         """Your own module inside the model ``setup`` returned (DDP's ``module.`` gone from its keys): for saving
         (``session.unwrap(model).state_dict()`` loads into your plain model) or evaluation. Under zero3 and
-        fsdp each rank holds a shard of the weights, not the module: use ``model_state_dict()`` there."""
+        fsdp each rank holds a shard of the weights, not the module, and under tp or pp its part of it: use
+        ``model_state_dict()`` there."""
         if self.model is None:
             usage("session.unwrap(model) before session.setup(model): set the model up first")
         if model is not None and model is not self.model and model is not self.module:
@@ -535,6 +536,10 @@ class Session:
             usage("session.unwrap(model) under parallel.pp > 1: each pipeline rank holds its own stages, so no rank's "
                   "module is the whole model; take the whole weights with session.model_state_dict() (every rank "
                   "calls it)")
+        if self._layout.tp > 1:
+            usage("session.unwrap(model) under parallel.tp > 1: each rank's module holds its tensor-parallel part of "
+                  "the weights, so its state_dict does not load into your plain model; take the whole weights with "
+                  "session.model_state_dict() (every rank calls it)")
         if not strategy_spec(strategy).module_is_users:
             usage(f"session.unwrap(model) under comm.strategy '{strategy}': each rank holds a shard of the weights, "
                   "so no rank's module is the whole model; take the whole weights with session.model_state_dict() "

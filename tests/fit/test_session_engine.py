@@ -195,9 +195,14 @@ def _layout_run(rank: int, world_size: int, port: int, run_dir: str, sections: d
                 optimizer.step()
                 losses.append(session.sum(loss.item()) / session.sum(1))
         weights = {k: v.clone() for k, v in session.model_state_dict().items()}
+        try:
+            unwrapped = sorted(session.unwrap(model).state_dict())
+        except SystemExit:  # the one line is the last of stderr
+            unwrapped = stderr.getvalue().strip().splitlines()[-1]
         summary = session.finish()
         session.close()
-    return {"losses": losses, "weights": weights, "summary": summary, "stderr": stderr.getvalue()}
+    return {"losses": losses, "weights": weights, "summary": summary, "stderr": stderr.getvalue(),
+            "unwrapped": unwrapped}
 
 
 def test_a_session_with_tensor_parallelism_trains_as_one_worker(tmp_path):
@@ -215,6 +220,10 @@ def test_a_session_with_tensor_parallelism_trains_as_one_worker(tmp_path):
         assert rank["weights"].keys() == one["weights"].keys()
         for name, whole in one["weights"].items():
             torch.testing.assert_close(rank["weights"][name], whole, rtol=1e-5, atol=1e-6, msg=name)
+        # unwrap: the user's module at one worker; under tp its state_dict would hold parts, so one line.
+        assert "session.unwrap(model) under parallel.tp > 1" in rank["unwrapped"], rank["unwrapped"]
+        assert "session.model_state_dict()" in rank["unwrapped"]
+    assert one["unwrapped"] == sorted(one["weights"])
 
 
 # --- every layout in a Session: pipeline parallelism with the user's split ----------------------------------
