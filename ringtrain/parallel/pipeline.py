@@ -739,6 +739,19 @@ class PipelineStrategy(ReplicatedStrategy):
                    and (self.cp == 1 or self.context.rank == 0))
         return x[:rows] if answers else None
 
+    def forward_to_all(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``forward``, then its outputs sent from the last stage to every rank of the pipeline, so each rank's
+        evaluation code sees them (a pipeline without tensor or context parallelism: the Session's)."""
+        if self.tp > 1 or self.cp > 1:
+            raise ConfigError("forward_to_all runs a pipeline without tensor or context parallelism")
+        outputs, last = self.forward(inputs), self._stage_rank(self.stages - 1)
+        if self.pp_rank == last:
+            for rank in range(self.pp):
+                if rank != last:
+                    _send_tensor(outputs, rank, self.pp_group)
+            return outputs
+        return _recv_tensor(last, self.pp_group, self.device)
+
 
 def _qkv_dim(name: str) -> int | None:
     """The built-in transformer's fused q | k | v parameters: the dimension they are fused along."""

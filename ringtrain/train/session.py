@@ -546,6 +546,21 @@ class Session:
                   "(every rank calls it)")
         return self.module
 
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Under ``[parallel] pp`` > 1, evaluation's forward: ``inputs`` through every stage in order (no
+        schedule, no gradient), the outputs returned on every rank of the pipeline (sent from the last stage), so
+        the evaluation code after it is the one you run without pp. Every rank of the pipeline calls it with the
+        same batch (``session.eval_loader`` deals them so); put the stages in eval mode first (``model.eval()``)."""
+        if self.model is None:
+            usage("session.forward(inputs) before session.setup(model): set the model up first")
+        if not self.strategy.pipelined:
+            usage("session.forward(inputs) runs a pipeline's stages for evaluation (parallel.pp > 1), and pp is 1 "
+                  "here; call your model: outputs = model(inputs)")
+        if not isinstance(inputs, torch.Tensor):
+            usage(f"session.forward(inputs) takes the inputs tensor of a batch, not a {type(inputs).__name__}")
+        with self.watch.op("pipeline forward (session.forward)", self.state.step):
+            return self.strategy.forward_to_all(inputs.to(self.device))
+
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights under your module's keys, on every rank (every rank calls it: zero3 and fsdp
         gather their shards), e.g. to save the best model from rank 0."""

@@ -285,14 +285,26 @@ def _pipeline_run(rank: int, world_size: int, port: int, run_dir: str, sections:
         if crash_after is not None:
             session.close()
             return {"losses": losses, "weights": weights, "stderr": stderr.getvalue()}
+        # Evaluation: under pp session.forward gives the outputs on every rank of the pipeline; the code after it
+        # is the plain loop's.
+        loss_sum = correct = count = 0.0
+        with torch.no_grad():
+            for inputs, targets in session.eval_loader(breakdown_data(), 48):
+                outputs = session.forward(inputs) if pipelined else model(inputs)
+                loss_sum += nn.functional.cross_entropy(outputs, targets, reduction="sum").item()
+                correct += (outputs.argmax(1) == targets).sum().item()
+                count += len(targets)
+        evaluation = (session.sum(loss_sum) / session.sum(count), session.sum(correct), session.sum(count))
         summary = session.finish()
         session.close()
-    return {"losses": losses, "weights": weights, "summary": summary, "stderr": stderr.getvalue()}
+    return {"losses": losses, "weights": weights, "summary": summary, "stderr": stderr.getvalue(),
+            "evaluation": evaluation}
 
 
 def test_a_session_with_pipeline_parallelism_trains_as_one_worker(tmp_path):
     """pp = 2 (the user's split) at 2 ranks, and pp = 2 x dp = 2 at 4, match one worker: the step losses every
-    rank gets back from forward_backward, and the weights after 6 SGD steps."""
+    rank gets back from forward_backward, the weights after 6 SGD steps, and an evaluation through
+    session.forward on every rank."""
     import torch
 
     from tests.distributed import run_distributed
@@ -309,6 +321,10 @@ def test_a_session_with_pipeline_parallelism_trains_as_one_worker(tmp_path):
             assert rank["weights"].keys() == one["weights"].keys()
             for name, whole in one["weights"].items():
                 torch.testing.assert_close(rank["weights"][name], whole, rtol=1e-5, atol=1e-6, msg=name)
+            # session.forward: every rank's evaluation, every sample once, equals one worker's.
+            (loss, correct, count), (loss_1, correct_1, count_1) = rank["evaluation"], one["evaluation"]
+            assert (correct, count) == (correct_1, count_1) == (correct_1, SAMPLES), (rank["evaluation"], one["evaluation"])
+            assert abs(loss - loss_1) <= 1e-5 * loss_1, (loss, loss_1)
         if ranks == 2:
             uninterrupted = split
     # A pp run stopped after step 3 (its checkpoint: step 2) and resumed ends on the uninterrupted run's weights,
@@ -336,7 +352,8 @@ def test_a_session_with_pipeline_parallelism_trains_as_one_worker(tmp_path):
 
 def _pipeline_misuse(rank: int, world_size: int, port: int, run_dir: str, sections: dict, launched_as: int) -> dict:
     """What a loop does wrong around a pipeline, each one line and exit 2: pp with tp in a Session (refused before
-    any group starts), ``session.unwrap`` and ``session.backward`` under pp, ``forward_backward`` under pp = 1."""
+    any group starts), ``session.unwrap`` and ``session.backward`` under pp, ``forward_backward`` and ``forward``
+    under pp = 1."""
     import torch
 
     import ringtrain
@@ -366,6 +383,11 @@ def _pipeline_misuse(rank: int, world_size: int, port: int, run_dir: str, sectio
             except SystemExit as exit_:
                 exits.append(exit_.code)
             break
+        if not pipelined:
+            try:
+                session.forward(torch.zeros(2, 32))
+            except SystemExit as exit_:
+                exits.append(exit_.code)
         session.close()
     return {"exits": exits, "stderr": stderr.getvalue()}
 
@@ -388,5 +410,7 @@ def test_a_pipeline_used_wrong_in_a_session_is_one_line_each(tmp_path):
         assert "session.backward(loss) under parallel.pp > 1" in lines(rank)[1]
         assert "session.forward_backward((inputs, targets), loss_fn)" in lines(rank)[1]
     plain = run_distributed(_pipeline_misuse, 1, free_port(), str(tmp_path / "plain"), {}, 1, timeout_s=120)[0]
-    assert plain["exits"] == [2] and len(lines(plain)) == 1, plain["stderr"]
+    assert plain["exits"] == [2, 2] and len(lines(plain)) == 2, plain["stderr"]
     assert "runs a pipeline's schedule (parallel.pp > 1), and pp is 1 here" in lines(plain)[0]
+    assert "session.forward(inputs) runs a pipeline's stages for evaluation" in lines(plain)[1]
+    assert "outputs = model(inputs)" in lines(plain)[1]
