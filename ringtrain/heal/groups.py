@@ -39,7 +39,6 @@ def abandon_group(failed: bool = True) -> None:
             pass  # already half torn down by the failure: nothing left to close
 
 
-
 def forget_mesh_caches() -> None:
     """Drop what DTensor cached about the meshes of the group left. A DeviceMesh equals another of the same ranks,
     shape and dimension names whatever its process groups (torch's ``DeviceMesh.__eq__``), so the sharding

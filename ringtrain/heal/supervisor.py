@@ -127,7 +127,7 @@ class Supervisor(NoHealing):
         self.last_commit_s = time.time()
         self.buffers: BufferSnapshot | None = None
         self.window_starts: dict[int, tuple[int, int, int]] = {}
-        """Step -> (epoch, cursor, world size) of its window, for this step and the one before."""
+        """Step -> (epoch, cursor, data-parallel size) of its window, for this step and the one before."""
         self._plan: tuple[int, int] | None = None
         """Rank 0's own admission plan: (generation, after_step)."""
         self._scanned = (-1, -1)
@@ -153,7 +153,8 @@ class Supervisor(NoHealing):
         # Where this step's window starts (the sampler moves at the commit): the ledger's line of the last
         # committed step can be rebuilt from it if the writer was lost before writing it (_fix_ledger).
         sampler, step = trainer.parts.sampler, trainer.state.step
-        self.window_starts[step + 1] = (sampler.epoch, sampler.cursor, trainer.ctx.world_size)
+        # (Dealt over the ranks that read different samples: a split model's data-parallel ranks, not its world.)
+        self.window_starts[step + 1] = (sampler.epoch, sampler.cursor, trainer.ctx.dp_size)
         self.window_starts.pop(step - 1, None)  # the last two steps are enough
 
     def check_fence(self) -> None:
@@ -523,10 +524,10 @@ class Supervisor(NoHealing):
         step = trainer.state.step
         ledger.start(step)
         if ledger.last_step() < step and step in self.window_starts:
-            epoch, cursor, world_size = self.window_starts[step]
+            epoch, cursor, dp_size = self.window_starts[step]
             sampler = trainer.parts.sampler
             window = sampler.order(epoch)[cursor : cursor + sampler.global_batch_size]
-            shares = [window[r::world_size].tolist() for r in range(world_size)]
+            shares = [window[r::dp_size].tolist() for r in range(dp_size)]
             ledger.write(step, epoch, shares, skipped=False)
 
 
