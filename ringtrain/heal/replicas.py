@@ -14,6 +14,12 @@ the old trainer into the new one in memory (``move_to_group``): no checkpoint re
 the epoch is dealt over the new data-parallel ranks as for any shrink (the sampler's cursor, the ledger).
 
     trainer = move_to_group(trainer, generation, rebuild)
+
+Joiners restore a replica only whole (``admit_whole_replicas``: rank 0 holds them until a replica's worth
+asked). At their admission every member calls ``move_to_group`` at once, a joiner with no trainer (its mesh
+needs the group): the survivors move their own parts as above, and over each ``dp`` group (the ranks of one
+tp/cp/pp coordinate) the first rank that trained sends its part (``_part_state``: the one form a rank's part
+takes, moved in memory or sent) to the joiners, checked against its sha256 and read weights-only.
 """
 
 from __future__ import annotations
