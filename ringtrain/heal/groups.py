@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gc
+import sys
 
 import torch.distributed as dist
 
 from ringtrain.comm import shm_group
 from ringtrain.group.sockets import forget_group_sockets, shutdown_group_sockets
 
-__all__ = ["abandon_group"]
+__all__ = ["abandon_group", "forget_mesh_caches"]
 
 
 def abandon_group(failed: bool = True) -> None:
@@ -28,6 +29,7 @@ def abandon_group(failed: bool = True) -> None:
     if failed:
         shutdown_group_sockets()
     forget_group_sockets()
+    forget_mesh_caches()
     gc.collect()
     if dist.is_initialized():
         shm_group.destroy(dist.group.WORLD)
@@ -35,3 +37,19 @@ def abandon_group(failed: bool = True) -> None:
             dist.destroy_process_group()
         except (RuntimeError, ValueError):
             pass  # already half torn down by the failure: nothing left to close
+
+
+def forget_mesh_caches() -> None:
+    """Drop what DTensor cached about the meshes of the group left. A DeviceMesh equals another of the same ranks,
+    shape and dimension names whatever its process groups (torch's ``DeviceMesh.__eq__``), so the sharding
+    propagation cache would hand a mesh of the next generation the output specs computed on an equal mesh of
+    an earlier one, whose groups are gone ("Could not resolve the process group registered under the name N"):
+    seen when an admission brought a split model back to the layout it had before a heal. Nothing to do in a
+    process that never made a DTensor."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()

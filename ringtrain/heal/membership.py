@@ -49,7 +49,7 @@ from ringtrain.errors import RingtrainError
 from ringtrain.heal.liveness import Registration, exit_key, finished_key
 
 __all__ = ["Generation", "Membership", "job_keys", "Fenced", "HealFailed", "GenerationFailed", "MemberFailed", "Spared",
-           "request_join", "whole_replicas", "HEAL_BEAT_S", "JOINER_BASE"]
+           "request_join", "whole_replicas", "admit_whole_replicas", "HEAL_BEAT_S", "JOINER_BASE"]
 
 HEAL_BEAT_S = 0.1
 """Heartbeat interval under --heal (the flight-recorder watchdog and the hang clock tick with it)."""
@@ -374,6 +374,23 @@ def whole_replicas(members: tuple[int, ...], present: set[int], replica_size: in
         if all(m in present for m in replica):
             kept.extend(replica)
     return sorted(kept)
+
+
+def admit_whole_replicas(pending: list[int], replica_size: int, room: int) -> tuple[list[int], int]:
+    """The joiners to admit now out of ``pending`` (in the order they asked), and how many more the next
+    replica still needs. A split model (``replica_size`` = tp x cp x pp ranks) takes joiners only as whole
+    replicas: they are held until ``replica_size`` of them are there, then admitted together, as many whole
+    replicas as ``room`` (workers the job may still take) allows; a replica that lacks a worker waits (0: none
+    waits for more, every joiner is admitted or there is no room for another replica).
+
+        admit_whole_replicas([1001], 2, room=2)        # ([], 1): waiting for 1 more
+        admit_whole_replicas([1001, 1002], 2, room=2)  # ([1001, 1002], 0)
+    """
+    fits = min(len(pending), max(room, 0)) // replica_size * replica_size
+    left = len(pending) - fits
+    has_room = room - fits >= replica_size
+    missing = (replica_size - left % replica_size) % replica_size if left and has_room else 0
+    return pending[:fits], missing
 
 
 def request_join(job_store: NullJobStore, timeout_s: float, wait_s: float = 600.0,

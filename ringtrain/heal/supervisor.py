@@ -64,6 +64,7 @@ from ringtrain.heal.membership import (
     Membership,
     MemberFailed,
     Spared,
+    admit_whole_replicas,
 )
 from ringtrain.heal.replicas import move_to_group, replica_of, replica_size
 from ringtrain.heal.transfer import NO_STATE, agree_on_state, check_agreed, state_digest
@@ -126,13 +127,15 @@ class Supervisor(NoHealing):
         self.last_commit_s = time.time()
         self.buffers: BufferSnapshot | None = None
         self.window_starts: dict[int, tuple[int, int, int]] = {}
-        """Step -> (epoch, cursor, world size) of its window, for this step and the one before."""
+        """Step -> (epoch, cursor, data-parallel size) of its window, for this step and the one before."""
         self._plan: tuple[int, int] | None = None
         """Rank 0's own admission plan: (generation, after_step)."""
         self._scanned = (-1, -1)
         """(generation, join requests) when rank 0 last looked for joiners: it looks again when either changes."""
         self._rescan = False
         """A request seen before its worker registered: look again at the next boundary."""
+        self._waiting: list[int] = []
+        """Joiners rank 0 last said wait for more to complete a replica (said again when they change)."""
         self._has_state = True
         self._repeats = 0
         self._lock: RunDirLock | bool | None = None
@@ -150,7 +153,8 @@ class Supervisor(NoHealing):
         # Where this step's window starts (the sampler moves at the commit): the ledger's line of the last
         # committed step can be rebuilt from it if the writer was lost before writing it (_fix_ledger).
         sampler, step = trainer.parts.sampler, trainer.state.step
-        self.window_starts[step + 1] = (sampler.epoch, sampler.cursor, trainer.ctx.world_size)
+        # (Dealt over the ranks that read different samples: a split model's data-parallel ranks, not its world.)
+        self.window_starts[step + 1] = (sampler.epoch, sampler.cursor, trainer.ctx.dp_size)
         self.window_starts.pop(step - 1, None)  # the last two steps are enough
 
     def check_fence(self) -> None:
@@ -178,8 +182,8 @@ class Supervisor(NoHealing):
     def at_boundary(self) -> None:
         """Rank 0 schedules a pending join request for after the next step; every rank reads the plan (one store
         read a step) and leaves ``train()`` there."""
-        if self.reloads or replica_size(self.trainer) > 1:
-            return  # joiners are refused by sharded jobs and split models (run.py)
+        if self.reloads:
+            return  # joiners are refused by sharded jobs (run.py)
         trainer, membership = self.trainer, self.membership
         step, number = trainer.state.step, membership.generation.number
         if membership.generation.rank != 0:
@@ -199,8 +203,16 @@ class Supervisor(NoHealing):
             return
         pending, unregistered = membership.pending_joiners()
         self._scanned, self._rescan = (number, requested), unregistered > 0
-        if pending:
-            membership.schedule_admission(step + 1, pending[:room])
+        size = replica_size(trainer)
+        admitted, missing = admit_whole_replicas(pending, size, room)  # a split model: whole replicas only
+        if missing and self._waiting != pending:
+            self._waiting = pending
+            waiting = pending[len(admitted):]
+            print(f"ringtrain: member{'s' * (len(waiting) > 1)} {', '.join(map(str, waiting))} asked to join: waiting "
+                  f"for {missing} more to complete a replica of {size} workers (tp x cp x pp), admitted together",
+                  file=sys.stderr, flush=True)
+        if admitted:
+            membership.schedule_admission(step + 1, admitted)
             self._plan = (number, step + 1)
             faults.point("heal.planned")
 
@@ -270,6 +282,28 @@ class Supervisor(NoHealing):
             except Spared as err:
                 return self.trainer, self._spared(err)
             trainer = self.trainer
+
+    def join_replica(self, ctx: DistContext) -> Trainer:
+        """A worker admitted with a whole replica of a split model (it holds nothing before its group forms):
+        form the group with the running workers, build the trainer on it and receive this rank's part from its
+        counterpart in a replica that trained (replicas.py). A failure on the way ends this worker in one line
+        (the running workers heal without its replica); ``run`` then trains with the returned trainer."""
+        generation = self.membership.generation
+        try:
+            self.membership.form(ctx.backend)
+            self.trainer = move_to_group(None, generation, self.rebuild, ctx)
+        except (Fenced, HealFailed, MemberFailed):
+            raise
+        except BaseException as err:  # noqa: BLE001 - a lost member: this joiner has no state to heal with
+            failure = failure_of(err)
+            if failure is None:
+                raise
+            raise HealFailed(f"member {generation.member}: the group failed while its replica was admitted "
+                             f"({failure}); it leaves without joining (start ringtrain join again)") from None
+        print(f"ringtrain: joined as rank {generation.rank} of {generation.world_size} (generation "
+              f"{generation.number}, replica {replica_of(generation.rank, replica_size(self.trainer))}) at step "
+              f"{self.trainer.state.step}", file=sys.stderr, flush=True)
+        return self.trainer
 
     def run(self, trainer: Trainer, joining: bool = False) -> dict[str, Any]:
         """Train with ``trainer`` to the end through every failure and admission; returns the summary.
@@ -467,11 +501,15 @@ class Supervisor(NoHealing):
         generation = self.membership.generation
         joined = [generation.members.index(j) for j in joiners if j in generation.members]
         if joined:
-            self.trainer.logger.log({
-                "type": "join", "step": self.trainer.state.step, "generation": generation.number,
-                "joined_ranks": joined, "world_size": generation.world_size,
-                "admit_s": round(time.perf_counter() - started, 3),
-            })
+            record = {"type": "join", "step": self.trainer.state.step, "generation": generation.number,
+                      "joined_ranks": joined, "world_size": generation.world_size}
+            size = replica_size(self.trainer)
+            if size > 1:  # a split model: the joiners came as whole replicas
+                replicas = sorted({replica_of(rank, size) for rank in joined})
+                record["replica"] = replicas[0] if len(replicas) == 1 else replicas
+                record["replica_ranks"] = joined
+            record["admit_s"] = round(time.perf_counter() - started, 3)
+            self.trainer.logger.log(record)
 
     def _fix_ledger(self) -> None:
         """The writer's ledger holds exactly the steps applied: cut back to the agreed step, and if its line is
@@ -486,10 +524,10 @@ class Supervisor(NoHealing):
         step = trainer.state.step
         ledger.start(step)
         if ledger.last_step() < step and step in self.window_starts:
-            epoch, cursor, world_size = self.window_starts[step]
+            epoch, cursor, dp_size = self.window_starts[step]
             sampler = trainer.parts.sampler
             window = sampler.order(epoch)[cursor : cursor + sampler.global_batch_size]
-            shares = [window[r::world_size].tolist() for r in range(world_size)]
+            shares = [window[r::dp_size].tolist() for r in range(dp_size)]
             ledger.write(step, epoch, shares, skipped=False)
 
 

@@ -300,12 +300,6 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
             "shards from its checkpoints; admitting a worker into it is not supported: it goes on with the workers "
             "it has (grow it with a restart: ringtrain train ... --resume)"
         )
-    if any((getattr(config.parallel, dim) or 1) > 1 for dim in ("tp", "cp", "pp")):
-        raise ConfigError(
-            "ringtrain join: this --heal job splits its model (tp, cp or pp), and its workers are admitted only as "
-            "whole replicas; a joining worker is not admitted into it: it goes on with the replicas it has (grow it "
-            "with a restart: ringtrain train ... --resume)"
-        )
     job_store = connect_job_store(env, is_writer=False)
     parts = user if user is not None else UserParts.from_config(config)
     beating: list[Heartbeat] = []
@@ -320,13 +314,19 @@ def run_joined_training(config: Config, env: DistEnv, user: UserParts | None = N
         # Built before its group forms (no collective: the module is wrapped once it received the state).
         ctx = DistContext(env, backend, device, host_rank=0, host_world_size=1)
         supervisor = _supervisor(config, env, job_store, parts, membership)
-        trainer = build_trainer(config, ctx, job_store, parts, healing=supervisor, joining=True)
         beating[0].on_dump_request = supervisor.dump
+        # A split model (tp, cp or pp): admitted with a whole replica, built once its group formed (its mesh
+        # needs the group), its part received from its counterpart (heal/replicas.py).
+        split = _replica_size(config, generation.world_size) > 1
+        trainer = None if split else build_trainer(config, ctx, job_store, parts, healing=supervisor, joining=True)
         try:
-            summary = supervisor.run(trainer, joining=True)
+            if split:
+                trainer = supervisor.join_replica(ctx)
+            summary = supervisor.run(trainer, joining=not split)
             return FitResult(summary, rank=supervisor.trainer.ctx.rank)
         finally:
-            supervisor.trainer.end_threads()
+            if supervisor.trainer is not None:
+                supervisor.trainer.end_threads()
             leave_default_group()
     finally:
         for heartbeat in beating:
