@@ -74,8 +74,8 @@ def test_a_layouts_options_train_as_one_worker(name):
         assert "tp_shm_all_reduces" not in cell_run(Cell(tp=2)).summary
     if name == "tp2-sp-shm":
         # Sequence parallel: each split layer's all-reduce became an all-gather or a reduce-scatter (on shm too, counted
-        # apart). Measured: 10 fewer a step (66 -> 56) and 6 in the closing evaluation; the bound, 2 a block a step, was
-        # 4 while the evaluation (runners.py's 3x more batches) made up half the difference.
+        # apart). Measured: 10 fewer a step (66 -> 56) and 6 in the closing evaluation. The bound, 2 a block a step, was
+        # 4 when the evaluation (runners.py, three times as many batches) made up half of the difference.
         fewer = variant_run("tp2-shm").summary["tp_shm_all_reduces"] - summary["tp_shm_all_reduces"]
         assert fewer >= STEPS * BLOCKS * 2, fewer
     if name == "tp2-ac_full":
