@@ -3,7 +3,7 @@ workers: a user's nn.Sequential named by a config's factory, cut into stages, tr
 model a pipeline cannot run is one line. The parity proofs of the built-in transformer's pipelines (every schedule,
 token budgets, empty and uneven micro-batches, replicas and FSDP2 beside them, their ring and shm all-reduces, each
 sample dealt once per pipeline, full and sharded checkpoints crossing layouts and resuming bit for bit) run
-in-process: tests/multiproc/test_composition.py."""
+in-process: tests/multiproc/test_composition_*.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 path of a composed layout, its ledger across a real job (each sample dealt once per data-parallel rank), its
 sharded checkpoint resumed at three other layouts; each layout's model state per worker is the planner's figure
 within 10%. The 2-D pp x tp mesh on four workers (loop, interleaved with sequence parallelism, zero-bubble V, the
-split layers' all-reduces on shm) runs in-process: tests/multiproc/test_composition.py."""
+split layers' all-reduces on shm) runs in-process: tests/multiproc/test_composition_*.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Context parallelism through the trainer (``[parallel] cp``, ringtrain/parallel/context_split.py) on the
 in-process harness, beyond the composition table's cp cells (cp 2 alone and beside 2 data-parallel ranks of every
-strategy that composes with it: tests/multiproc/test_composition.py): the built-in transformer's sequence split
+strategy that composes with it: tests/multiproc/test_composition_*.py): the built-in transformer's sequence split
 over cp ranks trains as one worker does on the same batches (fp32: every step's loss rtol 1e-5, every parameter
 1e-5) at cp 3, whose sequences are padded to a multiple of 2 cp, beside tensor
 parallelism (cp 2 x tp 2, FSDP2 averaging over the cp ranks; with sequence parallelism too: cp splits the sequence

@@ -92,7 +92,7 @@ def test_replicas_of_shard_groups_are_fsdp2s_hsdp_beside_tp_or_alone():
     assert degrees_of(config({"tp": 2}, "ddp"), 4) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
     assert degrees_of(config({"dp_replicate": 2, "pp": 2}, "fsdp"), 8) == {"dp_replicate": 2, "dp_shard": 2,
                                                                             "tp": 1, "pp": 2}
-    # HSDP beside a pipeline whose stages tp splits (tests/multiproc/test_composition.py trains it).
+    # HSDP beside a pipeline whose stages tp splits (tests/multiproc/test_composition_pp.py trains it).
     check_parallel(config({"dp_replicate": 2, "pp": 2, "tp": 2}, "fsdp"), 16)
     assert degrees_of(config({"dp_replicate": 2, "pp": 2, "tp": 2}, "fsdp"), 16) == {"dp_replicate": 2, "dp_shard": 2,
                                                                                       "tp": 2, "pp": 2}
