@@ -14,13 +14,17 @@ each rank a worker as torchrun starts one) against the oracle, a real `ringtrain
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
 from tests.chaos.jobs import Job
@@ -46,34 +50,69 @@ def run_script(*args: str, case: str = "oracle", config: dict | None = None, tim
     return run_cli(*script_args(*args, case=case, config=config), timeout=timeout, env=env)
 
 
-def _script_in_rank(rank: int, world_size: int, port: int, argv: list[str], variables: dict[str, str]) -> str:
-    """The script's main() with ``argv`` in this harness rank, as a worker `ringtrain run` starts it: the launcher's
-    variables set, the harness's group left (fit makes its own). Returns what the rank printed on stderr."""
+@contextlib.contextmanager
+def _as_lone_process():
+    """This harness rank as `python SCRIPT` (no launcher variables, no group: fit makes its own alone); afterwards
+    a lone group again, for the harness to end. Yields what it printed on stderr."""
+    dist.destroy_process_group()
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            yield stderr
+    finally:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _script_in_rank(rank: int, world_size: int, port: int | None, argv: list[str], variables: dict[str, str]) -> dict:
+    """The script's main() with ``argv`` in this harness rank, as a worker `ringtrain run` starts it (the launcher's
+    variables set, the harness's group left: fit makes its own), or, with no ``port``, as `python SCRIPT` alone.
+    Returns its exit code, what it printed on stderr and its ``SUMMARY`` lines (written to file descriptor 1)."""
     from tests.fit import user_code
 
-    saved_argv = sys.argv
+    saved_argv, saved_stdout = sys.argv, os.dup(1)
     sys.argv = [str(REPO / SCRIPT), *argv]
     os.environ.update(variables)
-    try:
-        with as_launched_worker(rank, world_size, port) as stderr:
-            user_code.main()
-    finally:
-        sys.argv = saved_argv
-        for name in variables:
-            os.environ.pop(name, None)
-    return stderr.getvalue()
+    code = 0
+    with tempfile.TemporaryFile() as stdout:
+        os.dup2(stdout.fileno(), 1)
+        try:
+            with (as_launched_worker(rank, world_size, port) if port else _as_lone_process()) as stderr:
+                try:
+                    user_code.main()
+                except SystemExit as exit_:  # one line and exit 2 (fit's refusal), as the process would end
+                    code = exit_.code if isinstance(exit_.code, int) else 1
+        finally:
+            os.dup2(saved_stdout, 1)
+            os.close(saved_stdout)
+            sys.argv = saved_argv
+            for name in variables:
+                os.environ.pop(name, None)
+        stdout.seek(0)
+        summaries = [json.loads(line[8:]) for line in stdout.read().decode().splitlines() if line.startswith("SUMMARY ")]
+    return {"code": code, "stderr": stderr.getvalue(), "summary": summaries[-1] if summaries else None}
 
 
 def script_in_ranks(run_dir: Path, *overrides: str, case: str = "oracle", resume: bool = False,
-                    config: dict | None = None, nproc: int = 2) -> list[str]:
+                    config: dict | None = None, nproc: int = 2) -> list[dict]:
     """What `ringtrain run SCRIPT --nproc NPROC --run-dir RUN_DIR [--set O ...] [--resume] -- --case CASE [--config
     CONFIG]` runs in its workers, run in the harness's ranks (the flags as the variables ringtrain.cli sets from
-    them); each rank's stderr."""
+    them), each of which must end well; by rank, what ``_script_in_rank`` returns."""
     variables = {RUN_DIR_VAR: str(Path(run_dir).resolve()), RESUME_VAR: "resume" if resume else "checked"}
     if overrides:
         variables[SET_VAR] = json.dumps(list(overrides))
     argv = ["--case", case, *(["--config", json.dumps(config)] if config else [])]
-    return run_distributed(_script_in_rank, nproc, free_port(), argv, variables, timeout_s=240)
+    ranks = run_distributed(_script_in_rank, nproc, free_port(), argv, variables, timeout_s=240)
+    for rank, got in enumerate(ranks):
+        assert got["code"] == 0, f"rank {rank} exited {got['code']}: {got['stderr']}"
+    return ranks
+
+
+def script_alone(*argv: str, variables: dict[str, str] | None = None) -> dict:
+    """`python SCRIPT ARGV` (one process, no launcher) with these environment variables, in a harness rank; what
+    ``_script_in_rank`` returns."""
+    [got] = run_distributed(_script_in_rank, 1, None, list(argv), variables or {}, timeout_s=240)
+    return got
 
 
 @pytest.fixture(scope="module")
