@@ -7,9 +7,11 @@
   that gets no gradient) is one line, exit 2;
 - --resume, SIGKILL + --max-restarts and the exactly-once ledger on a user model through `ringtrain run`.
 
-Where only the numbers or the run directory are compared (dict inputs, a user's mean loss, a resume), the script
-runs in the harness's ranks (``script_in_ranks``: its main() under the variables `ringtrain run`'s flags become,
-each rank a worker as torchrun starts one) against the oracle, a real `ringtrain run` job (issue 45).
+Where the numbers, the run directory or a worker's own line are what is checked (dict inputs, a user's mean loss,
+a resume, the every-feature run, the parts that do not fit), the script runs in the harness's ranks
+(``script_in_ranks``: its main() under the variables `ringtrain run`'s flags become, each rank a worker as torchrun
+starts one; ``script_alone``: one rank as `python SCRIPT`), compared with the oracle, a real `ringtrain run` job
+(issue 45). Launched jobs stay for what the launcher, the CLI or a death decide.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -67,15 +68,17 @@ def _as_lone_process():
 def _script_in_rank(rank: int, world_size: int, port: int | None, argv: list[str], variables: dict[str, str]) -> dict:
     """The script's main() with ``argv`` in this harness rank, as a worker `ringtrain run` starts it (the launcher's
     variables set, the harness's group left: fit makes its own), or, with no ``port``, as `python SCRIPT` alone.
-    Returns its exit code, what it printed on stderr and its ``SUMMARY`` lines (written to file descriptor 1)."""
+    Returns its exit code, its stderr (what Python code wrote to sys.stderr, then what reached file descriptor 2
+    from below: torch's C++ log lines) and its last ``SUMMARY`` line (written to file descriptor 1)."""
     from tests.fit import user_code
 
-    saved_argv, saved_stdout = sys.argv, os.dup(1)
+    saved_argv, saved_fds = sys.argv, {fd: os.dup(fd) for fd in (1, 2)}
     sys.argv = [str(REPO / SCRIPT), *argv]
     os.environ.update(variables)
     code = 0
-    with tempfile.TemporaryFile() as stdout:
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as below:
         os.dup2(stdout.fileno(), 1)
+        os.dup2(below.fileno(), 2)
         try:
             with (as_launched_worker(rank, world_size, port) if port else _as_lone_process()) as stderr:
                 try:
@@ -83,14 +86,17 @@ def _script_in_rank(rank: int, world_size: int, port: int | None, argv: list[str
                 except SystemExit as exit_:  # one line and exit 2 (fit's refusal), as the process would end
                     code = exit_.code if isinstance(exit_.code, int) else 1
         finally:
-            os.dup2(saved_stdout, 1)
-            os.close(saved_stdout)
+            for fd, saved in saved_fds.items():
+                os.dup2(saved, fd)
+                os.close(saved)
             sys.argv = saved_argv
             for name in variables:
                 os.environ.pop(name, None)
         stdout.seek(0)
+        below.seek(0)
         summaries = [json.loads(line[8:]) for line in stdout.read().decode().splitlines() if line.startswith("SUMMARY ")]
-    return {"code": code, "stderr": stderr.getvalue(), "summary": summaries[-1] if summaries else None}
+        written = stderr.getvalue() + below.read().decode(errors="replace")
+    return {"code": code, "stderr": written, "summary": summaries[-1] if summaries else None}
 
 
 def script_in_ranks(run_dir: Path, *overrides: str, case: str = "oracle", resume: bool = False,
@@ -246,23 +252,12 @@ MISFITS = {
 
 @pytest.fixture(scope="module")
 def misfits(tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Plain `python script.py --case CASE` (one worker) for every case of MISFITS, all at once (each is mostly
-    a Python process importing torch); (exit code, stderr) by case."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    started = {case: subprocess.Popen([sys.executable, SCRIPT, "--case", case, "--config",
-                                       json.dumps({"run_dir": str(tmp_path_factory.mktemp(case))})],
-                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-               for case in MISFITS}
+    """`python script.py --case CASE` (one worker, no launcher) for every case of MISFITS, each in a harness rank
+    (issue 45: what fit() checks itself needs no new interpreter); (exit code, stderr) by case."""
     results = {}
-    try:
-        for case, process in started.items():
-            _, stderr = process.communicate(timeout=120)
-            results[case] = (process.returncode, stderr)
-    finally:
-        for process in started.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for case in MISFITS:
+        got = script_alone("--case", case, "--config", json.dumps({"run_dir": str(tmp_path_factory.mktemp(case))}))
+        results[case] = (got["code"], got["stderr"])
     return results
 
 
