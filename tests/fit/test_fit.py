@@ -6,21 +6,32 @@
 - a part that does not fit (an IterableDataset, items that are not pairs, a non-scalar loss, a parameter
   that gets no gradient) is one line, exit 2;
 - --resume, SIGKILL + --max-restarts and the exactly-once ledger on a user model through `ringtrain run`.
+
+Where the numbers, the run directory or a worker's own line are what is checked (dict inputs, a user's mean loss,
+a resume, the every-feature run, the parts that do not fit), the script runs in the harness's ranks
+(``script_in_ranks``: its main() under the variables `ringtrain run`'s flags become, each rank a worker as torchrun
+starts one; ``script_alone``: one rank as `python SCRIPT`), compared with the oracle, a real `ringtrain run` job
+(issue 45). Launched jobs stay for what the launcher, the CLI or a death decide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
 from tests.chaos.jobs import Job
-from tests.conftest import REPO, run_cli, run_clis, run_main
+from tests.conftest import REPO, run_cli, run_main
 from tests.distributed import run_distributed
+from tests.fit.test_session_loop import as_launched_worker, free_port
 from tests.faults import fault_plan, oom_at
 from tests.runs import last_step, losses, records, summary
 from tests.trainers import train_run
@@ -38,6 +49,79 @@ def script_args(*args: str, case: str = "oracle", config: dict | None = None) ->
 def run_script(*args: str, case: str = "oracle", config: dict | None = None, timeout: float = 240,
                env: dict | None = None):
     return run_cli(*script_args(*args, case=case, config=config), timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def _as_lone_process():
+    """This harness rank as `python SCRIPT` (no launcher variables, no group: fit makes its own alone); afterwards
+    a lone group again, for the harness to end. Yields what it printed on stderr."""
+    dist.destroy_process_group()
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            yield stderr
+    finally:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _script_in_rank(rank: int, world_size: int, port: int | None, argv: list[str], variables: dict[str, str]) -> dict:
+    """The script's main() with ``argv`` in this harness rank, as a worker `ringtrain run` starts it (the launcher's
+    variables set, the harness's group left: fit makes its own), or, with no ``port``, as `python SCRIPT` alone.
+    Returns its exit code, its stderr (what Python code wrote to sys.stderr, then what reached file descriptor 2
+    from below: torch's C++ log lines) and its last ``SUMMARY`` line (written to file descriptor 1)."""
+    from tests.fit import user_code
+
+    saved_argv, saved_fds = sys.argv, {fd: os.dup(fd) for fd in (1, 2)}
+    sys.argv = [str(REPO / SCRIPT), *argv]
+    os.environ.update(variables)
+    code = 0
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as below:
+        os.dup2(stdout.fileno(), 1)
+        os.dup2(below.fileno(), 2)
+        try:
+            with (as_launched_worker(rank, world_size, port) if port else _as_lone_process()) as stderr:
+                try:
+                    user_code.main()
+                except SystemExit as exit_:  # one line and exit 2 (fit's refusal), as the process would end
+                    code = exit_.code if isinstance(exit_.code, int) else 1
+        finally:
+            for fd, saved in saved_fds.items():
+                os.dup2(saved, fd)
+                os.close(saved)
+            sys.argv = saved_argv
+            for name in variables:
+                os.environ.pop(name, None)
+        stdout.seek(0)
+        below.seek(0)
+        summaries = [json.loads(line[8:]) for line in stdout.read().decode().splitlines() if line.startswith("SUMMARY ")]
+        written = stderr.getvalue() + below.read().decode(errors="replace")
+    return {"code": code, "stderr": written, "summary": summaries[-1] if summaries else None}
+
+
+def script_in_ranks(run_dir: Path, *overrides: str, case: str = "oracle", resume: bool = False,
+                    config: dict | None = None, nproc: int = 2, env: dict[str, str] | None = None,
+                    refused: bool = False) -> list[dict]:
+    """What `ringtrain run SCRIPT --nproc NPROC --run-dir RUN_DIR [--set O ...] [--resume] -- --case CASE [--config
+    CONFIG]` runs in its workers, with ``env`` added to their environment (a fault plan's), run in the harness's
+    ranks (the flags as the variables ringtrain.cli sets from them), each of which must end well unless
+    ``refused``; by rank, what ``_script_in_rank`` returns."""
+    variables = {RUN_DIR_VAR: str(Path(run_dir).resolve()), RESUME_VAR: "resume" if resume else "checked",
+                 **(env or {})}
+    if overrides:
+        variables[SET_VAR] = json.dumps(list(overrides))
+    argv = ["--case", case, *(["--config", json.dumps(config)] if config else [])]
+    ranks = run_distributed(_script_in_rank, nproc, free_port(), argv, variables, timeout_s=240)
+    for rank, got in enumerate(ranks):
+        assert refused or got["code"] == 0, f"rank {rank} exited {got['code']}: {got['stderr']}"
+    return ranks
+
+
+def script_alone(*argv: str, variables: dict[str, str] | None = None) -> dict:
+    """`python SCRIPT ARGV` (one process, no launcher) with these environment variables, in a harness rank; what
+    ``_script_in_rank`` returns."""
+    [got] = run_distributed(_script_in_rank, 1, None, list(argv), variables or {}, timeout_s=240)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +154,10 @@ def test_the_builtin_mlp_and_the_same_class_through_fit_train_bit_identical_para
 
 def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path, oracle):
     """model(**input) with dict items trains the same numbers as tensors; a user's mean loss and a
-    torchmetrics metric run end to end, and --set reaches the script's config."""
-    for result in run_clis(script_args("--nproc", "2", "--run-dir", str(tmp_path / "dict"), case="dict_inputs"),
-                           script_args("--nproc", "2", "--run-dir", str(tmp_path / "mean"), "--set", "train.epochs=1",
-                                       case="mean_loss")):
-        assert result.returncode == 0, result.stderr
+    torchmetrics metric run end to end, and --set (RINGTRAIN_SET) reaches the script's config. In the harness's
+    2 ranks, against the oracle job: the launcher adds nothing to the numbers compared (issue 45)."""
+    script_in_ranks(tmp_path / "dict", case="dict_inputs")
+    script_in_ranks(tmp_path / "mean", "train.epochs=1", case="mean_loss")
     assert losses(tmp_path / "dict") == losses(oracle)
     mean = summary(tmp_path / "mean")
     assert mean["steps"] == 23, "--set train.epochs=1 did not override the script's 2 epochs"
@@ -169,23 +252,12 @@ MISFITS = {
 
 @pytest.fixture(scope="module")
 def misfits(tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Plain `python script.py --case CASE` (one worker) for every case of MISFITS, all at once (each is mostly
-    a Python process importing torch); (exit code, stderr) by case."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    started = {case: subprocess.Popen([sys.executable, SCRIPT, "--case", case, "--config",
-                                       json.dumps({"run_dir": str(tmp_path_factory.mktemp(case))})],
-                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-               for case in MISFITS}
+    """`python script.py --case CASE` (one worker, no launcher) for every case of MISFITS, each in a harness rank
+    (issue 45: what fit() checks itself needs no new interpreter); (exit code, stderr) by case."""
     results = {}
-    try:
-        for case, process in started.items():
-            _, stderr = process.communicate(timeout=120)
-            results[case] = (process.returncode, stderr)
-    finally:
-        for process in started.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for case in MISFITS:
+        got = script_alone("--case", case, "--config", json.dumps({"run_dir": str(tmp_path_factory.mktemp(case))}))
+        results[case] = (got["code"], got["stderr"])
     return results
 
 
@@ -199,19 +271,25 @@ def test_a_part_that_does_not_fit_is_one_line_and_exit_2(misfits, case, message)
 
 
 def test_a_parameter_without_gradient_is_named_under_ddp_on_two_workers(tmp_path):
-    result = run_script("--nproc", "2", "--run-dir", str(tmp_path / "run"), case="unused_parameter")
-    assert result.returncode != 0
-    assert "got no gradient (unused.weight, unused.bias)" in result.stderr, result.stderr
-    assert "Expected to have finished reduction" not in result.stderr
+    """Under DDP on two workers, a parameter without gradient is named by fit's check, not met as DDP's own
+    "Expected to have finished reduction". The script in the harness's 2 ranks, as `ringtrain run --nproc 2` runs it
+    in its workers (issue 45: the line is the workers'; how the launcher relays a worker's line: test_front_door's
+    test 2)."""
+    ranks = script_in_ranks(tmp_path / "run", case="unused_parameter", refused=True)
+    for got in ranks:
+        assert got["code"] != 0
+        assert "got no gradient (unused.weight, unused.bias)" in got["stderr"], got["stderr"]
+        assert "Expected to have finished reduction" not in got["stderr"]
 
 
 def test_resume_of_a_user_model_through_ringtrain_run_is_bit_exact(tmp_path, oracle):
-    first = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--set", "train.max_steps=20")
+    """A user's script stopped at step 20 and resumed (`--set train.max_steps=20`, then `--resume`: the
+    variables those flags set, in the harness's 2 ranks; issue 45) ends bit-identical to the oracle job, loss
+    for loss; a fresh `ringtrain run` over its checkpoints is refused before any launch."""
+    script_in_ranks(tmp_path / "split", "train.max_steps=20")
     # A fresh run over checkpoints: refused before any launch (ringtrain.cli.main in this process).
     again = run_main(*script_args("--nproc", "2", "--run-dir", str(tmp_path / "split")))
-    resumed = run_script("--nproc", "2", "--run-dir", str(tmp_path / "split"), "--resume")
-    for result in (first, resumed):
-        assert result.returncode == 0, result.stderr
+    script_in_ranks(tmp_path / "split", resume=True)
     assert again.returncode == 2 and "already holds checkpoints" in again.stderr, again.stderr
     assert summary(tmp_path / "split")["param_sha256"] == summary(oracle)["param_sha256"]
     assert losses(tmp_path / "split") == losses(oracle)
@@ -253,13 +331,14 @@ def test_bench_train_measures_a_factory_config_against_bare_ddp_on_the_same_part
 
 
 def test_every_feature_on_a_user_model_manual_shm_bf16_oom_shrink_export_report(tmp_path):
+    """A user's model (dict inputs) under the manual strategy over shm, bf16 and auto micro-batching: an OOM on
+    member 1 at step 3 halves the micro-batch on every rank, the run ends with equal parameters, and `ringtrain
+    export` and `ringtrain report` read its run directory. The script in the harness's 2 ranks, armed with the
+    fault plan, as `ringtrain run --nproc 2 --set ...` runs it in its workers (issue 45: no launcher in the case)."""
     run_dir = tmp_path / "run"
     plan = fault_plan(tmp_path, oom_at(step=3, member=1))
-    result = run_script("--nproc", "2", "--run-dir", str(run_dir), "--set", "comm.strategy=manual",
-                        "--set", "comm.algorithm=shm", "--set", "train.precision=bf16",
-                        "--set", "train.auto_micro_batch=true", "--set", "train.epochs=1", case="dict_inputs",
-                        env=plan.env)
-    assert result.returncode == 0, result.stderr
+    script_in_ranks(run_dir, "comm.strategy=manual", "comm.algorithm=shm", "train.precision=bf16",
+                    "train.auto_micro_batch=true", "train.epochs=1", case="dict_inputs", env=plan.env)
     assert plan.fired_points() == ["step.micro_batch"]
     [shrunk] = records(run_dir, "micro_batch")
     assert shrunk["step"] == 3 and shrunk["failed_ranks"] == [1] and shrunk["micro_batch_size"] == 8

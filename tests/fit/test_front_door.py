@@ -30,8 +30,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli, run_clis, run_main
 from tests.distributed import run_distributed
-from tests.fit.background import Background
-from tests.fit.test_fit import SCRIPT, script_args
+from tests.fit.test_fit import SCRIPT, script_alone, script_args, script_in_ranks
 from tests.integration.test_cli_train import free_port
 from tests.runs import records, summary
 from tests.trainers import train_run
@@ -42,13 +41,6 @@ QUIET = {"monitor": {"progress": False}}
 
 def errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("ringtrain: error:")]
-
-
-def python_script(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`python tests/fit/user_code.py ARGS`: one worker, no launcher, as a user runs a script."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def script_summary(result: subprocess.CompletedProcess) -> dict:
@@ -155,44 +147,49 @@ def test_5_a_metric_that_does_not_fit_is_one_line_before_step_1_and_inputs_fix_i
         result, run_dir, "metrics['binary_acc'] (BinaryAccuracy) does not fit one batch of eval_data: given "
         "predictions tensor[16, 10] and targets tensor[16] by ringtrain, it raised")
     assert "pass metrics={'binary_acc': (metric, lambda outputs, targets: (predictions, targets))}" in line
-    fixed = python_script("--case", "metric_inputs", "--config",
-                          json.dumps({**QUIET, "run_dir": str(tmp_path / "run"), "train": {"epochs": 1}}))
-    assert fixed.returncode == 0, fixed.stderr
-    assert 0.8 < script_summary(fixed)["zero_acc"] <= 1.0
+    # The fix, as `python SCRIPT` runs it, in a harness rank (issue 45).
+    fixed = script_alone("--case", "metric_inputs", "--config",
+                         json.dumps({**QUIET, "run_dir": str(tmp_path / "run"), "train": {"epochs": 1}}))
+    assert fixed["code"] == 0, fixed["stderr"]
+    assert 0.8 < fixed["summary"]["zero_acc"] <= 1.0
 
 
 def test_6_resume_and_run_dir_are_fit_arguments_and_environment_variables(tmp_path):
+    """fit(run_dir=..., resume=...) and RINGTRAIN_RUN_DIR / RINGTRAIN_RESUME decide where a run writes and whether
+    it resumes (the variable wins), a fresh run over checkpoints is one line naming fit's words (not flags), and
+    a resume ends bit-identical to a whole run. Each run as `python SCRIPT` runs it (one process, no launcher), in
+    a harness rank (issue 45): only fit() and the variables decide, no launcher is involved."""
     run_dir, reference = tmp_path / "run", tmp_path / "reference"
     short = json.dumps({**QUIET, "train": {"max_steps": 10}})
 
-    def run(config: str, **env: str) -> subprocess.CompletedProcess:
-        return python_script("--case", "fit_arguments", "--config", config, env=env)
+    def run(config: str, **env: str) -> dict:
+        return script_alone("--case", "fit_arguments", "--config", config, variables=env)
 
     first = run(short, USER_RUN_DIR=str(run_dir))
-    assert first.returncode == 0, first.stderr
+    assert first["code"] == 0, first["stderr"]
     assert summary(run_dir)["steps"] == 10, "fit(run_dir=...) was not used"
     again = run(short, USER_RUN_DIR=str(run_dir))
-    line = again.stderr.strip()
+    line = again["stderr"].strip()
     print(f"a fresh run over checkpoints under python: {line}")
-    assert again.returncode == 2 and "already holds checkpoints" in line
+    assert again["code"] == 2 and "already holds checkpoints" in line
     assert "fit(resume=True)" in line and "RINGTRAIN_RESUME=resume" in line and "fit(run_dir=NEW_DIR)" in line
     assert "--resume" not in line and "--run-dir" not in line, "names flags python does not have"
     # The environment (the script names another folder; RINGTRAIN_RUN_DIR wins), then fit(resume=True).
     middle = run(json.dumps({**QUIET, "train": {"max_steps": 20}}), USER_RUN_DIR=str(tmp_path / "elsewhere"),
                  RINGTRAIN_RUN_DIR=str(run_dir), RINGTRAIN_RESUME="resume")
-    assert middle.returncode == 0, middle.stderr
+    assert middle["code"] == 0, middle["stderr"]
     assert summary(run_dir)["steps"] == 20 and not (tmp_path / "elsewhere").exists()
     last, whole = (run(json.dumps(QUIET), USER_RUN_DIR=str(directory), USER_RESUME=resume)
                    for directory, resume in ((run_dir, "true"), (reference, "")))
     for result in (last, whole):
-        assert result.returncode == 0, result.stderr
-    assert script_summary(last)["steps"] == 46
-    assert script_summary(last)["param_sha256"] == script_summary(whole)["param_sha256"], "the resume was not exact"
+        assert result["code"] == 0, result["stderr"]
+    assert last["summary"]["steps"] == 46
+    assert last["summary"]["param_sha256"] == whole["summary"]["param_sha256"], "the resume was not exact"
     # Row 7 for fit(): resuming the finished run returns its summary and writes nothing.
     before = fingerprint(run_dir)
     done = run(json.dumps(QUIET), USER_RUN_DIR=str(run_dir), USER_RESUME="true")
-    assert done.returncode == 0 and "already finished at step 46 (summary.json); nothing to do" in done.stderr
-    assert script_summary(done) == script_summary(last) and fingerprint(run_dir) == before
+    assert done["code"] == 0 and "already finished at step 46 (summary.json); nothing to do" in done["stderr"]
+    assert done["summary"] == last["summary"] and fingerprint(run_dir) == before
 
 
 def test_7_resume_of_a_finished_run_has_nothing_to_do_and_leaves_every_file(tmp_path):
@@ -210,18 +207,15 @@ def test_7_resume_of_a_finished_run_has_nothing_to_do_and_leaves_every_file(tmp_
 
 @pytest.fixture(scope="module")
 def one_worker_adamw(tmp_path_factory):
-    """`python tests/fit/user_code.py --case own_optimizer` (one worker, the user's AdamW), started once for
-    tests 8 and 10, which only read it: (the running script, its run directory)."""
+    """`python tests/fit/user_code.py --case own_optimizer` (one worker, the user's AdamW), run once in a harness
+    rank (issue 45) for tests 8 and 10, which only read it: (what it ended with, its run directory)."""
     run_dir = tmp_path_factory.mktemp("own_optimizer") / "run"
-    with Background([sys.executable, SCRIPT, "--case", "own_optimizer", "--config",
-                     json.dumps({**QUIET, "run_dir": str(run_dir)})]) as script:
-        yield script, run_dir
+    return script_alone("--case", "own_optimizer", "--config", json.dumps({**QUIET, "run_dir": str(run_dir)})), run_dir
 
 
 def test_8_the_run_directory_records_the_users_optimizer(one_worker_adamw):
-    script, run_dir = one_worker_adamw
-    result = script.result(timeout=180)
-    assert result.returncode == 0, result.stderr
+    result, run_dir = one_worker_adamw
+    assert result["code"] == 0, result["stderr"]
     train = tomllib.loads((run_dir / "config.toml").read_text())["train"]
     print(f"config.toml [train] of fit(optimizer=AdamW(lr=3e-3, weight_decay=0.01)): {train}")
     assert train["optimizer"] == "torch.optim.adamw:AdamW" and train["lr"] == 0.003
@@ -238,15 +232,13 @@ def test_8_the_run_directory_records_the_users_optimizer(one_worker_adamw):
 
 
 def test_9_the_users_lr_scheduler_is_stepped_recorded_and_resumed_bit_exact(tmp_path):
+    """fit(lr_scheduler=...): config.toml names it, each step's lr is StepLR's, and a run stopped at step 12 and
+    resumed ends bit-identical to a whole run, lr for lr. The script in the harness's 2 ranks, as `ringtrain run
+    --set train.max_steps=12`, then `--resume`, runs it in its workers (issue 45: the numbers are fit's)."""
     split, whole = tmp_path / "split", tmp_path / "whole"
-    first, reference = run_clis(
-        script_args("--nproc", "2", "--run-dir", str(split), "--set", "train.max_steps=12", case="own_scheduler",
-                    config=QUIET),
-        script_args("--nproc", "2", "--run-dir", str(whole), case="own_scheduler", config=QUIET))
-    resumed = run_cli(*script_args("--nproc", "2", "--run-dir", str(split), "--resume", case="own_scheduler",
-                                   config=QUIET))
-    for result in (first, reference, resumed):
-        assert result.returncode == 0, result.stderr
+    script_in_ranks(split, "train.max_steps=12", case="own_scheduler", config=QUIET)
+    script_in_ranks(whole, case="own_scheduler", config=QUIET)
+    script_in_ranks(split, resume=True, case="own_scheduler", config=QUIET)
     train = tomllib.loads((whole / "config.toml").read_text())["train"]
     assert train["lr_schedule"].endswith(":halve_every_5") and "warmup_steps" not in train
     lrs = {r["step"]: r["lr"] for r in records(whole, "train")}
@@ -257,11 +249,11 @@ def test_9_the_users_lr_scheduler_is_stepped_recorded_and_resumed_bit_exact(tmp_
 
 
 def test_10_fit_hands_back_the_trained_model(tmp_path, one_worker_adamw):
-    """One worker (the module itself), two under zero3 (a new module from the factory with the gathered weights)."""
-    zero3 = run_cli(*script_args("--nproc", "2", "--run-dir", str(tmp_path / "zero3"), "--set", "comm.strategy=zero3",
-                                 "--set", "train.max_steps=8", case="own_optimizer", config=QUIET))
-    alone = one_worker_adamw[0].result(timeout=180)  # the one-worker run (test 8's), beside zero3 if it is first
-    for result in (alone, zero3):
-        assert result.returncode == 0, result.stderr
-        got = script_summary(result)
+    """One worker (the module itself), two under zero3 (a new module from the factory with the gathered weights):
+    the script in harness ranks, as `python SCRIPT` and as `ringtrain run --nproc 2` run it (issue 45)."""
+    zero3 = script_in_ranks(tmp_path / "zero3", "comm.strategy=zero3", "train.max_steps=8", case="own_optimizer",
+                            config=QUIET)
+    alone, _ = one_worker_adamw
+    assert alone["code"] == 0, alone["stderr"]
+    for got in (alone["summary"], *(rank["summary"] for rank in zero3)):
         assert got["model"] == got["param_sha256"][0], "result.model is not the trained model"
