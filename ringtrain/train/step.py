@@ -172,6 +172,7 @@ class GradientStep:
             sums.append(loss.detach().float())
             return self.precision.scale(loss * loss_scale)
 
+        self.strategy.collective_wait_s()  # what came before this step's schedule (evaluation, the last clip) is not its
         start = time.perf_counter()
         with self.clock.phase("forward_backward"):
             compute_s = self.strategy.pipeline_step(plan.micro_batches, loss_fn, self.precision.autocast)
