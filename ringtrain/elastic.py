@@ -390,6 +390,14 @@ class _HealWatch:
         except RuntimeError:
             return False
 
+    def job_done_or_unknown(self) -> bool:
+        """Whether the job ran to its end, True when the store can no longer say (node 0's launcher, which hosts
+        it, already ended): then the agents' exit codes decide, as without --heal."""
+        try:
+            return self._reads.check(["done"])
+        except RuntimeError:
+            return True
+
 
 CUT_OFF_GRACE_S = 15.0
 """Once a --heal job is done, how long the launcher waits for its remaining agents before it stops them: an agent
@@ -411,25 +419,31 @@ def _wait(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = Non
 
     previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
-        outcomes = _collect(agents, min_workers, watch, release)
+        outcomes, done = _collect(agents, min_workers, watch, release)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received:
         raise JobStopped(received[0])
-    if any(code == 0 for code, _ in outcomes):
+    # Under --heal a worker also exits 0 when it leaves a broken replica (Spared): the job succeeded only if it
+    # ran to its end.
+    if any(code == 0 for code, _ in outcomes) and done:
         return
-    first = outcomes[0][1]
-    others = len(outcomes) - 1
-    raise WorkerFailed(first + (f" (and {others} other agent{'s' * (others > 1)} failed)" if others else ""))
+    failed = [description for code, description in outcomes if code != 0]
+    if not failed:
+        raise WorkerFailed("every worker left the job before its end (their replicas broken, no whole one left)")
+    others = len(failed) - 1
+    raise WorkerFailed(failed[0] + (f" (and {others} other agent{'s' * (others > 1)} failed)" if others else ""))
 
 
 def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = None,
-             release: Callable[[], object] = lambda: None) -> list[tuple[int, str]]:
-    """(exit code, description) of each agent, in the order they exited. Under --heal, once the job is done the
-    agents still running get CUT_OFF_GRACE_S, then those whose worker is alive and never finished the job are
-    stopped (their workers were cut off); one whose worker finished, or has exited, is only slow to exit."""
+             release: Callable[[], object] = lambda: None) -> tuple[list[tuple[int, str]], bool]:
+    """(exit code, description) of each agent, in the order they exited, and whether the job ran to its end
+    (always, without --heal: the exit codes say it). Under --heal, once the job is done the agents still running
+    get CUT_OFF_GRACE_S, then those whose worker is alive and never finished the job are stopped (their workers
+    were cut off); one whose worker finished, or has exited, is only slow to exit."""
     outcomes: list[tuple[int, str]] = []
+    done = watch is None
     running = list(agents)
     cut_off: list[_Agent] = []
     done_at: float | None = None
@@ -454,6 +468,8 @@ def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = 
             release()
             code = agent.finish()
             outcomes.append((code, agent.describe_exit(code)))
+            if code == 0 and not done:  # asked as it exits: the store may end with the last agent's node
+                done = watch.job_done_or_unknown()
             if code != 0 and running and watch is not None and not watch.job_started():
                 # Its siblings wait in the rendezvous for every worker (join_job): the job cannot start.
                 print(f"ringtrain: error: {outcomes[-1][1]} before the job's first step; stopping the other workers",
@@ -464,7 +480,7 @@ def _collect(agents: list[_Agent], min_workers: int, watch: _HealWatch | None = 
                 print(f"ringtrain: {outcomes[-1][1]}; the job continues without it while {min_workers} or more "
                       "workers remain", file=sys.stderr, flush=True)
         time.sleep(0.1)
-    return outcomes
+    return outcomes, done
 
 
 def _check_running(spec: JobSpec) -> None:
