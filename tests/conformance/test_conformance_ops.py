@@ -2,7 +2,7 @@
 conformance set (``make conformance`` runs all of it, ``tests/conformance/run.py``).
 
 The selected tests run in one pytest process of ``torch_suite.py`` (the suite must be imported with its own
-environment, which would leak into this process's other tests), each rank a spawned process, a fresh process
+environment, which would leak into this process's other tests), each rank a process forked from it, a fresh process
 group a test; each op's test here then reads its outcome."""
 
 from __future__ import annotations
