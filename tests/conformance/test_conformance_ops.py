@@ -23,7 +23,7 @@ SELECTED = {
     "isend": "test_isend",
 }
 TO_ADD = ("test_all_reduce_full_group_max", "test_reduce_sum", "test_all_gather", "test_broadcast")
-"""Each selected test passed on ringtrain_shm at 2 ranks (2026-12-07, ranks forked: the nine in 40 s at load 20).
+"""Each selected test passed on ringtrain_shm at 2 ranks (2026-12-07, ranks forked: the nine in 34 s at load 14).
 TO_ADD are the other ops' tests, which fail today on a profiler check alone: torch asks that a collective's
 ``ringtrain_shm:<op>`` event be asynchronous (as c10d's Work events are), and of Gloo's ops that this backend
 hands on (reduce) that one be recorded under its own name. torch tests all_to_all and the tensor forms of

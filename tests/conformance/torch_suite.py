@@ -63,9 +63,8 @@ class TestRingtrainShm(TestDistBackend, DistributedTest._DistTestBase):
         super().setUp()
         # Each rank is forked from this process, which has imported torch, its test module and ringtrain already,
         # not spawned (torch's default), which imports them afresh in every rank of every test: 5 s of CPU a rank,
-        # 106 s for test_gather_checks at load 25 on the 2-core machine (15 s forked), and the seven tests of
-        # test_conformance_ops.py past 20 minutes. CPU ranks only (torch spawns because a fork after CUDA is
-        # initialised is unsafe); this process runs no collective itself.
+        # 106 s for test_gather_checks at load 25 on the 2-core machine, 15 s forked. CPU ranks only (torch
+        # spawns because a fork after CUDA is initialised is unsafe); this process runs no collective itself.
         self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
     def test_ringtrain_process_groups_are_ringtrain_shm(self):
