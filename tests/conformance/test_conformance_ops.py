@@ -21,14 +21,15 @@ SELECTED = {
     "ddp_cpu": "test_DistributedDataParallelCPU",
     "send_recv": "test_send_recv",
     "isend": "test_isend",
+    "all_reduce_max": "test_all_reduce_full_group_max",
+    "reduce": "test_reduce_sum",
+    "all_gather": "test_all_gather",
+    "broadcast": "test_broadcast",
+    "send_recv_profiled": "test_send_recv_autograd_profiler",
 }
-TO_ADD = ("test_all_reduce_full_group_max", "test_reduce_sum", "test_all_gather", "test_broadcast")
-"""Each selected test passed on ringtrain_shm at 2 ranks (2026-12-07, ranks forked: the nine in 34 s at load 14).
-TO_ADD are the other ops' tests, which fail today on a profiler check alone: torch asks that a collective's
-``ringtrain_shm:<op>`` event be asynchronous (as c10d's Work events are), and of Gloo's ops that this backend
-hands on (reduce) that one be recorded under its own name. torch tests all_to_all and the tensor forms of
-all_gather / reduce_scatter on CPU for MPI only (its Gloo tests of them are CUDA's), so ``bench collectives
---ops`` and the shmops property tests cover those."""
+"""Each selected test passed on ringtrain_shm at 2 ranks (2026-12-07, ranks forked). torch tests all_to_all and
+the tensor forms of all_gather / reduce_scatter on CPU for MPI only (its Gloo tests of them are CUDA's), so
+``bench collectives --ops`` and the shmops property tests cover those."""
 
 
 @pytest.fixture(scope="module")
