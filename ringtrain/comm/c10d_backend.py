@@ -34,7 +34,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
-from ringtrain.comm import flight, shm_ops
+from ringtrain.comm import c10d_events, flight, shm_ops
 
 __all__ = ["BACKEND", "ShmProcessGroup"]
 
@@ -116,8 +116,11 @@ class ShmProcessGroup(dist.ProcessGroup):
         completed work holding ``result``."""
         entry = flight.begin(op, "shm", tensor)
         start = time.perf_counter()
-        with torch.profiler.record_function(f"ringtrain_shm:{op}"):
+        event = c10d_events.begin(op, [tensor])
+        try:
             call()
+        finally:
+            c10d_events.end(event)
         self.shm_s += time.perf_counter() - start
         self.shm_calls += 1
         self.shm_ops[op] += 1
@@ -151,12 +154,12 @@ class ShmProcessGroup(dist.ProcessGroup):
             return None
         tensor = tensors[0]
         start = time.perf_counter()
-        with torch.profiler.record_function(f"ringtrain_shm:{kind}"):
-            op = channels.post(kind, self._shm.local.index(peer), tensor, tag, flight.begin(kind, "shm", tensor))
+        event = c10d_events.begin(kind, [tensor])  # ends when the message has moved, as Gloo's does
+        op = channels.post(kind, self._shm.local.index(peer), tensor, tag, flight.begin(kind, "shm", tensor))
         self.shm_s += time.perf_counter() - start
         self.shm_calls += 1
         self.shm_ops[kind] += 1
-        return _P2PWork(self, channels, op, peer)
+        return _P2PWork(self, channels, op, peer, event)
 
     def send(self, tensors, dstRank, tag=0):
         work = self._p2p("send", tensors, dstRank, tag)
@@ -175,9 +178,12 @@ class ShmProcessGroup(dist.ProcessGroup):
                 from ringtrain import comm
 
                 start = time.perf_counter()
-                with torch.profiler.record_function("ringtrain_shm:all_reduce"):
+                event = c10d_events.begin("all_reduce", [tensor])
+                try:
                     # It records its own flight-recorder entry (its native fast path does, in C++).
                     comm.all_reduce(tensor, "sum", algorithm="shm", group=self)
+                finally:
+                    c10d_events.end(event)
                 self.shm_s += time.perf_counter() - start
                 self.shm_calls += 1
                 self.shm_ops["all_reduce"] += 1
@@ -280,13 +286,22 @@ ShmProcessGroup.all_to_all_single = ShmProcessGroup.alltoall_base
 # Every other collective goes to Gloo over the same ranks, called here rather than left to torch's ProcessGroup
 # base methods: those dispatch to the registered backend too, but from a Python group they hung now and then
 # (a scatter, 2 runs in 4 of 20 scatters each; delegated here, 5 of 5 passed).
+_GLOO_EVENTS = {"allreduce_coalesced": ("all_reduce", 0), "allgather_coalesced": ("all_gather", 1),
+                "gather": ("gather", 1), "reduce": ("reduce", 0), "scatter": ("scatter", 1),
+                "recv_anysource": ("recvAnySource", 0)}
+"""Gloo's calls that get a ``ringtrain_shm:<op>`` event (Gloo's own name for the op) too: the op, and which
+argument holds the inputs."""
 _TO_GLOO = ("allreduce_coalesced", "allgather_coalesced", "gather", "gather_into_tensor", "gather_single", "reduce",
             "scatter", "recv_anysource", "monitored_barrier")
 
 
 def _to_gloo(name: str):
+    op, inputs_at = _GLOO_EVENTS.get(name, (None, 0))
+
     def call(self, *args, **kwargs):
-        return getattr(self.gloo, name)(*args, **kwargs)
+        event = c10d_events.begin(op, _tensors(args[inputs_at])) if op is not None and len(args) > inputs_at else None
+        work = getattr(self.gloo, name)(*args, **kwargs)
+        return work if event is None else c10d_events.ProfiledWork(work, event)
 
     call.__name__ = name
     return call
@@ -299,20 +314,27 @@ class _P2PWork(dist.Work):
     """A shm send or recv: ``wait`` moves its bytes (and those of every other pending one of this rank, so that
     peers that both send first never deadlock) until it is done, or fails naming the peer in one line."""
 
-    def __init__(self, group: ShmProcessGroup, channels, op, peer: int):
+    def __init__(self, group: ShmProcessGroup, channels, op, peer: int, event=None):
         super().__init__()
-        self._group, self._channels, self._op, self._peer = group, channels, op, peer
+        self._group, self._channels, self._op, self._peer, self._event = group, channels, op, peer, event
+
+    def _ended(self) -> None:
+        event, self._event = self._event, None
+        c10d_events.end(event)
 
     def wait(self, timeout=None) -> bool:
         if not self._op.done:
             start = time.perf_counter()
             self._channels.wait(self._op, self._group._timeout_s())
             self._group.shm_s += time.perf_counter() - start
+        self._ended()
         return True
 
     def is_completed(self) -> bool:
         if not self._op.done:
             self._channels.progress()
+        if self._op.done:
+            self._ended()
         return self._op.done
 
     def is_success(self) -> bool:
@@ -328,6 +350,15 @@ _OP_NAMES = ((ReduceOp.SUM, "sum"), (ReduceOp.AVG, "avg"), (ReduceOp.MAX, "max")
 _REDUCIBLE = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
               torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 """Dtypes shm reduces (complex: sum and avg only, through the real view); others go to Gloo."""
+
+
+def _tensors(inputs) -> list[torch.Tensor]:
+    """The tensors of a call's input argument (a tensor, a list of them, or a list of lists), for the event's shapes."""
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    if isinstance(inputs, (list, tuple)):
+        return [t for item in inputs for t in _tensors(item)]
+    return []
 
 
 def _op_name(op) -> str | None:

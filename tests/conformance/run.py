@@ -25,15 +25,19 @@ REPO = Path(__file__).resolve().parent.parent.parent
 SUITE = "tests/conformance/torch_suite.py"
 
 
-def run_suite(world_size: int, pytest_args: list[str], timeout_s: float | None = None, echo=None) -> dict:
+def run_suite(world_size: int, pytest_args: list[str], timeout_s: float | None = None, echo=None,
+              tests: list[str] | None = None) -> dict:
     """One pytest run of the suite at ``world_size`` ranks; its counts and the tests that failed, by outcome.
-    ``echo``, if given, gets pytest's lines as they come (one per test: a long run shows its progress)."""
+    ``tests``: names of ``TestRingtrainShm``'s tests to run, only those (default: the whole suite). ``echo``, if
+    given, gets pytest's lines as they come (one per test: a long run shows its progress)."""
+    # Node ids alone: pytest runs every test of a file named beside them, so naming the file too ran all 286.
+    targets = [f"{SUITE}::TestRingtrainShm::{name}" for name in tests] if tests else [SUITE]
     with tempfile.TemporaryDirectory(prefix="ringtrain-conformance-") as scratch:
         report = Path(scratch) / "junit.xml"
         env = {**os.environ, "WORLD_SIZE": str(world_size), "TEMP_DIR": scratch, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "addopts=",
-                   "--timeout", "600", f"--junitxml={report}", SUITE, *pytest_args]
+                   "--timeout", "600", f"--junitxml={report}", *targets, *pytest_args]
         start = time.monotonic()
         output: list[str] = []
         with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -248,6 +248,37 @@ def test_every_collective_on_shm_records_a_profiler_event():
                          ("all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "reduce_scatter")]
 
 
+def profiled_as_torch_asks(rank: int, world_size: int) -> dict:
+    """Each call under torch's autograd profiler as torch's c10d tests profile it (``call_dist_op``): the
+    ``ringtrain_shm:<op>`` events it recorded, each as (asynchronous, input shapes)."""
+    from ringtrain.comm.c10d_backend import BACKEND
+
+    group = dist.new_group(backend=BACKEND)
+    x = torch.ones(8)
+    dist.all_reduce(x, group=group)  # the workspace is set up outside the profiles
+    peer = 1 - rank
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(x, group=group),  # the native sum
+        "all_gather": lambda: dist.all_gather_into_tensor(torch.zeros(8 * world_size), x, group=group),  # shm_ops
+        "reduce": lambda: dist.reduce(x, dst=0, group=group),  # handed to Gloo
+        "send" if rank == 0 else "recv": lambda: (dist.isend if rank == 0 else dist.irecv)(x, peer, group=group).wait(),
+    }
+    found = {}
+    for op, call in calls.items():
+        with torch.autograd.profiler.profile(record_shapes=True) as prof:
+            call()
+        found[op] = [(e.is_async, e.input_shapes) for e in prof.function_events if e.name == f"ringtrain_shm:{op}"]
+    return found
+
+
+def test_each_call_records_one_asynchronous_event_with_its_shapes_as_c10d_does():
+    """torch's c10d tests ask it of every backend: one ``<backend>:<op>`` event a call, asynchronous (c10d's Work
+    ends its event where the work completes), with the inputs' shapes; for the ops handed to Gloo too."""
+    for rank, found in enumerate(run_distributed(profiled_as_torch_asks, 2, timeout_s=120)):
+        p2p = "send" if rank == 0 else "recv"
+        assert found == {op: [(True, [[8]])] for op in ("all_reduce", "all_gather", "reduce", p2p)}, (rank, found)
+
+
 def killed_inside_all_gather(rank: int, world_size: int) -> dict:
     from ringtrain.comm import flight
     from ringtrain.comm.c10d_backend import BACKEND
