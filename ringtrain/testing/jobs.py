@@ -121,6 +121,24 @@ class Job:
         self.wait_for(lambda: rank in self.workers(), timeout, f"worker rank {rank} to start")
         return self.workers()[rank]
 
+    def held(self) -> int:
+        """How many of the job's workers are stopped (held by a ``stop`` fault, or SIGSTOP)."""
+        held = 0
+        for process in self.workers().values():
+            try:
+                held += process.status() == psutil.STATUS_STOPPED
+            except psutil.Error:
+                continue
+        return held
+
+    def resume_workers(self) -> None:
+        """SIGCONT to every worker (those gone meanwhile skipped)."""
+        for process in self.workers().values():
+            try:
+                process.resume()
+            except psutil.Error:
+                continue
+
     def agent_of(self, rank: int) -> psutil.Process:
         """The elastic agent (a `ringtrain join` process) whose worker has this rank."""
         return self.worker(rank).parent()

@@ -13,7 +13,6 @@ Before, it raced the job's length and lost beside other work ("nothing to join")
 
 from __future__ import annotations
 
-import psutil
 import pytest
 
 from ringtrain.heal.membership import JOINER_BASE
@@ -31,17 +30,6 @@ SETS = ["train.global_batch_size=96", "train.local_batch_size=16", "train.epochs
 HOLD_STEP = 6
 
 
-def _held(job: Job) -> int:
-    """How many of the job's workers are stopped (held by their ``stop`` fault)."""
-    held = 0
-    for process in job.workers().values():
-        try:
-            held += process.status() == psutil.STATUS_STOPPED
-        except psutil.Error:
-            continue
-    return held
-
-
 def test_a_joiner_that_inherits_the_fault_plan_is_not_armed(tmp_path):
     run_dir = tmp_path / "run"
     joiner_id = JOINER_BASE + 1
@@ -51,11 +39,10 @@ def test_a_joiner_that_inherits_the_fault_plan_is_not_armed(tmp_path):
     sets = [arg for value in SETS for arg in ("--set", value)]
     with Job("train", "configs/debug_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
              str(run_dir), *sets, env=plan.env) as job:
-        job.wait_for(lambda: _held(job) == 2, what=f"the two survivors to hold at step {HOLD_STEP}")
+        job.wait_for(lambda: job.held() == 2, what=f"the two survivors to hold at step {HOLD_STEP}")
         with Job("join", str(run_dir), env=plan.env) as joiner:  # the variable, as a shell would hand it on
             joiner.wait_for(lambda: f"asked to join as member {joiner_id}" in joiner.stderr, what="the join request")
-            for process in job.workers().values():
-                process.resume()
+            job.resume_workers()
             code = job.finish()
             join_code = joiner.finish(timeout=60)
     logs = f"{job.stderr}\n[joiner]\n{joiner.stderr}"

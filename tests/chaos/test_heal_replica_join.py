@@ -21,7 +21,6 @@ through the steps after (its optimizer state came too: Adam's moments, else the 
 
 from __future__ import annotations
 
-import psutil
 import pytest
 
 from ringtrain.data.ledger import check_ledger
@@ -45,25 +44,6 @@ SPLITS = {
 }
 
 
-def _held(job: Job) -> int:
-    """How many of the job's workers are stopped (held by their ``stop`` fault)."""
-    held = 0
-    for process in job.workers().values():
-        try:
-            held += process.status() == psutil.STATUS_STOPPED
-        except psutil.Error:
-            continue
-    return held
-
-
-def _resume(job: Job) -> None:
-    for process in job.workers().values():
-        try:
-            process.resume()
-        except psutil.Error:
-            continue
-
-
 @pytest.mark.timeout(900)  # two joiners start (each a Python process, seconds of CPU) beside 4 workers
 @pytest.mark.parametrize("split", SPLITS)
 def test_two_joiners_restore_the_lost_replica_together_and_every_rank_ends_on_the_same_model(tmp_path, split):
@@ -77,20 +57,20 @@ def test_two_joiners_restore_the_lost_replica_together_and_every_rank_ends_on_th
              str(run_dir), *SETS, *(arg for value in sets for arg in ("--set", value)), env=plan.env) as job:
         try:
             # The first joiner asks while replica 1 trains alone; it is held, named as waiting for 1 more.
-            job.wait_for(lambda: _held(job) == len(holding), timeout=300,
+            job.wait_for(lambda: job.held() == len(holding), timeout=300,
                          what=f"the survivors to hold at step {FIRST_HOLD}")
             joiners.append(Job("join", str(run_dir)).__enter__())
             joiners[0].wait_for_line(f"asked to join as member {JOINER_BASE + 1}", timeout=120)
-            _resume(job)
+            job.resume_workers()
             job.wait_for_line(f"member {JOINER_BASE + 1} asked to join: waiting for 1 more to complete a replica of 2",
                               timeout=120)
             # The second completes the replica: both are admitted together.
-            job.wait_for(lambda: _held(job) == len(holding), timeout=300,
+            job.wait_for(lambda: job.held() == len(holding), timeout=300,
                          what=f"the survivors to hold at step {SECOND_HOLD}")
             assert not records(run_dir, "join"), "a lone joiner was admitted without its replica"
             joiners.append(Job("join", str(run_dir)).__enter__())
             joiners[1].wait_for_line(f"asked to join as member {JOINER_BASE + 2}", timeout=120)
-            _resume(job)
+            job.resume_workers()
             code = job.finish(timeout=600)
             join_codes = [joiner.finish(timeout=120) for joiner in joiners]
         finally:
