@@ -6,9 +6,9 @@ when all their ranks are on one host, on that host's shared memory: every sum al
 float tensor through ``comm.all_reduce(..., algorithm="shm")`` (the native path, on the group itself), and
 all-gathers, reduce-scatters (sum, avg, max, min, product), broadcasts, all-to-alls (uneven splits too), the
 other all-reduces and barriers through ``shm_ops`` on the same workspace, and sends and receives (so
-``batch_isend_irecv``) through ``shm_p2p``'s channels. Everything else (recv from any source, gather,
-scatter, reduce, non-contiguous or non-CPU tensors, groups across hosts, the set-up's own exchange) goes to a
-Gloo group over the same ranks and store. Each collective on shm records a profiler event
+``batch_isend_irecv``) through ``shm_p2p``'s channels. Everything else (gather, scatter, reduce, non-contiguous or non-CPU tensors, groups across hosts, the set-up's own exchange) goes to a
+Gloo group over the same ranks and store (a recv from any source goes to Gloo where the group's sends do, and is
+refused in one line where they go to shm: ``recv_anysource``). Each collective on shm records a profiler event
 ``ringtrain_shm:<op>`` (as Gloo's ``gloo:<op>``) and a flight-recorder entry::
 
     import ringtrain.comm.c10d_backend  # registers "ringtrain_shm"
@@ -169,6 +169,19 @@ class ShmProcessGroup(dist.ProcessGroup):
         work = self._p2p("recv", tensors, srcRank, tag)
         return work if work is not None else self.gloo.recv(tensors, srcRank, tag)
 
+    def recv_anysource(self, tensors, tag=0):
+        """A recv from any source (``dist.recv(t)`` with no ``src``) on Gloo, where this group's sends go to Gloo
+        too; refused in one line where they go to shm. There the sender's bytes are on shm, where Gloo's recv
+        would never see them (both sides waited out the group's timeout), and an answer from shm cannot be given:
+        torch reads the sender from the work (``Work._source_rank()``), which a backend written in Python cannot
+        provide (torch's trampoline for Python work objects forwards ``wait`` and ``get_future`` only)."""
+        if self._channels() is not None:
+            raise RuntimeError(
+                "ringtrain_shm: a recv from any source cannot run on shared memory (torch cannot ask a Python backend "
+                "who sent it); name the sender (dist.recv(tensor, src=RANK)) or put this group on gloo")
+        event = c10d_events.begin("recvAnySource", _tensors(tensors))
+        return c10d_events.ProfiledWork(self.gloo.recv_anysource(tensors, tag), event)
+
     # --- collectives -------------------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=AllreduceOptions()):
         op = _op_name(opts.reduceOp)
@@ -287,12 +300,11 @@ ShmProcessGroup.all_to_all_single = ShmProcessGroup.alltoall_base
 # base methods: those dispatch to the registered backend too, but from a Python group they hung now and then
 # (a scatter, 2 runs in 4 of 20 scatters each; delegated here, 5 of 5 passed).
 _GLOO_EVENTS = {"allreduce_coalesced": ("all_reduce", 0), "allgather_coalesced": ("all_gather", 1),
-                "gather": ("gather", 1), "reduce": ("reduce", 0), "scatter": ("scatter", 1),
-                "recv_anysource": ("recvAnySource", 0)}
+                "gather": ("gather", 1), "reduce": ("reduce", 0), "scatter": ("scatter", 1)}
 """Gloo's calls that get a ``ringtrain_shm:<op>`` event (Gloo's own name for the op) too: the op, and which
 argument holds the inputs."""
 _TO_GLOO = ("allreduce_coalesced", "allgather_coalesced", "gather", "gather_into_tensor", "gather_single", "reduce",
-            "scatter", "recv_anysource", "monitored_barrier")
+            "scatter", "monitored_barrier")
 
 
 def _to_gloo(name: str):

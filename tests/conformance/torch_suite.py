@@ -16,7 +16,8 @@ set to ``ringtrain_shm``, so every process group the tests create -- the default
 DDP's -- is ringtrain_shm's, and ``dist.get_backend()`` says so. The profiler checks look for
 ``f"{dist.get_backend()}:<op>"`` events, i.e. ``ringtrain_shm:all_reduce``: ringtrain_shm joins torch's lists of
 backends whose collectives are profiled, so those checks run rather than being skipped. Tests excluded on
-purpose are listed, each with its reason, in ``exclusions.py``.
+purpose are listed, each with its reason, in ``exclusions.py``, as are the few that branch on the backend's name
+while they run and have no branch but Gloo's for a CPU backend (``AS_GLOO``: run with the name read as gloo).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 from ringtrain.comm.c10d_backend import BACKEND  # noqa: E402 - importing it registers "ringtrain_shm"
-from tests.conformance.exclusions import EXCLUDED  # noqa: E402
+from tests.conformance.exclusions import AS_GLOO, EXCLUDED  # noqa: E402
 
 # The test-only registration: ringtrain_shm has Gloo's CPU features for torch's runtime checks too.
 distributed_test.BACKEND = BACKEND
@@ -90,6 +91,19 @@ for _test, _why in EXCLUDED.items():
         self.skipTest(f"excluded: {_why}")
 
     setattr(TestRingtrainShm, _test, _excluded)
+
+for _test in AS_GLOO:
+    def _as_gloo(self, _body=getattr(TestRingtrainShm, _test)):
+        from ringtrain.comm.c10d_backend import ShmProcessGroup
+
+        self.assertIsInstance(dist.group.WORLD, ShmProcessGroup)  # the group the test's DDP runs on
+        distributed_test.BACKEND = "gloo"
+        try:
+            _body(self)
+        finally:
+            distributed_test.BACKEND = BACKEND
+
+    setattr(TestRingtrainShm, _test, _as_gloo)
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

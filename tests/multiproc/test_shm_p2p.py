@@ -221,3 +221,44 @@ def test_a_recv_whose_size_differs_from_its_send_fails_in_one_line_and_the_sende
     assert all(r["type"] == "MismatchError" and "\n" not in r["message"] for r in results), results
     assert "rank 0 sent 40 bytes of float32" in results[1]["message"] and "expected 48 bytes" in results[1]["message"], results
     assert "called a different collective (seen by rank 1)" in results[0]["message"], results  # in or before the barrier
+
+
+def from_any_source(rank: int, world_size: int) -> dict:
+    """Rank 0 receives from any source twice while the group's sends still go to Gloo (a group of 3 before its
+    first collective), then once more after a collective put them on shm."""
+    from ringtrain.comm.c10d_backend import BACKEND
+
+    shm = dist.new_group(backend=BACKEND, timeout=timedelta(seconds=60))
+    got: dict = {}
+    if rank == 0:
+        senders = []
+        for _ in range(world_size - 1):
+            out = torch.zeros(3)
+            senders.append(dist.recv(out, group=shm, tag=5))
+            got[senders[-1]] = out.tolist()
+        got["senders"] = sorted(senders)
+    else:
+        dist.send(torch.full((3,), float(rank)), group_dst=0, group=shm, tag=5)
+    dist.barrier(group=shm)  # builds the workspace: from now on the group's sends go to shm
+    if rank == 0:
+        try:
+            dist.recv(torch.zeros(3), group=shm, tag=6)
+            got["refused"] = None
+        except RuntimeError as err:
+            got["refused"] = str(err)
+    dist.barrier()  # on Gloo: nobody leaves while rank 0 is refused
+    return {"got": got, "on_shm": shm.shm_ops.get("barrier", 0)}
+
+
+def test_a_recv_from_any_source_runs_on_gloo_until_sends_go_to_shm_then_is_refused_in_one_line():
+    """torch's ``test_send_recv_any_source`` hung here: a recv from any source went to Gloo while the group's sends
+    went to shm. Now it runs where the sends do (Gloo: the source is each sender), and is refused in one line where
+    they go to shm (torch cannot ask a Python backend for the source)."""
+    results = run_distributed(from_any_source, 3, timeout_s=120)
+    got = results[0]["got"]
+    assert got["senders"] == [1, 2] and got[1] == [1.0] * 3 and got[2] == [2.0] * 3, got
+    assert results[0]["on_shm"] == 1, results[0]
+    refused = got["refused"]
+    assert refused is not None and "\n" not in refused, refused
+    assert refused.startswith("ringtrain_shm: a recv from any source cannot run on shared memory") and \
+        "dist.recv(tensor, src=RANK)" in refused, refused
