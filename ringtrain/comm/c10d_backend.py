@@ -132,6 +132,15 @@ class ShmProcessGroup(dist.ProcessGroup):
     def _timeout_s(self) -> float:
         return self._shm.timeout_s
 
+    def _on_gloo(self, op: str, inputs, call):
+        """A call this group hands to Gloo (its tensors, dtype or op not shm's, the group across hosts, or not yet
+        built): ``call()``'s work, inside a ``ringtrain_shm:<op>`` event while a profiler is on, as the calls it
+        runs on shm have (Gloo's own ``gloo:<op>`` then lies inside it). Not the set-up's own exchanges: those
+        are inside the first call's event."""
+        event = None if self._building else c10d_events.begin(op, _tensors(inputs))
+        work = call()
+        return work if event is None else c10d_events.ProfiledWork(work, event)
+
     # --- point-to-point ----------------------------------------------------------------------------------------
     def _channels(self):
         """The point-to-point channels when this group's sends and receives can run on shm, else None (Gloo).
@@ -163,11 +172,11 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors, dstRank, tag=0):
         work = self._p2p("send", tensors, dstRank, tag)
-        return work if work is not None else self.gloo.send(tensors, dstRank, tag)
+        return work if work is not None else self._on_gloo("send", tensors, lambda: self.gloo.send(tensors, dstRank, tag))
 
     def recv(self, tensors, srcRank, tag=0):
         work = self._p2p("recv", tensors, srcRank, tag)
-        return work if work is not None else self.gloo.recv(tensors, srcRank, tag)
+        return work if work is not None else self._on_gloo("recv", tensors, lambda: self.gloo.recv(tensors, srcRank, tag))
 
     def recv_anysource(self, tensors, tag=0):
         """A recv from any source (``dist.recv(t)`` with no ``src``) on Gloo, where this group's sends go to Gloo
@@ -179,8 +188,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             raise RuntimeError(
                 "ringtrain_shm: a recv from any source cannot run on shared memory (torch cannot ask a Python backend "
                 "who sent it); name the sender (dist.recv(tensor, src=RANK)) or put this group on gloo")
-        event = c10d_events.begin("recvAnySource", _tensors(tensors))
-        return c10d_events.ProfiledWork(self.gloo.recv_anysource(tensors, tag), event)
+        return self._on_gloo("recvAnySource", tensors, lambda: self.gloo.recv_anysource(tensors, tag))
 
     # --- collectives -------------------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=AllreduceOptions()):
@@ -206,7 +214,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             if _reducible(tensor.dtype, op) and self._workspace() is not None:
                 return self._run("all_reduce", tensor, tensors,
                                  lambda: shm_ops.all_reduce(self._shm, tensor, op, self._timeout_s()))
-        return self.gloo.allreduce(tensors, opts)
+        return self._on_gloo("all_reduce", tensors, lambda: self.gloo.allreduce(tensors, opts))
 
     def allgather(self, output_tensors, input_tensors, opts=AllgatherOptions()):
         if (len(input_tensors) == 1 and len(output_tensors) == 1 and _takes(input_tensors + output_tensors[0])
@@ -214,7 +222,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             tensor, outputs = input_tensors[0], output_tensors[0]
             return self._run("all_gather", tensor, output_tensors,
                              lambda: shm_ops.all_gather(self._shm, outputs, tensor, self._timeout_s()))
-        return self.gloo.allgather(output_tensors, input_tensors, opts)
+        return self._on_gloo("all_gather", input_tensors, lambda: self.gloo.allgather(output_tensors, input_tensors, opts))
 
     def _allgather_base(self, output, input, opts=AllgatherOptions()):
         if (_takes([output, input]) and output.dtype == input.dtype and output.numel() == input.numel() * self.size()
@@ -222,7 +230,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             outputs = list(output.view(-1).chunk(self.size())) if input.numel() else [output.view(-1)] * self.size()
             return self._run("all_gather", input, output,
                              lambda: shm_ops.all_gather(self._shm, outputs, input, self._timeout_s()))
-        return self.gloo._allgather_base(output, input, opts)
+        return self._on_gloo("all_gather", [input], lambda: self.gloo._allgather_base(output, input, opts))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
         # ProcessGroup-only coalesced form (Gloo's backend has none): one call per tensor pair, the last work.
@@ -239,7 +247,8 @@ class ShmProcessGroup(dist.ProcessGroup):
             output, inputs = output_tensors[0], input_tensors[0]
             return self._run("reduce_scatter", output, output_tensors,
                              lambda: shm_ops.reduce_scatter(self._shm, output, inputs, op, self._timeout_s()))
-        return self.gloo.reduce_scatter(output_tensors, input_tensors, opts)
+        return self._on_gloo("reduce_scatter", output_tensors,
+                             lambda: self.gloo.reduce_scatter(output_tensors, input_tensors, opts))
 
     def _reduce_scatter_base(self, output, input, opts=ReduceScatterOptions()):
         op = _op_name(opts.reduceOp)
@@ -248,7 +257,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             inputs = list(input.view(-1).chunk(self.size())) if output.numel() else [input.view(-1)] * self.size()
             return self._run("reduce_scatter", input, output,
                              lambda: shm_ops.reduce_scatter(self._shm, output, inputs, op, self._timeout_s()))
-        return self.gloo._reduce_scatter_base(output, input, opts)
+        return self._on_gloo("reduce_scatter", [input], lambda: self.gloo._reduce_scatter_base(output, input, opts))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
         works = [self._reduce_scatter_base(out, inp, opts) for out, inp in zip(outputs, inputs)]
@@ -258,12 +267,12 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=BroadcastOptions()):
         if isinstance(tensors, torch.Tensor) or not isinstance(opts, BroadcastOptions):  # (tensor, root, timeout)
-            return self.gloo.broadcast(tensors, opts)
+            return self._on_gloo("broadcast", [tensors], lambda: self.gloo.broadcast(tensors, opts))
         if len(tensors) == 1 and opts.rootTensor == 0 and _takes(tensors) and self._workspace() is not None:
             tensor = tensors[0]
             return self._run("broadcast", tensor, tensors,
                              lambda: shm_ops.broadcast(self._shm, tensor, opts.rootRank, self._timeout_s()))
-        return self.gloo.broadcast(tensors, opts)
+        return self._on_gloo("broadcast", tensors, lambda: self.gloo.broadcast(tensors, opts))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=AllToAllOptions()):
         if _takes([output, input]) and output.dtype == input.dtype and self._workspace() is not None:
@@ -272,7 +281,8 @@ class ShmProcessGroup(dist.ProcessGroup):
             if outputs is not None and inputs is not None:
                 return self._run("all_to_all", input, output, lambda: shm_ops.all_to_all(
                     self._shm, outputs, inputs, input.dtype, self._timeout_s()))
-        return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        return self._on_gloo("all_to_all", [input], lambda: self.gloo.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, opts))
 
     def alltoall(self, output_tensors, input_tensors, opts=AllToAllOptions()):
         if (len(output_tensors) == len(input_tensors) == self.size() and _takes(list(output_tensors) + list(input_tensors))
@@ -280,12 +290,12 @@ class ShmProcessGroup(dist.ProcessGroup):
                 and self._workspace() is not None):
             return self._run("all_to_all", input_tensors[0], output_tensors, lambda: shm_ops.all_to_all(
                 self._shm, output_tensors, input_tensors, input_tensors[0].dtype, self._timeout_s()))
-        return self.gloo.alltoall(output_tensors, input_tensors, opts)
+        return self._on_gloo("all_to_all", input_tensors, lambda: self.gloo.alltoall(output_tensors, input_tensors, opts))
 
     def barrier(self, opts=BarrierOptions()):
         if isinstance(opts, BarrierOptions) and self._workspace() is not None:
             return self._run("barrier", _NOTHING, None, lambda: shm_ops.barrier(self._shm, self._timeout_s()))
-        return self.gloo.barrier(opts)
+        return self._on_gloo("barrier", [], lambda: self.gloo.barrier(opts))
 
 
 # torch 2.14's names for the single-tensor forms (dist.all_gather_single, reduce_scatter_single, all_to_all_single

@@ -261,22 +261,29 @@ def profiled_as_torch_asks(rank: int, world_size: int) -> dict:
         "all_reduce": lambda: dist.all_reduce(x, group=group),  # the native sum
         "all_gather": lambda: dist.all_gather_into_tensor(torch.zeros(8 * world_size), x, group=group),  # shm_ops
         "reduce": lambda: dist.reduce(x, dst=0, group=group),  # handed to Gloo
+        # An op shm does not take, handed to Gloo by an op that does take others (a bitwise and on shm's dtype).
+        "all_reduce:band": lambda: dist.all_reduce(torch.ones(8, dtype=torch.int64), op=dist.ReduceOp.BAND, group=group),
         "send" if rank == 0 else "recv": lambda: (dist.isend if rank == 0 else dist.irecv)(x, peer, group=group).wait(),
     }
     found = {}
-    for op, call in calls.items():
+    for case, call in calls.items():
+        op = case.split(":")[0]
         with torch.autograd.profiler.profile(record_shapes=True) as prof:
             call()
-        found[op] = [(e.is_async, e.input_shapes) for e in prof.function_events if e.name == f"ringtrain_shm:{op}"]
+        found[case] = [(e.is_async, e.input_shapes) for e in prof.function_events if e.name == f"ringtrain_shm:{op}"]
+        found[f"{case} on gloo"] = any(e.name.startswith("gloo:") for e in prof.function_events)
     return found
 
 
 def test_each_call_records_one_asynchronous_event_with_its_shapes_as_c10d_does():
     """torch's c10d tests ask it of every backend: one ``<backend>:<op>`` event a call, asynchronous (c10d's Work
-    ends its event where the work completes), with the inputs' shapes; for the ops handed to Gloo too."""
+    ends its event where the work completes), with the inputs' shapes; for the ops handed to Gloo too, those it
+    never runs (reduce) and those it runs on shm but not for these arguments (a bitwise and)."""
     for rank, found in enumerate(run_distributed(profiled_as_torch_asks, 2, timeout_s=120)):
         p2p = "send" if rank == 0 else "recv"
-        assert found == {op: [(True, [[8]])] for op in ("all_reduce", "all_gather", "reduce", p2p)}, (rank, found)
+        cases = ("all_reduce", "all_gather", "reduce", "all_reduce:band", p2p)
+        assert {case: found[case] for case in cases} == {case: [(True, [[8]])] for case in cases}, (rank, found)
+        assert [case for case in cases if found[f"{case} on gloo"]] == ["reduce", "all_reduce:band"], (rank, found)
 
 
 def killed_inside_all_gather(rank: int, world_size: int) -> dict:
