@@ -115,8 +115,9 @@ def in_ranks(script: Path, run_dir: Path, *settings: str, resume: bool = False, 
 
 
 def alone(script: Path, *argv: str) -> dict:
-    """`python SCRIPT ARGV` (one process, no launcher) in a harness rank: its exit code, stdout and stderr."""
-    [got] = run_distributed(_run_in_rank, 1, None, str(script), list(argv), {}, timeout_s=240)
+    """`python SCRIPT ARGV` (one process, no launcher) in a harness rank: its exit code, stdout and stderr. A loop
+    the Session fails to stop never ends: the rank fails after 120 s, as the process it replaces did."""
+    [got] = run_distributed(_run_in_rank, 1, None, str(script), list(argv), {}, timeout_s=120)
     return got
 
 
