@@ -230,16 +230,35 @@ def test_a_factory_mistake_is_one_line_before_any_worker_starts(tmp_path, edit, 
     assert not (tmp_path / "run").exists(), "a worker started"
 
 
+def _worker_main(rank: int, world_size: int, port: int, argv: list[str]) -> dict:
+    """``python -m ringtrain.worker ARGV`` in this harness rank, as a worker `ringtrain train` starts it (torchrun's
+    variables set, the harness's group left); its exit code and what it printed on stderr."""
+    from ringtrain import worker
+
+    code = 0
+    with as_launched_worker(rank, world_size, port) as stderr:
+        try:
+            worker.main(argv)
+        except SystemExit as exit_:  # one line and exit 2 (a usage error), as the process would end
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return {"code": code, "stderr": stderr.getvalue()}
+
+
 def test_what_a_factory_returns_is_checked_on_the_workers_in_one_line(tmp_path):
+    """What the launcher cannot check (it imports the factories, it does not call them): each worker's line. The
+    workers of `ringtrain train mine.toml --nproc 2` in the harness's 2 ranks (issue 45: the line is the workers';
+    how the launcher relays a usage error every worker reports, once and exit 2: test_front_door's test 2)."""
     config = tmp_path / "mine.toml"
     config.write_text(FACTORY_CONFIG.replace('"tests.fit.user_code:digits"', '"tests.fit.user_code:data_as_list"')
                       .replace("[model.args]\nhidden = 32", "[model.args]\nwidth = 32"))
-    result = run_cli("train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: error: [rank")]
-    assert errors and "data.factory tests.fit.user_code:data_as_list returned list of 2; it must return (train, " \
-        "eval)" in errors[0], result.stderr
-    assert "Traceback" not in result.stderr
+    ranks = run_distributed(_worker_main, 2, free_port(), [str(config), "--run-dir", str(tmp_path / "run")],
+                            timeout_s=240)
+    for rank, got in enumerate(ranks):
+        errors = [line for line in got["stderr"].splitlines() if line.startswith("ringtrain: error:")]
+        assert got["code"] == 2 and len(errors) == 1, got
+        assert errors[0].startswith(f"ringtrain: error: [rank {rank}] ") and "data.factory tests.fit.user_code:" \
+            "data_as_list returned list of 2; it must return (train, eval)" in errors[0], got["stderr"]
+        assert "Traceback" not in got["stderr"]
 
 
 MISFITS = {
