@@ -2,7 +2,9 @@
 refuses in one line before any worker starts. The parity proofs (tp = 2 alone, with shm, activation checkpointing
 and sequence parallelism; FSDP2 x tp, HSDP and whole replicas beside tp; each sample dealt once per data-parallel
 rank; full and sharded checkpoints crossing layouts) run in-process: tests/multiproc/test_composition_*.py. The CLI
-path of a tensor-parallel layout, with its ledger across a real job: tests/integration/test_tensor_pipeline_parallel.py."""
+path of a tensor-parallel layout, with its ledger across a real job: tests/chaos/test_heal_replicas.py (dp 2 x tp 2
+under `ringtrain train --heal`); tp inside a pipeline's stages on 8 ranks, in the harness:
+tests/integration/test_tensor_pipeline_parallel.py."""
 
 from __future__ import annotations
 
