@@ -25,6 +25,7 @@ from tests.chaos.jobs import Job
 from tests.conftest import REPO, run_cli, run_main
 from tests.distributed import run_distributed
 from tests.fit.scripts import SCRIPT, script_alone, script_in_ranks
+from tests.fit.test_session_loop import as_launched_worker, free_port
 from tests.faults import fault_plan, oom_at
 from tests.runs import last_step, losses, records, summary
 from tests.trainers import train_run

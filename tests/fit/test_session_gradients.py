@@ -7,7 +7,6 @@ The dataset is exactly one global batch, so step 1's window is every sample, wha
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
