@@ -46,6 +46,9 @@ STEPS_PER_EPOCH = 15  # 1,437 training samples, 96 a step
 ADAMW = ["--set", "train.optimizer=adamw", "--set", "train.lr=0.001"]
 HANG_S = 10
 """dist.timeout_s where a SIGSTOPped worker is to be found hung (see the fencing test)."""
+FIVE_KILLS_TIMEOUT_S = 120
+"""The five kills' dist.timeout_s: a heal that waited it out (a survivor not told its group broke) is told apart
+from one slowed by a loaded machine (15 s seen)."""
 
 
 def optimizer_updates(run_dir: Path) -> set[int]:
@@ -193,7 +196,7 @@ def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_on
     plan = fault_plan(tmp_path, *(Fault("ledger.gathered", action="stop", member=m, step=2) for m in range(3)))
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
              str(run_dir), *SETS, "--set", f"train.epochs={epochs}", "--set", "comm.strategy=manual",
-             "--set", "comm.algorithm=ring", env=plan.env) as job:
+             "--set", "comm.algorithm=ring", "--set", f"dist.timeout_s={FIVE_KILLS_TIMEOUT_S}", env=plan.env) as job:
         joiners = kill_and_join(job, run_dir, kills=5, steps_between=3, join=True, hold=True)
         code = job.finish()
         join_codes = [joiner.finish(timeout=60) for joiner in joiners]
@@ -208,9 +211,11 @@ def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_on
     assert sorted(join_codes).count(0) == 1, (join_codes, logs)  # three joiners were killed, one trains to the end
     assert len(heals) == 5 and len(joins) == 4, logs
     assert all(h["world_size"] == 2 and len(h["lost_ranks"]) == 1 for h in heals), heals
-    # Recorded for each, and none waits out dist.timeout_s (20 s): the broken group's sockets are shut down
+    # Recorded for each, and none waits out dist.timeout_s: the broken group's sockets are shut down
     # (group/sockets.py), so a survivor blocked in a collective on a live peer learns of the failure at once.
-    assert all(0 < h["recovery_s"] < 10.0 for h in heals), heals
+    # (Compared with the timeout itself, not a bound of its own: beside busy processes at load 30-40 a heal took
+    # 15 s, over the 10 s this once asked for, while the timeout was 20 s.)
+    assert all(0 < h["recovery_s"] < FIVE_KILLS_TIMEOUT_S for h in heals), heals
     assert heals[0]["lost_ranks"] == [1] and all(0 not in h["lost_ranks"] for h in heals), heals
     assert all(j["world_size"] == 3 and j["joined_ranks"] == [2] for j in joins), joins
     sizes = [r["world_size"] for r in ledger_steps(run_dir)]
