@@ -144,10 +144,10 @@ class Job:
         return self.worker(rank).parent()
 
     # --- waiting --------------------------------------------------------------------------------
-    # The default waits are for events, not bounds: beside other tests and busy processes (load 25 on two
-    # cores) a job of a launcher, three agents and three workers, each importing torch, took over 120 s to
-    # train its first steps.
-    def wait_for(self, predicate: Callable[[], object], timeout: float = 300, what: str = "the condition"):
+    # The default waits are for events, not bounds: beside other tests and busy processes (load 25-50 on two
+    # cores) a job of a launcher, three agents and three workers, each importing torch, took over 300 s to
+    # start its workers (a test that waits this long needs pytest's timeout raised: the chaos tests' 900 s).
+    def wait_for(self, predicate: Callable[[], object], timeout: float = 600, what: str = "the condition"):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = predicate()
@@ -158,7 +158,7 @@ class Job:
             time.sleep(0.01)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{self.stderr}")
 
-    def wait_for_line(self, text: str, timeout: float = 300) -> tuple[float, str]:
+    def wait_for_line(self, text: str, timeout: float = 600) -> tuple[float, str]:
         def found():
             return next(((t, line) for t, line in self.lines if text in line), None)
         return self.wait_for(found, timeout, f"a line containing {text!r}")
