@@ -65,7 +65,7 @@ def kill_and_join(job: Job, run_dir: Path, kills: int, steps_between: int, join:
     if hold:
         # Every launched worker stopped at its fault point (none inside a collective a peer waits in), so the
         # hold may last as long as the joiners take to start: no timeout runs meanwhile.
-        job.wait_for(lambda: job.held() == len(job.workers()) > 0, timeout=STARTUP_S, what="the workers to hold")
+        job.wait_for(lambda: job.held() == len(job.workers()) > 0, what="the workers to hold")  # Job's wait: 600 s
         ready_joiners = joins_wanted
     if joins_wanted:
         job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")

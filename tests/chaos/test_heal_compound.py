@@ -52,7 +52,7 @@ def hold(members, step: int | None = None, generation: int | None = None) -> lis
 def start_joiners_while_held(job: Job, run_dir: Path, count: int, holding: int, resume: bool = True) -> list[Job]:
     """Wait until ``holding`` workers hold, start ``count`` joiners, and (``resume``) let the workers go once each
     asked."""
-    job.wait_for(lambda: job.held() == holding, timeout=JOINER_STARTUP_S, what=f"{holding} workers to hold")
+    job.wait_for(lambda: job.held() == holding, what=f"{holding} workers to hold")  # the job starting: Job's wait
     joiners = [Job("join", str(run_dir)).__enter__() for _ in range(count)]
     try:
         for joiner in joiners:
