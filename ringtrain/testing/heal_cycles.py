@@ -10,6 +10,9 @@ Each kill waits for the group to be whole again first (the previous heal recorde
 joiner admitted, then ``steps_between`` steps trained at full size), so no kill takes the group below
 --min-nproc. Joiners are started ahead (``ready_joiners`` waiting at a time), so an admission does not
 wait for a Python process to start; every joiner started is admitted (one per kill but the last).
+With ``hold=True`` the job's workers hold themselves early (a ``stop`` fault on each, e.g. at
+``ledger.gathered`` of step 2): every joiner starts and asks while they are stopped, then they are let go, so
+the job needs only the steps its kills and joins take, however slowly a joiner starts.
 """
 
 from __future__ import annotations
@@ -40,14 +43,16 @@ def worker_of(joiner: Job) -> psutil.Process | None:
 
 
 def kill_and_join(job: Job, run_dir: Path, kills: int, steps_between: int, join: bool = True,
-                  ready_joiners: int = 4, victims: Sequence[str] | None = None, timeout_s: float = 90) -> list[Job]:
+                  ready_joiners: int = 4, victims: Sequence[str] | None = None, timeout_s: float = 300,
+                  hold: bool = False) -> list[Job]:
     """SIGKILL ``kills`` workers of ``job`` one after another; with ``join``, a `ringtrain join` worker is
     admitted after every kill but the last. ``victims`` names each kill's target: "launched" (a worker the
     launcher started, not rank 0), "joiner" (an admitted joiner, the earliest), "writer" (the launched rank 0,
     which writes the run directory: another worker takes over). By default launched workers and joiners alternate and
     the writer is spared. The launcher hosts the job store: it (and with it the job) ends when the last
     worker it launched ends, so at least one launched worker must survive. Returns the joiners' Jobs (the
-    caller finishes them; killed on exit like the job's own processes)."""
+    caller finishes them; killed on exit like the job's own processes). ``hold``: the job's workers stop
+    themselves (the caller's fault plan) and wait there until every joiner wanted has asked (see above)."""
     joins_wanted = kills - 1 if join else 0
     joiners: list[Job] = []
 
@@ -57,12 +62,19 @@ def kill_and_join(job: Job, run_dir: Path, kills: int, steps_between: int, join:
             joiners.append(Job("join", str(run_dir), worker_command=job.worker_command).__enter__())
             waiting += 1
 
+    if hold:
+        # Every launched worker stopped at its fault point (none inside a collective a peer waits in), so the
+        # hold may last as long as the joiners take to start: no timeout runs meanwhile.
+        job.wait_for(lambda: job.held() == len(job.workers()) > 0, what="the workers to hold")  # Job's wait: 600 s
+        ready_joiners = joins_wanted
     if joins_wanted:
         job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
         start_joiners()
         # Every joiner started ahead has asked to join before the first kill (none is late for its turn).
         job.wait_for(lambda: all("asked to join" in j.stderr for j in joiners), timeout=STARTUP_S,
                      what="the joiners to ask")
+    if hold:
+        job.resume_workers()
     killed: list[str] = []  # what each kill hit, for the failure message
     try:
         job.wait_for(lambda: ledger_steps(run_dir), timeout=timeout_s, what="step 1")

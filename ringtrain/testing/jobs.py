@@ -144,7 +144,10 @@ class Job:
         return self.worker(rank).parent()
 
     # --- waiting --------------------------------------------------------------------------------
-    def wait_for(self, predicate: Callable[[], object], timeout: float = 120, what: str = "the condition"):
+    # The default waits are for events, not bounds: beside other tests and busy processes (load 25-50 on two
+    # cores) a job of a launcher, three agents and three workers, each importing torch, took over 300 s to
+    # start its workers (a test that waits this long needs pytest's timeout raised: the chaos tests' 900 s).
+    def wait_for(self, predicate: Callable[[], object], timeout: float = 600, what: str = "the condition"):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = predicate()
@@ -155,7 +158,7 @@ class Job:
             time.sleep(0.01)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{self.stderr}")
 
-    def wait_for_line(self, text: str, timeout: float = 120) -> tuple[float, str]:
+    def wait_for_line(self, text: str, timeout: float = 600) -> tuple[float, str]:
         def found():
             return next(((t, line) for t, line in self.lines if text in line), None)
         return self.wait_for(found, timeout, f"a line containing {text!r}")
@@ -178,7 +181,7 @@ class Job:
                 lines.append(dump.stdout[-3000:] or dump.stderr[-500:])
         return "\n".join(lines) or "no process left"
 
-    def finish(self, timeout: float = 180) -> int:
+    def finish(self, timeout: float = 300) -> int:
         code = self.process.wait(timeout=timeout)
         for reader in self._readers:
             reader.join(timeout=5)

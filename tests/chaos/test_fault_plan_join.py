@@ -19,9 +19,12 @@ from ringtrain.heal.membership import JOINER_BASE
 from tests.chaos.jobs import Job, ledger_steps, records
 from tests.faults import Fault, fault_plan
 
-# A test with joiners runs alone: a joiner is a Python process that takes seconds to start, and beside other
-# tests' jobs it started after the job it was to join had finished (seen in a full run).
-pytestmark = pytest.mark.exclusive
+# Beside other tests: the survivors hold until the joiner asked (above), so no race is left to run alone for.
+# A job of a launcher, agents and workers (each importing torch) took minutes to start beside other tests at
+# load 25 on two cores: more than the suite's 300 s a test.
+pytestmark = pytest.mark.timeout(900)
+JOINER_STARTUP_S = 300
+"""How long the joiner may take to ask (a Python process importing torch; over 90 s beside busy processes)."""
 
 SETS = ["train.global_batch_size=96", "train.local_batch_size=16", "train.epochs=2", "data.ledger=true",
         "monitor.log_every_steps=1", "dist.timeout_s=20", "checkpoint.every_steps=1000"]
@@ -41,7 +44,8 @@ def test_a_joiner_that_inherits_the_fault_plan_is_not_armed(tmp_path):
              str(run_dir), *sets, env=plan.env) as job:
         job.wait_for(lambda: job.held() == 2, what=f"the two survivors to hold at step {HOLD_STEP}")
         with Job("join", str(run_dir), env=plan.env) as joiner:  # the variable, as a shell would hand it on
-            joiner.wait_for(lambda: f"asked to join as member {joiner_id}" in joiner.stderr, what="the join request")
+            joiner.wait_for(lambda: f"asked to join as member {joiner_id}" in joiner.stderr, timeout=JOINER_STARTUP_S,
+                            what="the join request")
             job.resume_workers()
             code = job.finish()
             join_code = joiner.finish(timeout=60)

@@ -25,9 +25,8 @@ from tests.runs import summary
 
 # Beside other tests: a --heal member is lost only when its exit is known (ringtrain/heal/liveness.py), never
 # for a quiet heartbeat, so a loaded machine evicts no one (bench/heal_busy.py runs the five kills beside busy
-# processes). Only a test timed against a bound runs alone (@pytest.mark.exclusive on it), and one with joiners:
-# a joiner is a Python process that takes seconds to start, and beside other
-# tests' jobs it started after the job it was to join had finished (seen in a full run).
+# processes). None is timed against a bound, and a test with joiners waits for no race: the job's workers hold
+# themselves (``hold``: a ``stop`` fault on each) until its joiners have asked, however slowly they start.
 
 STEPS_PER_EPOCH = 15  # 1,437 training samples, 96 a step
 
@@ -40,12 +39,31 @@ def sets(epochs: int, timeout_s: float = 20, **more: str) -> list[str]:
     return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
 
 
-PACE = Fault("ledger.gathered", action="delay", seconds=0.25)
-"""Every step of every worker takes 0.25 s more: a joiner (a Python process, seconds to start) meets the job."""
-PACE_UNTIL_HEALED = Fault("ledger.gathered", action="delay", seconds=0.25, generation=0)
-"""PACE in the first generation only: the job waits for slow joiners as long as it needs (beside other tests a
-joiner took more than the 45 s of a 12-epoch paced job to ask, and met a finished job), and once the test has
-made its heal the rest of the job runs at full speed."""
+JOINER_STARTUP_S = 300
+"""How long a joiner may take to ask (a Python process importing torch; over 90 s beside busy processes)."""
+
+
+def hold(members, step: int | None = None, generation: int | None = None) -> list[Fault]:
+    """A ``stop`` fault for each of ``members`` at a step's ledger gather (no collective is then pending on any
+    rank, so the hold may last as long as a joiner takes to start: no timeout runs meanwhile)."""
+    return [Fault("ledger.gathered", action="stop", member=m, step=step, generation=generation) for m in members]
+
+
+def start_joiners_while_held(job: Job, run_dir: Path, count: int, holding: int, resume: bool = True) -> list[Job]:
+    """Wait until ``holding`` workers hold, start ``count`` joiners, and (``resume``) let the workers go once each
+    asked."""
+    job.wait_for(lambda: job.held() == holding, what=f"{holding} workers to hold")  # the job starting: Job's wait
+    joiners = [Job("join", str(run_dir)).__enter__() for _ in range(count)]
+    try:
+        for joiner in joiners:
+            joiner.wait_for_line("asked to join", timeout=JOINER_STARTUP_S)
+    except BaseException:
+        for joiner in joiners:
+            joiner.__exit__(None, None, None)
+        raise
+    if resume:
+        job.resume_workers()
+    return joiners
 
 
 def assert_exactly_once(run_dir: Path, epochs: int) -> None:
@@ -108,20 +126,20 @@ def _worker_of(joiner: Job) -> psutil.Process:
     return found[0]
 
 
-@pytest.mark.exclusive  # joiners: see the module's note
+@pytest.mark.timeout(900)  # beside other tests at load 25 a job with joiners took minutes to start
 def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finishes(tmp_path):
     """The job is full (3 of 3); two workers ask to join and leave before they are admitted: one by Ctrl-C (it
     withdraws its request), one SIGKILLed (it cannot: its death is seen). Then a worker is lost: the group has
     room, and neither of them may be put into the next generation (forming it would wait for them)."""
     run_dir = tmp_path / "run"
-    plan = fault_plan(tmp_path, PACE_UNTIL_HEALED)
+    # The workers hold at step 2 until both joiners asked and left; member 1 is killed in step 5 (it was a paced
+    # 20-epoch job that the joiners raced, and a kill from the test two steps after they left).
+    epochs = 2
+    plan = fault_plan(tmp_path, *hold(range(3), step=2), Fault("step.micro_batch", member=1, step=5))
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
-             str(run_dir), *sets(epochs=20), env=plan.env) as job:
-        job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
-        polite, killed = Job("join", str(run_dir)).__enter__(), Job("join", str(run_dir)).__enter__()
+             str(run_dir), *sets(epochs=epochs), env=plan.env) as job:
+        polite, killed = start_joiners_while_held(job, run_dir, count=2, holding=3, resume=False)
         try:
-            for joiner in (polite, killed):
-                joiner.wait_for_line("asked to join")
             for proc in polite.tree():  # Ctrl-C in its terminal: the whole foreground group gets SIGINT
                 proc.send_signal(signal.SIGINT)
             _worker_of(killed).kill()
@@ -136,32 +154,33 @@ def test_joiners_that_left_before_admission_are_never_admitted_and_the_job_finis
                 f"exit codes: Ctrl-C'd joiner {polite_code}, killed one {killed_code}\n[Ctrl-C'd]\n{polite.stderr}\n"
                 f"[killed]\n{killed.stderr}")
             assert "its request was withdrawn" in polite.stderr, polite.stderr
-            step = len(ledger_steps(run_dir))
-            job.wait_for(lambda: len(ledger_steps(run_dir)) >= step + 2, what=f"step {step + 2}")
-            job.worker(1).kill()
+            job.resume_workers()
             code = job.finish(timeout=180)
         finally:
             for joiner in (polite, killed):
                 joiner.__exit__(None, None, None)
     assert code == 0, job.stderr + polite.stderr + killed.stderr
     assert len(records(run_dir, "heal")) == 1 and not records(run_dir, "join")
+    assert ("step.micro_batch", 1, 5) in [(f["point"], f["member"], f["step"]) for f in plan.fired()]
     done = summary(run_dir)
-    assert done["world_size"] == 2 and done["steps"] == 20 * STEPS_PER_EPOCH
-    assert_exactly_once(run_dir, epochs=20)
+    assert done["world_size"] == 2 and done["steps"] == epochs * STEPS_PER_EPOCH
+    assert_exactly_once(run_dir, epochs=epochs)
 
 
-@pytest.mark.exclusive  # joiners: see the module's note
+@pytest.mark.timeout(900)  # beside other tests at load 25 a job with joiners took minutes to start
 def test_an_admission_cut_short_by_a_heal_is_scheduled_again_by_the_next_writer(tmp_path):
     """One worker was lost (3 -> 2); a joiner asks; rank 0 (the writer) schedules its admission and dies right
     after (heal.planned). The survivor that becomes rank 0 must find the request again and admit it."""
     run_dir = tmp_path / "run"
-    plan = fault_plan(tmp_path, Fault("heal.planned", member=0), PACE)
+    # Member 2 is killed in step 5; the two survivors hold at their first ledger gather after the heal until the
+    # joiner asked (it was a paced 6-epoch job that the joiner raced, and a kill from the test at step 5).
+    epochs = 2
+    plan = fault_plan(tmp_path, Fault("step.micro_batch", member=2, step=5), Fault("heal.planned", member=0),
+                      *hold((0, 1), generation=1))
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "1", "--heal", "--run-dir",
-             str(run_dir), *sets(epochs=6), env=plan.env) as job:
-        job.wait_for(lambda: len(ledger_steps(run_dir)) >= 5, what="step 5")
-        job.worker(2).kill()
-        job.wait_for(lambda: records(run_dir, "heal"), what="the first heal")
-        joiner = Job("join", str(run_dir)).__enter__()
+             str(run_dir), *sets(epochs=epochs), env=plan.env) as job:
+        # Held in generation 1 (the heal's record is written once its first step commits, after the hold).
+        (joiner,) = start_joiners_while_held(job, run_dir, count=1, holding=2)
         try:
             code = job.finish(timeout=240)
             join_code = joiner.finish(timeout=60)
@@ -174,19 +193,22 @@ def test_an_admission_cut_short_by_a_heal_is_scheduled_again_by_the_next_writer(
     assert len(heals) == 2 and heals[1]["lost_ranks"] == [0] and len(joins) == 1, (heals, joins)
     assert joins[0]["world_size"] == 2 and summary(run_dir)["world_size"] == 2
     assert len(set(summary(run_dir)["param_sha256"])) == 1
-    assert_exactly_once(run_dir, epochs=6)
+    assert_exactly_once(run_dir, epochs=epochs)
     # The run directory's lock went to the new writer once the old one was gone.
     assert (run_dir / ".lock").read_text().startswith("pid ")
     assert str(job.process.pid) not in (run_dir / ".lock").read_text()
 
 
-@pytest.mark.exclusive  # a SIGSTOP found after dist.timeout_s of 3 s, and the launcher's 15 s grace, timed
+@pytest.mark.timeout(900)  # beside other tests at load 25 a job took minutes to start
 def test_a_cut_off_worker_that_stays_stopped_does_not_keep_the_launcher_waiting(tmp_path):
-    """Rank 2 is SIGSTOPped and never continued: the others heal without it (after dist.timeout_s, 3 s) and
+    """Rank 2 is SIGSTOPped and never continued: the others heal without it (after dist.timeout_s, 10 s) and
     finish; the launcher must return (it stops the agent of the cut-off worker) instead of waiting for ever."""
     run_dir = tmp_path / "run"
+    # dist.timeout_s is every collective's timeout too: at 3 s a live worker starved beside other tests' jobs
+    # could break a collective with no one lost; 10 s keeps the hang path and leaves a loaded machine room.
+    # (Nothing is timed: the launcher's 15 s grace is only printed.)
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir",
-             str(run_dir), *sets(epochs=2, timeout_s=3)) as job:
+             str(run_dir), *sets(epochs=2, timeout_s=10)) as job:
         job.wait_for(lambda: len(ledger_steps(run_dir)) >= 5, what="step 5")
         stopped = job.worker(2)
         stopped.suspend()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.chaos.jobs import Job, ledger_steps, records
-from tests.chaos.test_heal_compound import PACE_UNTIL_HEALED, assert_exactly_once, sets
+from tests.chaos.test_heal_compound import assert_exactly_once, hold, sets, start_joiners_while_held
 from tests.faults import Fault, fault_plan
 from tests.runs import summary
 
@@ -44,24 +44,22 @@ def test_workers_lost_mid_inner_phase_and_inside_an_outer_sync_are_healed_from_t
     assert_exactly_once(run_dir, epochs=2)
 
 
-@pytest.mark.exclusive  # joiners: see test_heal_compound's note
+@pytest.mark.timeout(900)  # beside other tests at load 25 a job with joiners took minutes to start
 def test_a_joiner_receives_the_global_model_and_the_outer_state(tmp_path):
     """3 workers, H = 5, the job full; a worker asks to join, then member 2 is lost. The joiner is admitted
     after a whole outer step of the two (no inner progress lost) and starts from the global model with the same
     outer state (global copy, momentum): had it started from its own, its outer steps would move another model
     and the ranks would end on different parameters."""
     run_dir = tmp_path / "run"
-    plan = fault_plan(tmp_path, PACE_UNTIL_HEALED)
+    # The workers hold at step 2 until the joiner asked (it was a paced 4-epoch job, raced by the joiner), and
+    # member 2 dies in step H + 2: after an outer step (the outer state has momentum to hand on; a kill at once
+    # can land while the group starts, healed too in tests/chaos/test_heal_start.py, before any outer step).
+    epochs = 2
+    plan = fault_plan(tmp_path, *hold(range(3), step=2), Fault("step.micro_batch", member=2, step=H + 2))
     with Job("train", "configs/digits_mlp.toml", "--nproc", "3", "--min-nproc", "1", "--heal", "--run-dir",
-             str(run_dir), *sets(epochs=4), *DILOCO, env=plan.env) as job:
-        job.wait_for(lambda: (run_dir / "job.json").exists(), what="job.json")
-        joiner = Job("join", str(run_dir)).__enter__()
+             str(run_dir), *sets(epochs=epochs), *DILOCO, env=plan.env) as job:
+        (joiner,) = start_joiners_while_held(job, run_dir, count=1, holding=3)
         try:
-            joiner.wait_for_line("asked to join")
-            # After an outer step (the outer state has momentum to hand on): a kill at once can land while the
-            # group starts (healed too, tests/chaos/test_heal_start.py), before any outer step.
-            job.wait_for(lambda: len(ledger_steps(run_dir)) >= H + 2, what=f"step {H + 2}")
-            job.worker(2).kill()
             code = job.finish(timeout=240)
             join_code = joiner.finish(timeout=60)
         finally:
@@ -72,5 +70,5 @@ def test_a_joiner_receives_the_global_model_and_the_outer_state(tmp_path):
     done = summary(run_dir)
     assert done["world_size"] == 3 and len(done["param_sha256"]) == 3 and len(set(done["param_sha256"])) == 1, done
     assert done["outer_steps"] >= done["steps"] // H, done  # the run's count went on (+1 for an admission's sync)
-    assert len(ledger_steps(run_dir)) == 4 * 15
-    assert_exactly_once(run_dir, epochs=4)
+    assert len(ledger_steps(run_dir)) == epochs * 15
+    assert_exactly_once(run_dir, epochs=epochs)
