@@ -29,7 +29,7 @@ SCRIPT = "tests/fit/user_code.py"
 
 
 @contextlib.contextmanager
-def _as_lone_process():
+def as_lone_process():
     """This harness rank as `python SCRIPT` (no launcher variables, no group: fit makes its own alone); afterwards
     a lone group again, for the harness to end. Yields what it printed on stderr."""
     dist.destroy_process_group()
@@ -57,7 +57,7 @@ def _script_in_rank(rank: int, world_size: int, port: int | None, argv: list[str
         os.dup2(stdout.fileno(), 1)
         os.dup2(below.fileno(), 2)
         try:
-            with (as_launched_worker(rank, world_size, port) if port else _as_lone_process()) as stderr:
+            with (as_launched_worker(rank, world_size, port) if port else as_lone_process()) as stderr:
                 try:
                     module.main()
                 except SystemExit as exit_:  # one line and exit 2 (fit's refusal), as the process would end

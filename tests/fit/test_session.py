@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from ringtrain.data.ledger import check_ledger
 from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
@@ -38,6 +37,7 @@ from tests.chaos.jobs import Job, ledger_steps
 from tests.conftest import REPO
 from tests.distributed import run_distributed
 from tests.faults import Fault, fault_plan
+from tests.fit.scripts import as_lone_process
 from tests.fit.test_session_loop import as_launched_worker, free_port
 from tests.runs import summary
 
@@ -48,20 +48,6 @@ FIT = REPO / "examples" / "digits_cnn_fit.py"
 EPOCHS, STEPS = 2, 46  # 1,437 training samples, 64 a step: 23 steps an epoch
 RUN = ["run", str(SESSION), "--nproc", "2", "--set", "data.ledger=true", "--set", "monitor.progress=false"]
 SETTINGS = ("data.ledger=true", "monitor.progress=false")  # RUN's --set, for in_ranks
-
-
-@contextlib.contextmanager
-def _alone():
-    """This harness rank as `python SCRIPT` (no launcher variables, the harness's group left: the script makes its
-    own alone); afterwards a lone group again, for the harness to end. Yields what it printed on stderr."""
-    dist.destroy_process_group()
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            yield stderr
-    finally:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _run_in_rank(rank: int, world_size: int, port: int | None, script: str, argv: list[str],
@@ -80,7 +66,7 @@ def _run_in_rank(rank: int, world_size: int, port: int | None, script: str, argv
     with tempfile.TemporaryFile() as below:
         os.dup2(below.fileno(), 2)
         try:
-            with ((as_launched_worker(rank, world_size, port) if port else _alone()) as stderr,
+            with ((as_launched_worker(rank, world_size, port) if port else as_lone_process()) as stderr,
                   contextlib.redirect_stdout(stdout)):
                 try:
                     exec(compile(Path(script).read_text(), script, "exec"), namespace)
