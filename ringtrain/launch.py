@@ -37,6 +37,7 @@ from ringtrain.group.auth import SECRET_FILE_VAR, SECRET_VAR, JobSecret, SecretE
 from ringtrain.group.env import BIND_ADDR_VAR, HEAL_VAR, JOB_STORE_VAR, LAUNCHER_VAR
 from ringtrain.group.failure import failure_report
 from ringtrain.group.jobstore import JobStore
+from ringtrain.group.lifetime import STOP_SIGNALS
 from ringtrain.group.watch import host_answers
 from ringtrain.errors import LaunchError, RingtrainError
 
@@ -54,6 +55,15 @@ _RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_t
 _WORKER_LOG = "torch.distributed.elastic.multiprocessing.api"
 """The agent's logger of worker processes: 'Sending process N closing signal SIGTERM', 'failed (exitcode: 2)'."""
 _AGENT_LOG = "torch.distributed.elastic.agent.server.api"
+_SPAWN_LOG = "torch.multiprocessing.spawn"
+WORKER_START_VAR = "RINGTRAIN_WORKER_START"
+"""``spawn``: every ``ringtrain train`` worker a fresh interpreter (``python -u -m ringtrain.worker``), as
+before workers were forked from a warm forkserver (``_entrypoint``)."""
+FORKSERVER_PRELOAD = ("torch._dynamo", "ringtrain.train.run", "ringtrain.config", "ringtrain.group.init",
+                      "ringtrain.heal.membership", "torch.distributed.elastic.multiprocessing.errors")
+"""What the forkserver imports once for all of a node's workers: torch, torch._dynamo (DDP's constructor
+imports it), ringtrain's trainer. ~3.3 s of CPU an interpreter here. No name holds ``ringtrain.worker``: the
+forkserver's command line lists them, and ``ringtrain.worker`` in a command line is how a worker is found."""
 """The agent's own logger: on Ctrl-C or SIGTERM it warns 'Received 2 death signal, shutting down workers'."""
 
 
@@ -94,6 +104,10 @@ class Program:
     def worker(cls, worker_args: list[str]) -> Program:
         """``ringtrain train``'s workers: ``python -m ringtrain.worker CONFIG ...``."""
         return cls(("-m", "ringtrain.worker", *worker_args))
+
+    def worker_argv(self) -> list[str] | None:
+        """The arguments after ``-m ringtrain.worker`` for ``ringtrain train``'s workers; None for a script."""
+        return list(self.args[2:]) if self.args[:2] == ("-m", "ringtrain.worker") else None
 
     @classmethod
     def script(cls, path: str, script_args: list[str], env: dict[str, str]) -> Program:
@@ -248,7 +262,9 @@ def launch(options: LaunchOptions, program: Program) -> None:
         max_restarts=options.max_restarts,
         local_addr=bind_addr,
         logs_specs=DefaultLogsSpecs(log_dir=options.log_dir),
+        start_method="forkserver",  # used only by a function entrypoint (_entrypoint)
     )
+    entrypoint, entry_args, forks = _entrypoint(options, program)
     dump_signal = signal.SIGUSR2 if options.sigusr1_stops else signal.SIGUSR1
     previous = {dump_signal: signal.signal(dump_signal, _dump_request_handler(host, port, config.run_id, secret,
                                                                                dump_signal))}
@@ -260,10 +276,15 @@ def launch(options: LaunchOptions, program: Program) -> None:
     worker_log = logging.getLogger(_WORKER_LOG)
     worker_log_level = worker_log.level
     worker_log.setLevel(logging.CRITICAL)
+    # Forked workers: torch's process context warns 'Terminating process N via signal SIGTERM' for each worker
+    # it stops after one failed, as the agent's own (silenced) logger does for processes it started.
+    spawn_log = logging.getLogger(_SPAWN_LOG)
+    spawn_log_level = spawn_log.level
+    spawn_log.setLevel(logging.CRITICAL)
     shutdown_noise = _ShutdownNoise()
     logging.getLogger(_AGENT_LOG).addFilter(shutdown_noise)
     try:
-        elastic_launch(config, sys.executable)("-u", *program.args)
+        elastic_launch(config, entrypoint)(*entry_args)
     except ChildFailedError as err:
         raise _describe_failure(err) from None
     except SignalException as err:
@@ -278,9 +299,58 @@ def launch(options: LaunchOptions, program: Program) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         worker_log.setLevel(worker_log_level)
+        spawn_log.setLevel(spawn_log_level)
         logging.getLogger(_AGENT_LOG).removeFilter(shutdown_noise)
+        if forks:
+            _stop_forkserver()
         # The rendezvous store lives exactly as long as this node's agent.
         del store
+
+
+def _entrypoint(options: LaunchOptions, program: Program) -> tuple[object, tuple, bool]:
+    """What torch's agent starts for each worker: (entrypoint, its arguments, whether workers fork).
+
+    ``ringtrain train``'s workers, two or more on this node, fork from one forkserver that imports torch,
+    torch._dynamo and the trainer once (``FORKSERVER_PRELOAD``), instead of each worker importing them in an
+    interpreter of its own (~3.3 s of CPU each here, most of a small job's start). The forkserver starts at the
+    first worker's start, after the environment and folder above are set, from this process's environment;
+    it stops with this launch. One worker per agent (``--min-nproc``, ``--heal``, ``ringtrain join``) saves
+    nothing that way, and a user's script runs as Python runs it: ``python -u SCRIPT`` in an interpreter of its
+    own, as does every worker under ``RINGTRAIN_WORKER_START=spawn``."""
+    argv = program.worker_argv()
+    if argv is None or options.nproc < 2 or os.environ.get(WORKER_START_VAR) == "spawn":
+        return sys.executable, ("-u", *program.args), False
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    # Unbuffered as `python -u`: the workers' lines reach the launcher's streams as they are written.
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    # Started now, so that its imports overlap the rendezvous, and with STOP_SIGNALS blocked (as multiprocessing's
+    # resource tracker, which it starts, has them): SLURM's SIGUSR1 to every process of the step must leave
+    # the workers' parent alive while they save.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return _forked_worker, (argv,), True
+
+
+def _forked_worker(argv: list[str]) -> None:
+    """A forked worker's entry (pickled by name to the forkserver's child): ``ringtrain.worker.forked``."""
+    from ringtrain import worker
+
+    worker.forked(argv)
+
+
+def _stop_forkserver() -> None:
+    """The next launch in this process starts a forkserver of its own, from the environment it sets."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def _rendezvous_host_lost(host: str, port: int) -> str:

@@ -8,6 +8,7 @@ Started by ``ringtrain train`` through torch's elastic agent, or directly by pla
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from collections.abc import Callable
@@ -19,14 +20,14 @@ from ringtrain.config import load_config, validate_for_world_size
 from ringtrain.group.env import DistEnv
 from ringtrain.group.failure import record_failure, write_traceback
 from ringtrain.group.init import init_distributed
-from ringtrain.group.lifetime import exit_quickly, exit_with_parent
+from ringtrain.group.lifetime import STOP_SIGNALS, exit_quickly, exit_with_parent, finish_process
 from ringtrain.group.watch import CollectiveFailed
 from ringtrain.errors import RingtrainError
 from ringtrain.heal.membership import Fenced, MemberFailed
 from ringtrain.train.guards import Stopped
 from ringtrain.train.run import ResumeWords, plan_resume, run_joined_training, run_training
 
-__all__ = ["main", "build_worker_parser", "report_error", "report_exception", "tell_exception", "uncaught_reporter"]
+__all__ = ["main", "forked", "build_worker_parser", "report_error", "report_exception", "tell_exception", "uncaught_reporter"]
 
 
 def build_worker_parser() -> argparse.ArgumentParser:
@@ -62,6 +63,28 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(err.exit_code)
     except Exception as err:  # a factory's own code (or a bug): its traceback in the run directory
         report_exception(err, env, config.run_dir if config is not None else None)
+
+
+def forked(argv: list[str]) -> None:
+    """A worker forked from its launcher's forkserver (launch.py), where torch, torch._dynamo and ringtrain's
+    trainer are imported once for all the node's workers: it runs as ``python -u -m ringtrain.worker ARGV``
+    would, with the working folder first on sys.path, and a process title that names it and its rank
+    (``ps`` shows ``ringtrain.worker rank 1/4: CONFIG ...``). Multiprocessing ends the process with
+    os._exit, so the exit's own work (atexit handlers, non-daemon threads, flushes) is done here."""
+    import signal
+
+    import setproctitle
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the forkserver (launch.py)
+    sys.argv = [__file__, *argv]
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    setproctitle.setproctitle(f"ringtrain.worker rank {rank}/{world}: {' '.join(argv)}")
+    try:
+        main(argv)
+    finally:
+        finish_process()
 
 
 _CONSEQUENCES = (CollectiveFailed, Stopped, Fenced, MemberFailed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -25,6 +26,10 @@ from pathlib import Path
 import psutil
 
 from ringtrain.testing.runs import last_step, ledger_steps, records
+
+_FORKSERVER = "multiprocessing.forkserver"
+_TITLE = re.compile(r"ringtrain\.worker rank (\d+)/")
+"""A forked worker's title (ringtrain.worker.forked)."""
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout ringtrain runs from: jobs start there, with it on PYTHONPATH (as tests/conftest.py's REPO)."""
@@ -74,7 +79,9 @@ class Job:
                     # Named once, while the command line is readable (an exiting process shows an empty one).
                     with contextlib.suppress(psutil.Error):
                         command = " ".join(proc.cmdline())
-                        if command and proc.pid not in kinds:
+                        # A worker forked from the launcher's forkserver shows the forkserver's command line
+                        # until it sets its title (ringtrain.worker.forked): named once it has.
+                        if command and proc.pid not in kinds and _FORKSERVER not in command:
                             kinds[proc.pid] = "worker" if "ringtrain.worker" in command else "launcher/agent"
             held: dict[int, int] = {}
             for proc in procs:
@@ -107,11 +114,18 @@ class Job:
             return []
 
     def workers(self) -> dict[int, psutil.Process]:
-        """The training workers, by rank (they are the processes with RANK in their environment)."""
+        """The training workers, by rank: the processes with RANK in their environment, or, forked from the
+        launcher's forkserver (whose environment is the forkserver's), titled ``ringtrain.worker rank R/W: ...``."""
         found = {}
         for proc in self.tree():
             try:
-                if self.worker_command in " ".join(proc.cmdline()) and "RANK" in proc.environ():
+                command = " ".join(proc.cmdline())
+                if self.worker_command not in command:
+                    continue
+                titled = _TITLE.match(command)
+                if titled:
+                    found[int(titled.group(1))] = proc
+                elif "RANK" in proc.environ():
                     found[int(proc.environ()["RANK"])] = proc
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue

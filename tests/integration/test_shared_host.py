@@ -68,7 +68,10 @@ def test_another_local_user_cannot_run_code_through_the_rendezvous_state(tmp_pat
     plan = fault_plan(tmp_path, *(Fault("step.micro_batch", member=m, step=2, action="stop") for m in (0, 1)))
     monkeypatch.delenv("RINGTRAIN_JOB_SECRET")  # a job of one node makes its own (tests/conftest.py sets one)
     with Job("train", "configs/debug_mlp.toml", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
-             "--rdzv-endpoint", f"127.0.0.1:{port}", env=plan.env) as job:
+             "--rdzv-endpoint", f"127.0.0.1:{port}",
+             # Workers in interpreters of their own: the test reads the run id from a worker's environment,
+             # which a worker forked from the forkserver does not show (/proc/PID/environ is the forkserver's).
+             env={**plan.env, "RINGTRAIN_WORKER_START": "spawn"}) as job:
         job.wait_for(lambda: len(_held(job)) == 2, what="both workers to hold at step 2")
         run_id = next(iter(_held(job).values())).environ()["TORCHELASTIC_RUN_ID"]
         assert str(port) not in run_id  # the id the attacker derived from the port
