@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # A job of several nodes needs one secret on every node (ringtrain/group/auth.py), which its user exports on each;
 # the tests' multi-node jobs (test hosts, SLURM's variables, --nnodes on loopback) get this one the same way. A
-# one-node launcher then takes it instead of making its own; tests/integration/test_shared_host.py runs one without
-# it, and `ringtrain join` commands (tests/chaos/jobs.py) drop it to find the secret the job's launcher kept.
+# one-node launcher then takes it instead of making its own; tests/security/test_shared_host.py runs one without
+# it, and `ringtrain join` commands (tests/jobs.py) drop it to find the secret the job's launcher kept.
 os.environ.setdefault("RINGTRAIN_JOB_SECRET", __import__("secrets").token_hex(32))
 
 
@@ -101,7 +101,7 @@ def cli():
 
 
 # --- DeepSpeed's shm op, built in the background while other tests run ------------------------------------
-# tests/integration/test_bench_deepspeed.py runs DeepSpeed's CPU shm all-reduce, which DeepSpeed compiles at
+# tests/comm/test_bench_deepspeed.py runs DeepSpeed's CPU shm all-reduce, which DeepSpeed compiles at
 # first use (~40 s of g++ in a fresh venv: its cache is keyed by the venv's path). When that test is collected,
 # the build starts at the session's start, niced so it only takes CPU the other tests leave idle (most of them
 # wait on processes, heartbeats and timeouts); the test awaits it through the ``deepspeed_build`` fixture and

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.jobs import Job
+from tests.jobs import Job
 from tests.conftest import REPO, run_cli, run_main
 from tests.distributed import run_distributed
 from tests.fit.scripts import SCRIPT, script_alone, script_in_ranks
@@ -69,7 +69,7 @@ def test_the_builtin_mlp_and_the_same_class_through_fit_train_bit_identical_para
     program = json.loads((oracle / "program.json").read_text())
     assert program["script"] == str(REPO / SCRIPT) and program["args"] == ["--case", "oracle"]
     config = (oracle / "config.toml").read_text()
-    assert 'factory = "tests.fit.user_code:digits_mlp"' in config or 'factory = "__main__:digits_mlp"' in config
+    assert 'factory = "tests.user_code:digits_mlp"' in config or 'factory = "__main__:digits_mlp"' in config
 
 
 def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path, oracle):
@@ -91,15 +91,15 @@ def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path, oracle):
 
 FACTORY_CONFIG = """
 [model]
-factory = "tests.fit.user_code:digits_mlp"
+factory = "tests.user_code:digits_mlp"
 [model.args]
 hidden = 32
 [data]
-factory = "tests.fit.user_code:digits"
+factory = "tests.user_code:digits"
 [task]
-loss = "tests.fit.user_code:sum_cross_entropy"
+loss = "tests.user_code:sum_cross_entropy"
 loss_reduction = "sum"
-metrics = "tests.fit.user_code:accuracy_metrics"
+metrics = "tests.user_code:accuracy_metrics"
 [train]
 epochs = 1
 global_batch_size = 64
@@ -125,18 +125,18 @@ def test_a_factory_config_trains_through_ringtrain_train(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.no_such_module:digits_mlp"'),
+        (('"tests.user_code:digits_mlp"', '"tests.fit.no_such_module:digits_mlp"'),
          "model.factory = 'tests.fit.no_such_module:digits_mlp': cannot import tests.fit.no_such_module"),
-        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.user_code:NOT_CALLABLE"'),
-         "model.factory = 'tests.fit.user_code:NOT_CALLABLE' is a int, not a callable"),
-        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.user_code:no_such_function"'),
-         "model.factory = 'tests.fit.user_code:no_such_function': tests.fit.user_code has no attribute"),
-        (('"tests.fit.user_code:digits_mlp"', '"digits_mlp"'),
+        (('"tests.user_code:digits_mlp"', '"tests.user_code:NOT_CALLABLE"'),
+         "model.factory = 'tests.user_code:NOT_CALLABLE' is a int, not a callable"),
+        (('"tests.user_code:digits_mlp"', '"tests.user_code:no_such_function"'),
+         "model.factory = 'tests.user_code:no_such_function': tests.user_code has no attribute"),
+        (('"tests.user_code:digits_mlp"', '"digits_mlp"'),
          "model.factory = 'digits_mlp' must be 'package.module:function'"),
-        (('factory = "tests.fit.user_code:digits_mlp"', 'factory = "tests.fit.user_code:digits_mlp"\nname = "mlp"'),
+        (('factory = "tests.user_code:digits_mlp"', 'factory = "tests.user_code:digits_mlp"\nname = "mlp"'),
          "set model.factory (your own model) or model.name (a built-in one), not both"),
-        (('loss = "tests.fit.user_code:sum_cross_entropy"', 'loss = "tests.fit.user_code:missing_loss"'),
-         "task.loss = 'tests.fit.user_code:missing_loss': tests.fit.user_code has no attribute"),
+        (('loss = "tests.user_code:sum_cross_entropy"', 'loss = "tests.user_code:missing_loss"'),
+         "task.loss = 'tests.user_code:missing_loss': tests.user_code has no attribute"),
     ],
     ids=["import-fails", "not-callable", "no-such-name", "not-an-import-path", "factory-and-name", "bad-loss"],
 )
@@ -169,14 +169,14 @@ def test_what_a_factory_returns_is_checked_on_the_workers_in_one_line(tmp_path):
     workers of `ringtrain train mine.toml --nproc 2` in the harness's 2 ranks (issue 45: the line is the workers';
     how the launcher relays a usage error every worker reports, once and exit 2: test_front_door's test 2)."""
     config = tmp_path / "mine.toml"
-    config.write_text(FACTORY_CONFIG.replace('"tests.fit.user_code:digits"', '"tests.fit.user_code:data_as_list"')
+    config.write_text(FACTORY_CONFIG.replace('"tests.user_code:digits"', '"tests.user_code:data_as_list"')
                       .replace("[model.args]\nhidden = 32", "[model.args]\nwidth = 32"))
     ranks = run_distributed(_worker_main, 2, free_port(), [str(config), "--run-dir", str(tmp_path / "run")],
                             timeout_s=240)
     for rank, got in enumerate(ranks):
         errors = [line for line in got["stderr"].splitlines() if line.startswith("ringtrain: error:")]
         assert got["code"] == 2 and len(errors) == 1, got
-        assert errors[0].startswith(f"ringtrain: error: [rank {rank}] ") and "data.factory tests.fit.user_code:" \
+        assert errors[0].startswith(f"ringtrain: error: [rank {rank}] ") and "data.factory tests.user_code:" \
             "data_as_list returned list of 2; it must return (train, eval)" in errors[0], got["stderr"]
         assert "Traceback" not in got["stderr"]
 
@@ -256,10 +256,10 @@ def test_bench_train_measures_a_factory_config_against_bare_ddp_on_the_same_part
     # The trained parts (model, data and loss factories) without the metrics factory: metrics only join the
     # evaluation, not the weights the bench compares (the factory config test above runs them), and importing
     # torchmetrics costs ~6 CPU-seconds in each of the four workers (ringtrain's two and the bare loop's two).
-    trained_parts = FACTORY_CONFIG.replace('metrics = "tests.fit.user_code:accuracy_metrics"\n', "")
+    trained_parts = FACTORY_CONFIG.replace('metrics = "tests.user_code:accuracy_metrics"\n', "")
     assert trained_parts != FACTORY_CONFIG
-    config.write_text(trained_parts.replace('loss = "tests.fit.user_code:sum_cross_entropy"\nloss_reduction = "sum"\n',
-                                            'loss = "tests.fit.user_code:mean_cross_entropy"\n'))
+    config.write_text(trained_parts.replace('loss = "tests.user_code:sum_cross_entropy"\nloss_reduction = "sum"\n',
+                                            'loss = "tests.user_code:mean_cross_entropy"\n'))
     result = run_cli("bench", "train", str(config), "--nproc", "2", "--steps", "6", "--interval", "2",
                      "--out", str(tmp_path / "bench"))
     assert result.returncode == 0, result.stderr

@@ -33,7 +33,7 @@ from tests.conftest import REPO, run_cli, run_main
 from tests.distributed import run_distributed
 from tests.fit.scripts import SCRIPT, script_alone, script_in_ranks
 from tests.fit.test_fit import script_args
-from tests.integration.test_cli_train import free_port
+from tests.launch.test_cli_train import free_port
 from tests.runs import records, summary
 from tests.trainers import train_run
 
@@ -227,7 +227,7 @@ def test_7_resume_of_a_finished_run_has_nothing_to_do_and_leaves_every_file(tmp_
 
 @pytest.fixture(scope="module")
 def one_worker_adamw(tmp_path_factory):
-    """`python tests/fit/user_code.py --case own_optimizer` (one worker, the user's AdamW), run once in a harness
+    """`python tests/user_code.py --case own_optimizer` (one worker, the user's AdamW), run once in a harness
     rank (issue 45) for tests 8 and 10, which only read it: (what it ended with, its run directory)."""
     run_dir = tmp_path_factory.mktemp("own_optimizer") / "run"
     return script_alone("--case", "own_optimizer", "--config", json.dumps({**QUIET, "run_dir": str(run_dir)})), run_dir

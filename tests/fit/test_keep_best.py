@@ -25,7 +25,7 @@ from ringtrain.train.keep_best import lower_is_better
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.user_parts import UserParts
 from tests.distributed import run_distributed
-from tests.fit import user_code
+from tests import user_code
 
 EPOCHS = 6
 STEPS_PER_EPOCH = 23  # 1,437 digits, 64 a step

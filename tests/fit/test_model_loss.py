@@ -18,7 +18,7 @@ from ringtrain.group.init import DistContext
 from ringtrain.train.build import build_trainer
 from ringtrain.train.user_parts import UserParts
 from tests.distributed import run_distributed
-from tests.fit import user_code
+from tests import user_code
 from tests.trainers import flat_params
 
 STEPS = 6

@@ -33,7 +33,7 @@ import pytest
 
 from ringtrain.data.ledger import check_ledger
 from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
-from tests.chaos.jobs import Job, ledger_steps
+from tests.jobs import Job, ledger_steps
 from tests.conftest import REPO
 from tests.distributed import run_distributed
 from tests.faults import Fault, fault_plan

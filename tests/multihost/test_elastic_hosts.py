@@ -9,8 +9,8 @@ import time
 from contextlib import ExitStack
 
 from ringtrain.data.ledger import check_ledger
-from tests.chaos.jobs import Job, last_step, ledger_steps, records
-from tests.chaos.test_elastic import sigterm_pending
+from tests.jobs import Job, last_step, ledger_steps, records
+from tests.launch.test_elastic import sigterm_pending
 from tests.conftest import run_main
 
 PORT = 29400

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.chaos.jobs import Job, last_step
+from tests.jobs import Job, last_step
 from tests.distributed import run_distributed
 from tests.multihost.sshd import SshHosts, missing, processes_in
 from tests.multihost.test_launch import CONFIG, SHORT

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.chaos.jobs import Job
+from tests.jobs import Job
 from tests.conftest import REPO
 from tests.distributed import run_distributed
 from tests.hosts import INTERFACE, SUBNET, Hosts, listening_sockets

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 
-from tests.chaos.jobs import Job
+from tests.jobs import Job
 from tests.hosts import SUBNET
 from tests.multihost.test_launch import CONFIG, SHORT, _launchers
 
