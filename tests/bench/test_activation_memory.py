@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from ringtrain.bench.plan_layouts import Layout, ModelShape, activation_bytes
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 BATCH, SEQ, HIDDEN, HEADS, LAYERS, VOCAB = 8, 128, 64, 4, 4, 256
 SHAPE = ModelShape(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ, vocab=VOCAB)
 MICROBATCHES = 4

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.job
 
 
 def test_bench_checkpoint_reports_blocked_time_of_both_kinds_of_save(tmp_path):

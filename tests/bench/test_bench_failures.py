@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ringtrain.bench.training import _cause
 
 # What torchrun printed when a bare DDP worker aborted at exit (trimmed).
@@ -20,24 +22,29 @@ Root Cause (first observed failure):
 """
 
 
+@pytest.mark.ranks
 def test_a_killed_worker_is_reported_by_its_exit_code():
     assert _cause(_TORCHRUN_ABORT) == "a worker exited: exitcode : -6 (pid: 671) (SIGABRT)"
 
 
+@pytest.mark.ranks
 def test_a_worker_exception_beats_the_launcher_traceback():
     stderr = "Traceback (most recent call last):\nValueError: bad batch\n" + _TORCHRUN_ABORT
     assert _cause(stderr) == "ValueError: bad batch"
 
 
+@pytest.mark.unit
 def test_ringtrain_own_error_line_comes_first():
     assert _cause("noise\nringtrain: error: train.lr must be > 0\nmore noise\n") == "train.lr must be > 0"
 
 
+@pytest.mark.unit
 def test_empty_output_still_says_something():
     assert _cause("") == "(no output)"
     assert _cause("just this\n") == "just this"
 
 
+@pytest.mark.unit
 def test_model_parallel_cases_run_their_layout_on_the_batch_of_their_data_ranks(tmp_path, monkeypatch):
     """`ringtrain bench train --strategies tp,fsdp+tp,pp,ddp+pp`: each case's `ringtrain train` gets its
     comm.strategy, its parallel.tp and parallel.pp (1 for the unsplit cases, whatever the config says) and a batch

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import ast
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.unit
 
 
 def test_no_bench_script_imports_tests():

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from bench.hosts_training import Case, cases, table
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def test_the_grid_runs_single_host_layouts_once_and_cross_host_layouts_per_rate():

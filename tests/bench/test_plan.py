@@ -16,6 +16,7 @@ GLOO = Link(50e-6, 1e9, "torch")
 FAST = Link(1e-6, 100e9, "shm")
 
 
+@pytest.mark.unit
 def test_a_ring_moves_2_n_minus_1_over_n_of_the_message():
     assert ring_time(1e9, 1, GLOO) == 0
     assert ring_time(1e9, 2, Link(0, 1e9)) == pytest.approx(1.0)       # 2(n-1)/n = 1
@@ -24,6 +25,7 @@ def test_a_ring_moves_2_n_minus_1_over_n_of_the_message():
     assert ring_time(1.0, 4, Link(1e-3, 1e12)) == pytest.approx(6e-3, rel=1e-6)  # 2(n-1) latency terms
 
 
+@pytest.mark.unit
 def test_hierarchical_cuts_cross_host_traffic_by_the_ratio_the_issue_states():
     """2 hosts x 2 workers, a fast inside link: flat carries 2(n-1)/n = 1.5 of the message over the slow
     link, hierarchical 2(h-1)/h = 1: the ratio tends to 1.5 for large messages."""
@@ -35,6 +37,7 @@ def test_hierarchical_cuts_cross_host_traffic_by_the_ratio_the_issue_states():
         all_reduce_time(1e6, topo, FAST, slow, "tree")
 
 
+@pytest.mark.unit
 def test_the_fit_recovers_alpha_and_beta():
     truth = Link(120e-6, 0.8e9)
     points = [(b, ring_time(b, 2, truth)) for b in (256e3, 1e6, 4e6, 16e6)]
@@ -44,6 +47,7 @@ def test_the_fit_recovers_alpha_and_beta():
         fit_link([(1e6, 2e-3), (16e6, 1e-3)], 2)
 
 
+@pytest.mark.unit
 def test_buckets_overlap_the_backward_and_only_the_tail_is_exposed():
     assert bucket_sizes(60e6, 25e6) == [1 << 20, 25e6, 25e6, 60e6 - (1 << 20) - 50e6]
     work = Workload(60e6, forward_s=0.1, backward_s=0.2, optimizer_s=0.01)
@@ -60,6 +64,7 @@ def test_buckets_overlap_the_backward_and_only_the_tail_is_exposed():
     assert halved.exposed_s < slow.exposed_s
 
 
+@pytest.mark.unit
 def test_validate_predicts_each_case_from_its_own_compute():
     rows = [
         {"runner": "bare", "world_size": 2, "median_step_s": 0.3, "breakdown_s": {}},
@@ -73,6 +78,7 @@ def test_validate_predicts_each_case_from_its_own_compute():
     assert case["step_error"] == pytest.approx(want.step_s / 0.4 - 1)
 
 
+@pytest.mark.unit
 def test_the_extrapolated_table_falls_with_scale_and_rises_with_link_speed():
     rows = extrapolate()
     for model in ("resnet50", "gpt2-small"):
@@ -84,6 +90,7 @@ def test_the_extrapolated_table_falls_with_scale_and_rises_with_link_speed():
         assert all(fast[n]["flat"] >= slow[n]["flat"] and slow[n]["hierarchical"] >= slow[n]["flat"] for n in slow)
 
 
+@pytest.mark.job
 def test_plan_commands(tmp_path):
     done = run_cli("plan", "table", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
@@ -99,6 +106,7 @@ def test_plan_commands(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ringtrain: error: --params 'eleven'")
 
 
+@pytest.mark.unit
 def test_validate_collectives_maps_algorithms_to_flat_and_hierarchical():
     from ringtrain.bench.plan import validate_collectives
 
@@ -114,6 +122,7 @@ def test_validate_collectives_maps_algorithms_to_flat_and_hierarchical():
 
 
 # --- DiLoCo ------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_diloco_exposes_f_over_h_of_each_exchange_and_a_delay_hides_compute_behind_it():
     from ringtrain.bench.plan import VALUE_BYTES, gather_time, predict_diloco_step
 
@@ -138,6 +147,7 @@ def test_diloco_exposes_f_over_h_of_each_exchange_and_a_delay_hides_compute_behi
         predict_diloco_step(work, topo, FAST, slow, "hierarchical", sync_every=10, fragments=3)
 
 
+@pytest.mark.job
 def test_plan_diloco_prints_ddp_then_each_case_and_refuses_bad_input_in_one_line():
     done = run_cli("plan", "diloco", "--params", "1M", "--compute-ms", "30", "--hosts", "2", "--inter-mbps", "12.5",
                    "--sync-every", "1,50", "--fragments", "1,5", "--dtype", "fp32,int8")

@@ -12,6 +12,8 @@ from ringtrain.bench.plan_layouts import (DATA_STRATEGIES, Cluster, Layout, Mode
                                           parse_tp_unsplit, plan_layouts, runs_in_ringtrain)
 from tests.conftest import run_main
 
+pytestmark = pytest.mark.unit
+
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=100)
 FAST = Link(1e-6, 1e10, "fast")
 SLOW = Link(1e-4, 1e8, "slow")

@@ -27,6 +27,7 @@ def saved(tmp_path, steps=(10, 20, 30), keep_last=3) -> CheckpointManager:
     return manager
 
 
+@pytest.mark.unit
 def test_save_writes_data_then_manifest_and_keeps_the_last_k(tmp_path):
     manager = saved(tmp_path, steps=(10, 20, 30, 40), keep_last=2)
     names = sorted(p.name for p in manager.directory.iterdir())
@@ -50,6 +51,7 @@ def delete_manifest(path):
     manifest_path(path).unlink()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("corrupt", [flip_a_byte, truncate, delete_manifest])
 def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, corrupt):
     manager = saved(tmp_path)
@@ -65,6 +67,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_pat
     print(f"{corrupt.__name__}: detected, fell back to {path.name}")
 
 
+@pytest.mark.unit
 def test_three_corruptions_three_detections(tmp_path):
     """The issue's tally: flip a byte, truncate, delete the manifest -> 3/3 detected, each falls back."""
     detected = 0
@@ -78,6 +81,7 @@ def test_three_corruptions_three_detections(tmp_path):
     assert detected == 3
 
 
+@pytest.mark.unit
 def test_no_valid_checkpoint_at_all_is_none_with_every_problem_named(tmp_path):
     manager = saved(tmp_path, steps=(10, 20))
     flip_a_byte(manager.path_for(10))
@@ -97,6 +101,7 @@ class _CreatesAFile:
         return (open, (self.target, "w"))
 
 
+@pytest.mark.unit
 def test_a_malicious_pickle_with_a_valid_manifest_is_refused_and_runs_nothing(tmp_path):
     manager = saved(tmp_path, steps=(10,))
     target = tmp_path / "pwned"
@@ -117,11 +122,13 @@ def test_a_malicious_pickle_with_a_valid_manifest_is_refused_and_runs_nothing(tm
     print(f"malicious checkpoint refused: {str(err.value)[:100]}...")
 
 
+@pytest.mark.unit
 def test_a_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         CheckpointManager(tmp_path).load(tmp_path / "step_00000001.pt")
 
 
+@pytest.mark.unit
 def test_stale_temp_files_of_a_crashed_save_are_removed_by_the_next_save(tmp_path):
     manager = saved(tmp_path, steps=(10,))
     stale = manager.directory / ".step_00000020.pt.tmp-12345"
@@ -142,6 +149,7 @@ def fsynced_paths(monkeypatch) -> list[str]:
     return synced
 
 
+@pytest.mark.unit
 def test_a_new_checkpoints_folder_is_fsynced_in_its_parent(tmp_path, monkeypatch):
     synced = fsynced_paths(monkeypatch)
     CheckpointManager(tmp_path / "run" / "checkpoints").save(10, state_for(10))
@@ -150,6 +158,7 @@ def test_a_new_checkpoints_folder_is_fsynced_in_its_parent(tmp_path, monkeypatch
     assert str(tmp_path) in synced, f"run/ was not fsynced in its parent: {synced}"
 
 
+@pytest.mark.unit
 def test_export_writes_the_newest_valid_weights_as_safetensors(tmp_path):
     manager = saved(tmp_path)
     truncate(manager.path_for(30))
@@ -161,6 +170,7 @@ def test_export_writes_the_newest_valid_weights_as_safetensors(tmp_path):
     assert read_verified(manager.path_for(20))  # exporting changed nothing
 
 
+@pytest.mark.unit
 def test_the_export_command_writes_safetensors_from_a_run_directory(tmp_path, capsys):
     from ringtrain.cli import main
     from ringtrain.config import load_config
@@ -176,6 +186,7 @@ def test_the_export_command_writes_safetensors_from_a_run_directory(tmp_path, ca
     assert "is not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.job
 def test_a_writer_cut_off_while_it_saves_commits_nothing_and_its_prune_spares_a_live_writers_files(tmp_path):
     """Issue 21: after its fence check a writer can be stopped, a heal make another worker the writer, and the
     stopped one resume. Its save checks the fence again right before each file takes its name, so nothing it

@@ -13,6 +13,8 @@ from ringtrain.bench.plan_layouts import Layout, ModelShape, layout_memory
 from tests.layouts.composition import ADAMW, SAVED, SEQ_LEN, STEPS, ZBV, Run, assert_same_run, oracle, root, \
     runs_folder, train
 
+pytestmark = pytest.mark.ranks
+
 composition_runs_folder = runs_folder()
 
 SHARDED = ["checkpoint.sharded=true", "checkpoint.async=true"]

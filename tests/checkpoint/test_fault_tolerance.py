@@ -27,6 +27,8 @@ from tests.distributed import DistributedTestError, run_distributed
 from tests.runs import losses, records
 from tests.trainers import build_test_trainer, params_of, train_uninterrupted
 
+pytestmark = pytest.mark.ranks
+
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 
 # debug_mlp.toml with a user's model that has dropout (and the user's digits, as factories), and one DataLoader

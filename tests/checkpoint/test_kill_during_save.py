@@ -15,11 +15,14 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import manifest_path
 from tests import distributed  # noqa: F401 - sets the forkserver's preload
+
+pytestmark = pytest.mark.ranks
 
 _CONTEXT = mp.get_context("forkserver")
 """The test process's one forkserver, with the harness's preload (tests/distributed.py): a list set here would

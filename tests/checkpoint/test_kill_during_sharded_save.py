@@ -16,6 +16,8 @@ import torch
 
 from ringtrain.checkpoint.sharded import ShardedCheckpointer, checkpoint_step_of, committed, verify
 
+pytestmark = pytest.mark.ranks
+
 _CONTEXT = mp.get_context("forkserver")
 
 

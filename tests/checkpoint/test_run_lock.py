@@ -12,6 +12,8 @@ import pytest
 from ringtrain.errors import ConfigError
 from ringtrain.train.run_lock import RunDirLock
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_finished_writer_leaves_no_lock_file(tmp_path):
     with RunDirLock(tmp_path) as lock:

@@ -20,6 +20,8 @@ from ringtrain.checkpoint.sharded import ShardedCheckpointer, manifest_of, verif
 from ringtrain.errors import CorruptCheckpoint, UnsafeCheckpoint
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)

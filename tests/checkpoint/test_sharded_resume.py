@@ -33,6 +33,7 @@ def train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume
     return {"summary": summary, "params": params_of(trainer), "resumed_at": resumed_at, "loaded": loaded}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("mode", ["sharded", "async"])
 def test_a_sharded_resume_is_bit_exact(tmp_path, mode):
     flags = ["checkpoint.sharded=true"] if mode == "sharded" else ["checkpoint.async=true"]
@@ -57,6 +58,7 @@ def test_a_sharded_resume_is_bit_exact(tmp_path, mode):
     print(f"{mode}: stop at 6, resume: 12 losses and every parameter bit-identical; saves {[(r['step'], round(r['blocked_s'], 4)) for r in saves]}")
 
 
+@pytest.mark.ranks
 def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path):
     """Saved by 2 workers, resumed by 1 (and the reverse): the parameters loaded are those saved."""
     two_to_one = tmp_path / "two"
@@ -80,6 +82,7 @@ def zero_train(rank: int, world_size: int, run_dir: str, overrides: list[str], r
     return {"state": result["final"], "resumed_at": result["loaded_at"]}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("strategy,mode", [("zero1", "sharded"), ("zero3", "async")])
 def test_a_zero_sharded_resume_is_bit_exact(tmp_path, strategy, mode):
     """Each rank saves its own stretches; stopped at 6 and resumed, parameters and optimizer state (AdamW's
@@ -120,6 +123,7 @@ def full_params(rank: int, world_size: int, run_dir: str, overrides: list[str], 
     return {"loaded": loaded, "final": final, "resumed_at": trainer.state.step, "loaded_at": loaded_at}
 
 
+@pytest.mark.ranks
 def test_fsdp_shards_saved_by_two_load_into_ddp_at_one(tmp_path):
     """FSDP2's DTensor shards (2 workers) -> DDP's full tensors (1 worker), through DCP's resharding."""
     run_dir = str(tmp_path / "run")
@@ -131,6 +135,7 @@ def test_fsdp_shards_saved_by_two_load_into_ddp_at_one(tmp_path):
         assert np.array_equal(resumed[0]["loaded"][name], value), name
 
 
+@pytest.mark.job
 def test_a_fresh_run_over_sharded_checkpoints_is_refused_and_resume_finds_them(tmp_path):
     from tests.conftest import run_cli, run_main
 
@@ -146,6 +151,7 @@ def test_a_fresh_run_over_sharded_checkpoints_is_refused_and_resume_finds_them(t
     assert "resumed from step_00000004.dcp (step 4)" in resumed.stderr + resumed.stdout
 
 
+@pytest.mark.ranks
 def test_export_gathers_a_sharded_checkpoint_into_one_safetensors_file(tmp_path):
     """FSDP2 shards of 2 workers -> one safetensors file equal to the full parameters at that step."""
     from safetensors.torch import load_file

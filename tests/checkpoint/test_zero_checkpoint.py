@@ -23,6 +23,8 @@ from ringtrain.parallel import build_strategy
 from tests.layouts.test_zero import _batches, _model, _optimizer
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 
 def _build(name: str):
     extra = {} if name in ("ddp", "fsdp") else {"bucket_mb": 0.002}

@@ -47,6 +47,7 @@ def _deepspeed_files() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("deepspeed_allreduce_buffer")}
 
 
+@pytest.mark.job
 def test_deepspeed_shm_runs_beside_ringtrain_shm(tmp_path, deepspeed_build, monkeypatch):
     # deepspeed_build: the op was compiled in the background (tests/conftest.py); this loads it from the cache.
     reason = _missing_prerequisite(monkeypatch)
@@ -70,6 +71,7 @@ def test_deepspeed_shm_runs_beside_ringtrain_shm(tmp_path, deepspeed_build, monk
     assert _deepspeed_files() <= before  # its workspace files were unlinked once mapped
 
 
+@pytest.mark.job
 def test_a_missing_deepspeed_is_one_line_with_the_install_command(tmp_path):
     # DeepSpeed made unimportable (a None entry in sys.modules is how Python spells "not installed").
     code = ("import sys; sys.modules['deepspeed'] = None; from ringtrain.cli import main; "
@@ -82,6 +84,7 @@ def test_a_missing_deepspeed_is_one_line_with_the_install_command(tmp_path):
                      "pip install 'deepspeed==0.19.8' (or: pip install -e '.[bench]')"], result.stderr
 
 
+@pytest.mark.unit
 def test_deepspeed_shm_refuses_dtypes_its_op_leaves_untouched():
     with pytest.raises(ConfigError, match="deepspeed_shm reduces float32, bfloat16 and float16 only, not --dtype int64"):
         BenchOptions(algorithms=("shm", "deepspeed_shm"), dtype="int64").validate()

@@ -36,6 +36,7 @@ def _leftovers() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("vader_segment")}
 
 
+@pytest.mark.job
 def test_openmpi_takes_turns_with_ringtrain_shm(tmp_path):
     reason = _missing()
     if reason:
@@ -63,6 +64,7 @@ def test_openmpi_takes_turns_with_ringtrain_shm(tmp_path):
     assert not subprocess.run(["pgrep", "-f", "ringtrain.bench.openmpi"], capture_output=True).stdout
 
 
+@pytest.mark.job
 def test_a_missing_openmpi_is_one_line_with_the_install_command(tmp_path):
     # mpi4py made unimportable (a None entry in sys.modules is how Python spells "not installed").
     code = ("import sys; sys.modules['mpi4py'] = None; from ringtrain.cli import main; "
@@ -75,6 +77,7 @@ def test_a_missing_openmpi_is_one_line_with_the_install_command(tmp_path):
     assert lines[0].endswith(openmpi.INSTALL_HINT), lines
 
 
+@pytest.mark.job
 def test_an_mpirun_that_fails_is_one_line_naming_it(tmp_path):
     reason = _missing()
     if reason:
@@ -94,6 +97,7 @@ def test_an_mpirun_that_fails_is_one_line_naming_it(tmp_path):
                          "mpirun: could not find orted on this host"), result.stderr
 
 
+@pytest.mark.unit
 def test_openmpi_refuses_what_it_cannot_measure():
     with pytest.raises(ConfigError, match=r"openmpi reduces float32, float64, int32 and int64 \(MPI has no bfloat16\)"):
         BenchOptions(algorithms=("shm", "openmpi"), dtype="bfloat16").validate()
@@ -101,6 +105,7 @@ def test_openmpi_refuses_what_it_cannot_measure():
         BenchOptions(algorithms=("shm", "openmpi"), nnodes=2, nprocs=(2,), rdzv_endpoint="198.18.0.1:29500").validate()
 
 
+@pytest.mark.job
 def test_mpirun_is_pinned_as_the_bench_pins_its_workers():
     cores = len(os.sched_getaffinity(0))
     command = openmpi.mpirun_command(cores, 1234)

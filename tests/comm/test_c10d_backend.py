@@ -6,10 +6,13 @@ test_shm_c10d_ops.py checks every op against Gloo)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.ranks
 
 
 def dtensor_over_shm(rank: int, world_size: int) -> dict:

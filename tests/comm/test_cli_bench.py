@@ -14,6 +14,7 @@ from ringtrain.errors import ConfigError
 from tests.conftest import run_cli
 
 
+@pytest.mark.job
 def test_bench_collectives_prints_the_table_and_writes_json_csv_and_png(tmp_path):
     out = tmp_path / "bench"
     result = run_cli("bench", "collectives", "--nproc", "2", "--sizes", "4K,256K", "--algorithms", "torch,ring,shm",
@@ -33,12 +34,14 @@ def test_bench_collectives_prints_the_table_and_writes_json_csv_and_png(tmp_path
     assert (out / "collectives.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.job
 def test_a_bad_flag_is_one_line_before_any_worker_starts(tmp_path):
     result = run_cli("bench", "collectives", "--sizes", "4K:4X", "--out", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.strip() == "ringtrain: error: --sizes: '4X' is not a size like 4K, 1M or 4096"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "options, fragment",
     [
@@ -55,10 +58,12 @@ def test_bench_option_mistakes_name_the_fix(options, fragment):
         parse_world_sizes("2,x")
 
 
+@pytest.mark.unit
 def test_bench_knows_every_comm_algorithm():
     assert set(comm.ALGORITHMS) < set(BENCH_ALGORITHMS)
 
 
+@pytest.mark.unit
 def test_size_ranges_are_powers_of_the_factor():
     assert parse_sizes("4K:64K") == (4096, 8192, 16384, 32768, 65536)
     assert parse_sizes("4K:64M:4")[-1] == 64 << 20 and len(parse_sizes("4K:64M:4")) == 8
@@ -67,6 +72,7 @@ def test_size_ranges_are_powers_of_the_factor():
         parse_sizes("64M:4K")
 
 
+@pytest.mark.job
 def test_bench_ops_time_every_collective_for_gloo_and_ringtrain_shm(tmp_path):
     out = tmp_path / "bench"
     result = run_cli("bench", "collectives", "--nproc", "2", "--sizes", "4K", "--algorithms", "torch,ring,shm",
@@ -89,6 +95,7 @@ def test_bench_ops_time_every_collective_for_gloo_and_ringtrain_shm(tmp_path):
     assert re.search(r"^  sendrecv +4 KiB  shm ", result.stdout, re.M), result.stdout
 
 
+@pytest.mark.job
 def test_a_bad_op_is_one_line_and_exit_2(tmp_path):
     result = run_cli("bench", "collectives", "--ops", "all_reduce,allgather", "--out", str(tmp_path))
     assert result.returncode == 2
@@ -96,6 +103,7 @@ def test_a_bad_op_is_one_line_and_exit_2(tmp_path):
                                      "from all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,sendrecv (or all)")
 
 
+@pytest.mark.unit
 def test_ops_flag_parsing():
     assert parse_ops("all") == BENCH_OPS
     assert parse_ops(" all_gather, sendrecv,all_gather") == ("all_gather", "sendrecv")

@@ -12,6 +12,8 @@ from tests.conftest import run_cli
 from tests.distributed import run_distributed
 from tests.trainers import train_run
 
+pytestmark = pytest.mark.job
+
 STEPS = 20
 COMMON = ["configs/debug_mlp.toml", "--nproc", "2", "--set", f"train.max_steps={STEPS}"]
 

@@ -23,6 +23,7 @@ from ringtrain.config import load_config
 from ringtrain.errors import ConfigError
 
 
+@pytest.mark.unit
 @settings(max_examples=200, deadline=None)
 @given(numel=st.integers(0, 10_000), world_size=st.integers(1, 9), itemsize=st.sampled_from([1, 2, 4, 8]))
 def test_shards_cover_the_tensor_in_order_on_cache_line_boundaries(numel, world_size, itemsize):
@@ -37,11 +38,13 @@ def test_shards_cover_the_tensor_in_order_on_cache_line_boundaries(numel, world_
     assert lengths == sorted(lengths, reverse=True), "only trailing shards may be short"
 
 
+@pytest.mark.unit
 def test_chunks_cover_a_range():
     assert chunk_bounds(3, 13, 4) == [(3, 7), (7, 11), (11, 13)]
     assert chunk_bounds(5, 5, 4) == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "call, fragment",
     [
@@ -78,6 +81,7 @@ def _create_and_die(name: str) -> None:
     subprocess.run([sys.executable, "-c", script, str(module), name], check=True)
 
 
+@pytest.mark.job
 def test_orphaned_segments_are_swept_and_live_ones_kept_whatever_pid_their_name_carries():
     orphan = segment_name(_dead_pid())
     _create_and_die(orphan)
@@ -106,6 +110,7 @@ def test_orphaned_segments_are_swept_and_live_ones_kept_whatever_pid_their_name_
     assert orphan.startswith(PREFIX)
 
 
+@pytest.mark.job
 def test_segments_dead_peers_left_named_are_swept_at_once_and_locked_ones_kept():
     """Healing (shm_group.destroy): what a peer that died in a set-up left in /dev/shm goes at once, by its pid."""
     dead = _dead_pid()
@@ -128,6 +133,7 @@ def _tree(root: Path, files: dict[str, str]) -> None:
         (root / name).write_text(text)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "proc_cgroup, files, cpus",
     [
@@ -146,6 +152,7 @@ def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2(tmp_path, proc_cgroup, file
     assert cgroup_cpu_limit(str(tmp_path / "fs"), str(tmp_path / "cgroup")) == cpus
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides, fragment",
     [

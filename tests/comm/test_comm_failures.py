@@ -19,6 +19,8 @@ from ringtrain.comm import shm
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 TIMEOUT_S = 3.0
 VICTIM = 1
 

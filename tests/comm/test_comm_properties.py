@@ -26,6 +26,8 @@ from ringtrain import comm
 from ringtrain.comm import shm
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 ALGORITHMS = ("ring", "ring_chunked", "shm")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 EDGE_SIZES = (0, 1, 2, 3, 5, 7, 13, 16, 17, 31, 97, 1009, 65535, 65536, 65537, 131073, 262147, 1048583)

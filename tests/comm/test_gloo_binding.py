@@ -19,6 +19,8 @@ from ringtrain.heal.membership import Generation, Membership
 from ringtrain.group.jobstore import JobStore
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 JOB_ADDR = "127.0.0.2"
 
 

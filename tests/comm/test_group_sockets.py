@@ -9,8 +9,12 @@ from __future__ import annotations
 import socket
 import threading
 
+import pytest
+
 from ringtrain.group import sockets
 from ringtrain.group.sockets import group_sockets, recording_group_sockets, shutdown_group_sockets
+
+pytestmark = pytest.mark.unit
 
 
 def connected_pairs(count: int) -> tuple[socket.socket, list[tuple[socket.socket, socket.socket]]]:

@@ -41,6 +41,7 @@ def _child_id(*prefix: str, shell: str | None = None) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.job
 def test_a_process_with_a_dev_shm_of_its_own_is_another_host():
     mine = host_id()
     assert _child_id() == mine  # a plain child: same machine, network and /dev/shm
@@ -78,6 +79,7 @@ def shm_across_two_dev_shm(rank: int, world_size: int):
     return host_id(), sg.hierarchical, sg.leaders, sg.local, torch.equal(ours, reference)
 
 
+@pytest.mark.ranks
 def test_two_workers_with_their_own_dev_shm_reduce_as_two_hosts():
     (id0, *first), (id1, *second) = run_distributed(shm_across_two_dev_shm, 2)
     assert id0 != id1

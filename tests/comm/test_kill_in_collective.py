@@ -21,6 +21,8 @@ from tests.distributed import run_distributed
 from tests.faults import Fault, fault_plan
 from tests.trainers import build_test_trainer
 
+pytestmark = pytest.mark.ranks
+
 VICTIM = 1
 KILL_STEP = 3
 TIMEOUT_S = 5.0

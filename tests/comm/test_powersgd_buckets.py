@@ -9,6 +9,7 @@ process (``op.preamble.length <= op.nbytes``). ringtrain's ``powersgd`` waits fo
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ringtrain.comm.hooks import register_comm_hook
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.ranks
 
 STEPS = 6
 

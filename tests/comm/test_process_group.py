@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.job
+
 # One worker: bring the group up as `ringtrain train` does, report which cores each thread may use.
 _WORKER = """
 import json, os, sys

@@ -3,12 +3,15 @@ report, culprit and reason from the same rank, never a mix of two."""
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from ringtrain import comm
 from ringtrain.comm import shm
 from ringtrain.comm.shm_board import _MISMATCH, _TIMEOUT
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.ranks
 
 ROUNDS = 1500
 # What each rank reports when both fail together: rank 0 saw rank 1 time out, rank 1 saw rank 0 call another

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool,
           torch.complex64)
 SIZES = (0, 1, 7, 5003)  # 5003 fp32: 20 KB, five 4 KB pieces (and many of reduce_scatter's per-rank slots)

@@ -22,6 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.job
+
 REPO = Path(__file__).resolve().parents[2]
 _HANG_S = 60
 """A worker still alive this long after its fork prints where it is and exits (a hang fails the test, not the

@@ -16,6 +16,8 @@ from ringtrain.comm.shm_group import SMALL_BYTES, get_shm_group
 from ringtrain.parallel import ManualStrategy
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 # (dtype, elements): each above SMALL_BYTES (256 KB), odd sizes so that shards end unevenly.
 LARGE = [("float32", 100_003), ("float64", 70_001), ("float16", 200_003), ("bfloat16", 131_075), ("int32", 65_541), ("int64", 40_009)]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,6 +16,8 @@ from ringtrain.comm import shm
 from ringtrain.parallel import ManualStrategy
 from ringtrain.parallel.manual import BucketedDataParallel
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.ranks
 
 
 def destroy_used_groups(rank: int, world_size: int) -> dict:

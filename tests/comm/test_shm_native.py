@@ -133,6 +133,7 @@ def against_torch(rank: int, world_size: int) -> list[dict]:
     return reports
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_native_sums_match_torch_and_are_bit_identical_on_every_rank(world_size):
     results = run_distributed(against_torch, world_size, timeout_s=180)
@@ -146,6 +147,7 @@ def test_native_sums_match_torch_and_are_bit_identical_on_every_rank(world_size)
                 assert c["same_bits"], f"{case}: not the bits torch.distributed gives"
 
 
+@pytest.mark.unit
 def test_ranks_pinned_to_the_same_single_core_are_near():
     # 4 ranks pinned round robin to 2 cores (as ringtrain pins its workers): 0 and 2 share a core, 1 and 3.
     assert [near_mask([[0], [1], [0], [1]], r) for r in range(4)] == [0b0100, 0b1000, 0b0001, 0b0010]
@@ -186,6 +188,7 @@ def in_place_and_mixed(rank: int, world_size: int) -> dict:
             "in_place_barriers": in_place_barriers, "recorded": recorded}
 
 
+@pytest.mark.ranks
 def test_in_place_and_python_path_calls_interleave_with_native_ones():
     results = run_distributed(in_place_and_mixed, 2, timeout_s=120)
     assert all(r["native"] and r["arena"] for r in results)
@@ -226,6 +229,7 @@ def numbered_across_wrap(rank: int, world_size: int) -> dict:
     return {"before": seen(before_close), "after": seen(after), "resized": seen(resized), "calls": calls}
 
 
+@pytest.mark.ranks
 def test_the_flight_recorder_numbers_native_and_python_calls_as_one_sequence():
     results = run_distributed(numbered_across_wrap, 2, timeout_s=120)
     for result in results:
@@ -263,6 +267,7 @@ def one_core(rank: int, world_size: int) -> dict:
     return {"equal": equal, "digests": digests, "sleeps": stats["sleeps"], "wakes": stats["wakes"]}
 
 
+@pytest.mark.ranks
 def test_ranks_sharing_one_core_sleep_until_woken_and_agree():
     results = run_distributed(one_core, 4, timeout_s=120)
     assert all(all(r["equal"]) for r in results)
@@ -287,17 +292,20 @@ def switched_off(rank: int, world_size: int) -> dict:
             "sum_ok": bool((x == world_size * (world_size + 1) / 2).all())}
 
 
+@pytest.mark.ranks
 def test_the_environment_switch_turns_the_native_path_off():
     for result in run_distributed(switched_off, 2):
         assert result == {"native": False, "python_calls": 1, "sum_ok": True}
 
 
+@pytest.mark.unit
 def test_the_native_module_builds_here():
     """Every prerequisite is here (else the module skips): the build must succeed, and say why if it does not."""
     module = shm_native.build()  # raises with the compiler's reason
     assert "float32" in module.dtypes(), module.dtypes()
 
 
+@pytest.mark.job
 def test_a_build_that_fails_falls_back_with_one_warning_line(tmp_path):
     # A real failed build: an empty cache and a compiler that fails (torch's cpp_extension honours CXX).
     env = {**os.environ, "RINGTRAIN_CACHE_DIR": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": os.getcwd()}
@@ -324,6 +332,7 @@ def killed_inside(rank: int, world_size: int) -> dict:
         return {"type": type(err).__name__, "message": str(err), "peer": err.peer, "after_s": time.monotonic() - started}
 
 
+@pytest.mark.ranks
 @pytest.mark.exclusive  # nothing new in /dev/shm: no other test may make segments meanwhile
 def test_a_rank_killed_inside_a_native_call_is_named():
     before = {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}

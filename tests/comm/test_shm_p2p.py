@@ -21,6 +21,8 @@ import torch.distributed as dist
 from ringtrain.comm.shm_segment import PREFIX, SHM_DIR
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
 SIZES = (0, 1, 7, 5003)  # 5003 fp32: 20 KB, five 4 KB slots
 PIECE_KB = 4

@@ -18,6 +18,8 @@ from ringtrain.comm import shm, shm_native
 from ringtrain.comm.shm_board import header_bytes
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 BAD = [("small_kb", 0), ("piece_kb", 0), ("piece_kb", -4), ("piece_kb", (1 << 20) + 1), ("small_kb", 2.5),
        ("piece_kb", True)]
 

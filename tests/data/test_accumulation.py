@@ -25,6 +25,8 @@ from tests.distributed import run_distributed
 from tests.faults import fault_plan, oom_at
 from tests.trainers import REPO, build_test_trainer, count_gradient_syncs, flat_params
 
+pytestmark = pytest.mark.ranks
+
 PLAIN_SGD = ["train.optimizer=sgd", "train.lr=1.0", "train.momentum=0.0", "train.lr_schedule=constant",
              "train.warmup_steps=0", "train.weight_decay=0.0", "train.precision=fp32"]
 MLP = ("configs/debug_mlp.toml", [*PLAIN_SGD, "model.hidden_sizes=[16]", "train.global_batch_size=48"])

@@ -18,6 +18,8 @@ from tests.faults import fault_plan, oom_at
 from ringtrain.train.resume import ResumePlan
 from tests.trainers import build_test_trainer, count_gradient_syncs, flat_params
 
+pytestmark = pytest.mark.ranks
+
 MLP_JOB = ["train.global_batch_size=96", "train.local_batch_size=16", "train.max_steps=5", "train.auto_micro_batch=true",
            "train.lr_schedule=constant", "monitor.log_every_steps=1"]
 

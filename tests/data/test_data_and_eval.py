@@ -13,6 +13,8 @@ from ringtrain.train.evaluate import evaluate
 from ringtrain.train.tasks import builtin_task
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 
 def shards_per_epoch(rank: int, world_size: int, epochs: int) -> list[list[list[int]]]:
     """Every rank's sample ids of each epoch, as seen through the real train loader."""

@@ -12,6 +12,8 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from ringtrain.errors import ConfigError
 from ringtrain.train.tasks import build_task, builtin_task
 
+pytestmark = pytest.mark.unit
+
 
 def user_cross_entropy():
     return build_task("cross_entropy", "mean", None, example_target=torch.tensor(0))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed import run_distributed
 from tests.trainers import build_test_trainer, make_image_folder
+
+pytestmark = pytest.mark.ranks
 
 SMALL = ["data.image_size=24", "train.global_batch_size=8", "train.local_batch_size=2", "train.max_steps=2",
          "train.precision=fp32"]

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from ringtrain.data.ledger import Ledger, check_ledger, read_ledger
 from ringtrain.data.sampler import ResumableSampler
+
+pytestmark = pytest.mark.unit
 
 
 def record_epoch(ledger: Ledger, sampler: ResumableSampler, world_size: int, step: int, steps: int | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from ringtrain.config import load_config
@@ -18,6 +19,8 @@ from ringtrain.data import ResumableSampler, build_datasets, build_train_loader
 from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
 from tests.trainers import REPO, build_test_trainer, params_of
+
+pytestmark = pytest.mark.ranks
 
 DEBUG_LM = REPO / "configs" / "debug_lm.toml"
 DEBUG_RESNET = REPO / "configs" / "debug_resnet.toml"

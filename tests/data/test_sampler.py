@@ -12,6 +12,8 @@ from torch.utils.data import TensorDataset
 from ringtrain.data.loader import build_train_loader
 from ringtrain.data.sampler import ResumableSampler, eval_shard, grad_accum_steps_for_window
 
+pytestmark = pytest.mark.unit
+
 
 def epoch_shards(sampler: ResumableSampler, world_size: int, steps: int | None = None) -> list[list[list[int]]]:
     """shards[step][rank] for the next ``steps`` steps (default: the rest of the epoch), advancing as

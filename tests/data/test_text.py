@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,8 @@ from ringtrain.data.text import (
     stdlib_dir,
     unigram_entropy,
 )
+
+pytestmark = pytest.mark.unit
 
 
 @given(st.binary(max_size=600).map(lambda b: b.replace(b"\r", b"\n")), st.integers(2, 40))

@@ -23,6 +23,8 @@ from tests.data.test_accumulation import PLAIN_SGD, full_batch_gradient
 from tests.distributed import run_distributed
 from tests.trainers import REPO, build_test_trainer
 
+pytestmark = pytest.mark.ranks
+
 BOUND = dict(rtol=1e-4, atol=2e-6)
 MLP = ("configs/debug_mlp.toml", [*PLAIN_SGD, "model.hidden_sizes=[16]"])
 TEXT = ("configs/debug_lm.toml", [*PLAIN_SGD, "model.n_layers=1", "model.d_model=16", "data.seq_len=32",

@@ -8,6 +8,8 @@ import torch
 
 from ringtrain.comm import codec
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("numel", [1, 2, 255, 256, 257, 1001])
 @pytest.mark.parametrize("dtype", codec.DTYPES)

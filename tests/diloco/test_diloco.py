@@ -16,6 +16,8 @@ from ringtrain.config import CommConfig, DiLoCoConfig
 from ringtrain.parallel import DiLoCoStrategy, build_strategy
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 H = 3
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 

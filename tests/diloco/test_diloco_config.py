@@ -9,6 +9,8 @@ import pytest
 from ringtrain.cli import main
 from ringtrain.config import Config, DiLoCoConfig, load_config_dict
 
+pytestmark = pytest.mark.unit
+
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 DILOCO = ["comm.strategy='diloco'"]
 

@@ -8,6 +8,8 @@ import pytest
 from ringtrain.errors import ConfigError
 from ringtrain.parallel.diloco import split_fragments
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("numels,fragments,starts", [
     ([10, 10, 10, 10], 2, [0, 2]),

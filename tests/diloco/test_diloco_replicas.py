@@ -65,6 +65,7 @@ def oracle(steps: int, sync_every: int) -> list[torch.Tensor]:
     return global_
 
 
+@pytest.mark.unit
 def test_replicas_of_follow_the_hosts():
     assert replicas_of(["a", "a", "b", "b"], "auto") == [[0, 1], [2, 3]]
     assert replicas_of(["a", "b", "a", "b"], "host") == [[0, 2], [1, 3]]
@@ -73,6 +74,7 @@ def test_replicas_of_follow_the_hosts():
     assert replicas_of(["a", "a", "b", "b"], "worker") == [[0], [1], [2], [3]]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("algorithm", ["torch", "shm"])
 def test_a_hosts_workers_are_one_replica_and_the_outer_steps_are_the_oracles(algorithm):
     steps, sync_every = 7, 3
@@ -92,6 +94,7 @@ def test_a_hosts_workers_are_one_replica_and_the_outer_steps_are_the_oracles(alg
     assert all(r["diloco_replicas"] == 2 and r["outer_steps"] == 3 for r in results)
 
 
+@pytest.mark.ranks
 def test_streaming_quantised_replicas_stay_in_step_inside_each_host():
     """Two fragments with a delay of one step, int8 packets with error feedback: every
     rank of a host holds the same bits at every step, and the run ends on one model (torch's asynchronous ops)."""

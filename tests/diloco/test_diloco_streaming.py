@@ -25,6 +25,8 @@ from tests.distributed import run_distributed
 # 3 values: two fragments are [48] and [8, 24, 3] (cut nearest half of 83).
 from tests.diloco.test_diloco import OUTER_LR, OUTER_MOMENTUM, _batch, _model
 
+pytestmark = pytest.mark.ranks
+
 
 def _digest(tensors) -> str:
     h = hashlib.sha256()

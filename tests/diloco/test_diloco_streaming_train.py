@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from ringtrain.comm import codec
 from tests.conftest import run_cli, run_main
+
+pytestmark = pytest.mark.job
 
 CONFIG = "configs/debug_mlp.toml"
 # H = 8, F = 2: fragment 0 exchanges after steps 2, 10, 18 and steps after 4, 12; fragment 1 exchanges after

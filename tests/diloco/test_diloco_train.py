@@ -15,6 +15,8 @@ import torch
 from tests.conftest import run_cli, run_clis, run_main
 from tests.runs import summary as _summary
 
+pytestmark = pytest.mark.job
+
 CONFIG = "configs/debug_mlp.toml"
 INNER_SGD = ["--set", "train.momentum=0.0"]  # plain SGD inside, as the DDP run it is compared with
 DILOCO = ["--set", "comm.strategy='diloco'"]

@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
 from tests.conftest import run_clis
+
+pytestmark = pytest.mark.job
 
 SCRIPT = textwrap.dedent('''
     import sys

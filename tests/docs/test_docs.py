@@ -7,8 +7,12 @@ from __future__ import annotations
 import argparse
 import re
 
+import pytest
+
 from ringtrain.cli import build_parser
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.unit
 
 DOCS = REPO / "docs"
 CLI_PAGE = (DOCS / "cli.md").read_text()

@@ -27,6 +27,8 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "tools"))
 import docs_reference  # noqa: E402  (tools/docs_reference.py: the site's generated pages)
 
+pytestmark = pytest.mark.unit
+
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(`{3,})(\S*)[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "text"}

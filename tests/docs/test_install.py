@@ -12,7 +12,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.job
 
 SCRIPT = """
 import torch

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +42,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.job
 def test_every_public_name_imports_from_outside_the_package_documented():
     """A fresh interpreter in another folder: ``import ringtrain`` does not import torch; every name of
     ``__all__`` resolves (``from ringtrain import *`` too), has a docstring, and lives in its block's module."""
@@ -57,6 +59,7 @@ def test_every_public_name_imports_from_outside_the_package_documented():
     assert report["missing"] == "module 'ringtrain' has no attribute 'Trainer'"
 
 
+@pytest.mark.unit
 def test_public_names_are_the_blocks_the_trainer_uses():
     import ringtrain
     from ringtrain.checkpoint.manager import CheckpointManager
@@ -70,6 +73,7 @@ def test_public_names_are_the_blocks_the_trainer_uses():
     assert ringtrain.StepGuard is StepGuard
 
 
+@pytest.mark.unit
 def test_the_step_guard_needs_no_more_than_rank_world_size_and_device():
     from ringtrain import StepGuard, TrainState
 
@@ -88,6 +92,7 @@ def test_the_step_guard_needs_no_more_than_rank_world_size_and_device():
     assert bad.skip and state.skipped_steps == 1 and state.consecutive_skips == 1
 
 
+@pytest.mark.unit
 def test_load_latest_warns_on_stderr_by_default(tmp_path, capsys):
     from ringtrain import CheckpointManager
 
@@ -101,6 +106,7 @@ def test_load_latest_warns_on_stderr_by_default(tmp_path, capsys):
     assert err.startswith("ringtrain: warning: checkpoint ") and "resuming from step_00000001.pt" in err
 
 
+@pytest.mark.unit
 def test_the_run_dir_logger_without_a_config_writes_metrics_and_summary(tmp_path):
     from ringtrain import NullLogger, RunDirLogger, StepClock
 
@@ -116,6 +122,7 @@ def test_the_run_dir_logger_without_a_config_writes_metrics_and_summary(tmp_path
     assert not (tmp_path / "config.toml").exists()
 
 
+@pytest.mark.unit
 def test_the_step_loader_deals_each_window_once_and_resumes_from_the_cursor():
     """The loader and sampler alone, one process playing both ranks of a world of two."""
     from torch.utils.data import TensorDataset

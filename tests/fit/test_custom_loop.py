@@ -27,6 +27,8 @@ import torch
 import ringtrain
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.job
+
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 4
 TRAIN_SAMPLES = 1437  # 80% of scikit-learn's 1,797 digits

@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import run_clis
 
+pytestmark = pytest.mark.job
+
 EXAMPLES = {  # script: its CI-sized arguments
     # 80 steps of 64-byte windows: val loss 2.38 against the bound of 2.59 (128-byte windows: 2.40 in twice the
     # training time; 55 steps of those: 2.54).

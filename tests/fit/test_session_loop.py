@@ -29,6 +29,8 @@ from torch.utils.data import TensorDataset
 
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 SAMPLES, FEATURES, CLASSES = 24, 5, 3
 EPOCHS, STEPS_PER_EPOCH = 3, 3  # 8 samples a step
 CONFIG = {"train": {"global_batch_size": 8, "local_batch_size": 4, "seed": 0},

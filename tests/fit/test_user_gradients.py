@@ -24,6 +24,8 @@ from tests.distributed import run_distributed
 from tests import user_code
 from tests.trainers import flat_params
 
+pytestmark = pytest.mark.ranks
+
 PLAIN_SGD = {"optimizer": "sgd", "lr": 1.0, "momentum": 0.0, "lr_schedule": "constant", "weight_decay": 0.0}
 
 

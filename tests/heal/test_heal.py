@@ -60,6 +60,7 @@ def optimizer_updates(run_dir: Path) -> set[int]:
     return {int(entry["step"]) for entry in state["optimizer"]["state"].values()}
 
 
+@pytest.mark.job
 def test_a_killed_worker_is_healed_in_place_bit_identical_to_a_resume_at_the_survivors_size(tmp_path):
     run_dir = tmp_path / "healed"
     started = time.monotonic()
@@ -121,6 +122,7 @@ def snapshot(run_dir: Path) -> dict[str, str]:
             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.relative_to(run_dir).parts[0] != "logs"}
 
 
+@pytest.mark.job
 def test_a_stopped_rank_0_is_cut_off_the_others_heal_and_when_it_resumes_it_writes_nothing(tmp_path):
     """Fencing: rank 0 (the writer) is SIGSTOPped past dist.timeout_s; ranks 1 and 2 heal without it (rank 1
     becomes rank 0 and takes over the run directory) and finish; then rank 0 gets SIGCONT: it must find the
@@ -155,6 +157,7 @@ def test_a_stopped_rank_0_is_cut_off_the_others_heal_and_when_it_resumes_it_writ
     assert all(r.exactly_once and r.complete for r in check_ledger(run_dir / "ledger.jsonl"))
 
 
+@pytest.mark.unit
 def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path, capsys):
     from ringtrain.cli import main
 
@@ -178,6 +181,7 @@ def test_heal_refuses_what_it_cannot_heal_in_one_line(tmp_path, capsys):
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
+@pytest.mark.job
 def test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_once(tmp_path):
     """Repeated failures (issue 12's proof) with comm.strategy = "manual" and ringtrain's ring all-reduce
     (buckets and hooks rebuilt on every new group; kills inside the ring itself are tested on their own):

@@ -23,6 +23,8 @@ from ringtrain.group.jobstore import JobStore
 from ringtrain.group.sockets import _socket_fds, group_sockets
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 GROUP_TIMEOUT_S = 20.0
 
 

@@ -23,6 +23,8 @@ from tests.jobs import Job, ledger_steps, records
 from tests.faults import Fault, fault_plan
 from tests.runs import summary
 
+pytestmark = pytest.mark.job
+
 # Beside other tests: a --heal member is lost only when its exit is known (ringtrain/heal/liveness.py), never
 # for a quiet heartbeat, so a loaded machine evicts no one (bench/heal_busy.py runs the five kills beside busy
 # processes). None is timed against a bound, and a test with joiners waits for no race: the job's workers hold

@@ -13,6 +13,8 @@ from tests.heal.test_heal_compound import assert_exactly_once, hold, sets, start
 from tests.faults import Fault, fault_plan
 from tests.runs import summary
 
+pytestmark = pytest.mark.job
+
 H = 5
 DILOCO = ["--set", "comm.strategy=diloco", "--set", f"diloco.sync_every={H}", "--set", "diloco.outer_lr=0.7",
           "--set", "diloco.outer_momentum=0.9"]

@@ -132,6 +132,7 @@ def assert_same_model(mine: dict, theirs: dict, what: str) -> None:
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), what
 
 
+@pytest.mark.job
 def test_kills_inside_the_ring_all_reduce_and_inside_the_writers_save_are_healed_with_no_partial_state(
         tmp_path, reference):
     run_dir = tmp_path / "ring"
@@ -164,6 +165,7 @@ def test_kills_inside_the_ring_all_reduce_and_inside_the_writers_save_are_healed
     print("ring: checkpoints 10 and 30 bit-identical to the reference; step 20's half-finished save skipped")
 
 
+@pytest.mark.job
 def test_the_writer_lost_after_a_steps_ledger_gather_leaves_no_hole_in_the_ledger(tmp_path):
     """Rank 0 dies after step 5's ledger gather (every rank committed step 5) and before it writes the line:
     the new writer records step 5's window as it was dealt, so every sample is still used exactly once."""
@@ -181,6 +183,7 @@ def test_the_writer_lost_after_a_steps_ledger_gather_leaves_no_hole_in_the_ledge
     assert all(r.exactly_once and r.complete for r in reports), reports
 
 
+@pytest.mark.job
 def test_kills_inside_the_shm_all_reduce_and_during_a_save_are_healed_leaving_nothing_in_dev_shm(
         tmp_path, reference):
     run_dir = tmp_path / "shm"
@@ -205,6 +208,7 @@ def test_kills_inside_the_shm_all_reduce_and_during_a_save_are_healed_leaving_no
     print("shm: checkpoints 10, 20 and 30 bit-identical to the reference; nothing left in /dev/shm")
 
 
+@pytest.mark.unit
 def test_heal_takes_shm_and_refuses_powersgd_in_one_line():
     from ringtrain.config import load_config
     from ringtrain.errors import ConfigError

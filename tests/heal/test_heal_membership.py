@@ -34,6 +34,7 @@ def beat_while(store: JobStore, member: int, stop: threading.Event) -> None:
         stop.wait(0.05)
 
 
+@pytest.mark.unit
 def test_survivors_agree_a_silent_member_is_left_out_and_fenced_when_it_returns(job_store_port):
     members = (0, 1, 2)
     stop = threading.Event()
@@ -87,6 +88,7 @@ class StaleFirstAnswer:
         return answer
 
 
+@pytest.mark.unit
 def test_a_fence_read_that_took_long_is_read_again_so_a_stopped_worker_does_not_act_on_a_stale_answer(
         job_store_port):
     membership = Membership(connect(job_store_port), Generation(0, (0, 1), member=0), timeout_s=10)
@@ -97,6 +99,7 @@ def test_a_fence_read_that_took_long_is_read_again_so_a_stopped_worker_does_not_
         membership.check_fence()  # the stale "0" took 0.7 s to arrive: read again, and it is "1"
 
 
+@pytest.mark.unit
 def test_a_writer_still_writing_the_step_before_an_admission_is_not_cut_off_but_one_left_out_later_is(job_store_port):
     # Generation 1 = members 0 and 2. Member 2 reaches the planned boundary first and admits joiner 1001
     # (generation 2), while member 0, the writer, is still writing the step before it: its fence check reads
@@ -125,6 +128,7 @@ def test_a_writer_still_writing_the_step_before_an_admission_is_not_cut_off_but_
         behind.check_fence()
 
 
+@pytest.mark.unit
 def test_a_new_writer_takes_the_run_files_over_so_an_old_writers_open_handle_writes_nowhere(tmp_path):
     from ringtrain.monitor.loggers import RunDirLogger
     from ringtrain.monitor.sinks import CsvLogger
@@ -161,6 +165,7 @@ def registered(store: JobStore, member: int, pid: int) -> None:
     dist.PrefixStore("heal/0/", store.store).set(f"who/{member}", registration.to_json())
 
 
+@pytest.mark.job
 def test_a_live_member_whose_heartbeat_is_starved_is_waited_for_and_a_dead_one_is_not(job_store_port):
     """Issue 21 item 10: a heartbeat that stands still is no proof of death. Member 1 is alive (a process of
     this host) but its heartbeat thread is starved for 1.5 s, three times the old 0.5 s rule: the survivors
@@ -201,6 +206,7 @@ def test_a_live_member_whose_heartbeat_is_starved_is_waited_for_and_a_dead_one_i
     assert took < 10, took  # the dead member cost no hang_after_s (20 s) of waiting
 
 
+@pytest.mark.unit
 def test_a_hung_member_is_left_out_after_hang_after_s_and_a_withdrawn_joiner_at_once(job_store_port):
     """Silence still ends a hang: a member whose heartbeat stood still hang_after_s is taken for lost. A joiner
     that withdrew its request (it left) is lost at once."""
@@ -216,6 +222,7 @@ def test_a_hung_member_is_left_out_after_hang_after_s_and_a_withdrawn_joiner_at_
     assert 0.9 <= took < 10, took
 
 
+@pytest.mark.unit
 def test_after_a_heal_the_watch_reads_each_ranks_heartbeat_and_host_under_its_member_id(job_store_port):
     """Under --heal every worker beats and records its host under its member id (its first rank, or 1000 + n);
     after a heal ranks and ids differ (here members 0, 2 and 1001 are ranks 0, 1, 2). The watch must read
@@ -237,6 +244,7 @@ def test_after_a_heal_the_watch_reads_each_ranks_heartbeat_and_host_under_its_me
         stop.set()
 
 
+@pytest.mark.job
 def test_a_member_on_another_host_is_dead_once_the_process_that_started_it_records_its_exit(job_store_port,
                                                                                              monkeypatch):
     """Across hosts nobody can read a peer's /proc: the process that started the worker (the launcher, or
@@ -270,6 +278,7 @@ def test_a_member_on_another_host_is_dead_once_the_process_that_started_it_recor
             child.wait()
 
 
+@pytest.mark.job
 def test_ctrl_c_before_admission_is_an_interruption_even_when_the_job_store_is_gone():
     """`ringtrain join` interrupted (Ctrl-C) while it waits for admission withdraws its request; when the job's
     store has already gone (the job ended meanwhile) the withdrawal fails, and the interruption is still what

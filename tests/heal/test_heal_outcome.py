@@ -12,6 +12,8 @@ import pytest
 from ringtrain.elastic import _wait
 from ringtrain.launch import WorkerFailed
 
+pytestmark = pytest.mark.job
+
 
 class _Exits:
     """An agent: a real process exiting with ``code``, described as elastic._Agent describes one."""

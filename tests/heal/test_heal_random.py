@@ -19,7 +19,7 @@ from tests.heal.random_chaos import Schedule, check, run_schedule
 
 # Alone still: random_chaos.py's jobs run with dist.timeout_s 8 s, every collective's timeout too (a live worker
 # starved beside other tests could break a group with no one lost), and continue a stopped worker 4 s after it.
-pytestmark = pytest.mark.exclusive
+pytestmark = [pytest.mark.job, pytest.mark.exclusive]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])

@@ -12,6 +12,8 @@ from ringtrain.heal.membership import Generation, HealFailed
 from ringtrain.heal.reload import reload_shards
 from ringtrain.heal.supervisor import Supervisor
 
+pytestmark = pytest.mark.unit
+
 RECORD = {"type": "heal", "step": 14, "generation": 1, "lost_ranks": [2], "remaining_ranks": [0, 1], "world_size": 2}
 
 

@@ -31,7 +31,7 @@ from tests.runs import summary
 
 # Alone still: under pp only replica 1's first rank holds, while its peer waits for it inside a collective, so each
 # hold (a joiner starting up, over 90 s beside busy processes) must end within dist.timeout_s (120 s).
-pytestmark = pytest.mark.exclusive
+pytestmark = [pytest.mark.job, pytest.mark.exclusive]
 
 STEPS = 20
 FIRST_HOLD, SECOND_HOLD = 6, 9

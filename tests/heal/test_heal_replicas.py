@@ -18,7 +18,7 @@ from tests.runs import summary
 
 # Alone still: 4 workers of a transformer whose tp/pp collectives wait dist.timeout_s (20 s) for a peer, and a
 # kill timed from the test at step 10 of 24; neither has been run beside busy processes yet.
-pytestmark = pytest.mark.exclusive
+pytestmark = [pytest.mark.job, pytest.mark.exclusive]
 
 STEPS = 24
 SETS = ["--set", f"train.max_steps={STEPS}", "--set", "train.auto_micro_batch=false", "--set", "train.precision=fp32",

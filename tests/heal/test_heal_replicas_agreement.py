@@ -28,6 +28,8 @@ from ringtrain.heal.membership import (
 )
 from ringtrain.heal.supervisor import Supervisor
 
+pytestmark = pytest.mark.unit
+
 
 def test_whole_replicas_keeps_only_replicas_with_every_member_present():
     members = (0, 1, 2, 3, 4, 5)

@@ -20,7 +20,7 @@ from tests.faults import Fault, fault_plan
 # joiner slow to start cannot meet a finished job (it was an 8-epoch job that the joiner raced, run alone).
 # A job of a launcher, agents and workers (each importing torch) took minutes to start beside other tests at
 # load 25 on two cores: more than the suite's 300 s a test.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(900)]
 
 SCRIPT = "tests/user_code.py"
 EPOCHS = 3

@@ -23,7 +23,7 @@ from tests.trainers import train_run
 
 # A job of a launcher, agents and workers (each importing torch) took minutes to start beside other tests at
 # load 25 on two cores: more than the suite's 300 s a test.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(900)]
 
 EPOCHS = 3
 STEPS_PER_EPOCH = 15

@@ -7,10 +7,14 @@ error, exit 1 (CI, the joiner test of test_heal_diloco.py on an idle machine).""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.jobs import Job, records
 from tests.heal.test_heal_compound import assert_exactly_once, sets
 from tests.faults import Fault, fault_plan
 from tests.runs import summary
+
+pytestmark = pytest.mark.job
 
 
 def test_a_worker_lost_while_the_strategy_wraps_the_model_is_healed(tmp_path):

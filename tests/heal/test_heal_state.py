@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
 import torch
 
 from ringtrain.heal.transfer import agree_on_state, state_digest
@@ -16,6 +17,8 @@ from ringtrain.train.resume import ResumePlan
 from tests.distributed import run_distributed
 from tests.faults import Fault, fault_plan
 from tests.trainers import build_test_trainer
+
+pytestmark = pytest.mark.ranks
 
 DEBUG = Path(__file__).resolve().parents[2] / "configs" / "debug_mlp.toml"
 

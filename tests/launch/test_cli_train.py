@@ -19,6 +19,8 @@ from tests.distributed import run_distributed
 from tests.runs import summary
 from tests.trainers import train_uninterrupted
 
+pytestmark = pytest.mark.job
+
 
 def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -11,6 +11,7 @@ from ringtrain.group.env import cluster_environ
 from tests.conftest import run_cli
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, hosts", [
     ("node01", ["node01"]),
     ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
@@ -26,6 +27,7 @@ def test_nodelists_as_slurm_prints_them(text, hosts):
     assert expand_nodelist(text) == hosts
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, says", [
     ("node[01-04", "never closed"),
     ("node01-04]", "closes nothing"),
@@ -49,6 +51,7 @@ def slurm(**extra) -> dict[str, str]:
     return {**env, **extra}
 
 
+@pytest.mark.unit
 def test_slurm_fills_nodes_rank_and_rendezvous():
     filled = fill_launch_flags(LaunchFlags(), slurm())
     assert filled.flags == LaunchFlags(nproc=1, nnodes="2", node_rank=1, rdzv_endpoint="gpu-007-ib:33765")
@@ -57,6 +60,7 @@ def test_slurm_fills_nodes_rank_and_rendezvous():
     assert filled.slurm
 
 
+@pytest.mark.unit
 def test_a_job_steps_own_view_comes_first():
     """srun on part of the allocation: SLURM_STEP_* name the step's nodes."""
     env = slurm(SLURM_STEP_NUM_NODES="2", SLURM_STEP_NODELIST="gpu-[010-011]-ib", SLURM_NNODES="4",
@@ -64,6 +68,7 @@ def test_a_job_steps_own_view_comes_first():
     assert fill_launch_flags(LaunchFlags(), env).flags.rdzv_endpoint == "gpu-010-ib:33765"
 
 
+@pytest.mark.unit
 def test_flags_given_win_over_slurm():
     given = LaunchFlags(nproc=4, nnodes="2", node_rank=1, rdzv_endpoint="10.0.0.1:29400")
     filled = fill_launch_flags(given, slurm())
@@ -71,12 +76,14 @@ def test_flags_given_win_over_slurm():
     assert filled.line.endswith("node rank 1, 4 workers per node, rendezvous 10.0.0.1:29400")
 
 
+@pytest.mark.unit
 def test_nnodes_1_trains_on_this_node_alone_but_sigusr1_still_saves():
     filled = fill_launch_flags(LaunchFlags(nnodes="1"), slurm())
     assert filled.flags == LaunchFlags(nproc=1, nnodes="1", node_rank=0, rdzv_endpoint=None)
     assert filled.line is None and filled.slurm
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flags, env, says", [
     (LaunchFlags(nnodes="3"), slurm(), "--nnodes 3 but the SLURM job 98765 has 2 nodes"),
     (LaunchFlags(node_rank=0), slurm(), "--node-rank 0 but the SLURM job 98765 says this is node 1"),
@@ -95,6 +102,7 @@ def test_flags_that_contradict_the_allocation_are_one_error(flags, env, says):
         fill_launch_flags(flags, env)
 
 
+@pytest.mark.unit
 def test_one_node_slurm_and_no_scheduler_change_nothing():
     one = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
            "SLURM_JOB_NODELIST": "n1"}
@@ -104,6 +112,7 @@ def test_one_node_slurm_and_no_scheduler_change_nothing():
     assert fill_launch_flags(LaunchFlags(), one).slurm and not fill_launch_flags(LaunchFlags(), {}).slurm
 
 
+@pytest.mark.unit
 def test_pytorchjob_elastic_variables():
     env = {"PET_NNODES": "1:3", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456",
            "PET_NPROC_PER_NODE": "4", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "12",
@@ -117,6 +126,7 @@ def test_pytorchjob_elastic_variables():
     assert fill_launch_flags(LaunchFlags(), {**env, "PET_NPROC_PER_NODE": "auto"}).flags.nproc == 1
 
 
+@pytest.mark.unit
 def test_pytorchjob_master_and_workers():
     """No elastic policy: WORLD_SIZE pods, RANK this pod's index (one launcher per pod)."""
     env = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1"}
@@ -126,6 +136,7 @@ def test_pytorchjob_master_and_workers():
         fill_launch_flags(LaunchFlags(node_rank=0), env)
 
 
+@pytest.mark.unit
 def test_the_environment_is_read_in_group_env_only():
     env = cluster_environ({**slurm(), "PET_NNODES": "2", "HOME": "/root", "MASTER_ADDR": "m", "RANK": "0",
                            "CUDA_VISIBLE_DEVICES": "0"})
@@ -133,6 +144,7 @@ def test_the_environment_is_read_in_group_env_only():
     assert env["SLURM_JOB_ID"] == "98765" and env["PET_NNODES"] == "2" and env["MASTER_ADDR"] == "m"
 
 
+@pytest.mark.job
 def test_the_cli_says_a_disagreement_in_one_line_with_exit_2(tmp_path):
     result = run_cli("train", "configs/debug_mlp.toml", "--nnodes", "3", "--run-dir", str(tmp_path / "run"),
                      env=slurm(), timeout=60)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ringtrain.host.pinning import cores_for_worker
+
+pytestmark = pytest.mark.unit
 
 
 def test_two_threads_per_worker_get_disjoint_pairs_of_the_allowed_cores():

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.job
+
 CHILD = """
 import datetime, socket, sys, threading
 if sys.argv[1] == "ringtrain":

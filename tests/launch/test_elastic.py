@@ -24,6 +24,8 @@ from tests.jobs import Job, assert_loopback_only, last_step, ledger_steps, recor
 from tests.conftest import run_main
 from tests.faults import Fault, fault_plan
 
+pytestmark = pytest.mark.job
+
 STEPS_PER_EPOCH = 23  # 1,437 training samples, 64 a step
 
 ARGS = ["configs/debug_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--max-restarts", "3",

@@ -11,9 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 
+import pytest
+
 from ringtrain.data.ledger import check_ledger
 from tests.jobs import Job, last_step, ledger_steps, records
 from tests.launch.test_elastic import sigterm_pending
+
+pytestmark = pytest.mark.job
 
 SCRIPT = "tests/user_code.py"
 CONFIG = json.dumps({"train": {"epochs": 3}, "data": {"ledger": True}, "checkpoint": {"every_steps": 5},

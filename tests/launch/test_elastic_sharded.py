@@ -10,10 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 
+import pytest
+
 from ringtrain.checkpoint.sharded import committed, verify
 from ringtrain.data.ledger import check_ledger
 from tests.jobs import Job, last_step, ledger_steps, records
 from tests.launch.test_elastic import join_mid_epoch
+
+pytestmark = pytest.mark.job
 
 ARGS = ["configs/debug_mlp.toml", "--nproc", "2", "--min-nproc", "1", "--max-restarts", "3",
         "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",

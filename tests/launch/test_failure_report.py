@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ringtrain.group.failure import record_failure
 from ringtrain.errors import LaunchError
 from ringtrain.launch import WorkerFailed, _describe_failure
+
+pytestmark = pytest.mark.unit
 
 
 def failures(tmp_path, *workers) -> ChildFailedError:

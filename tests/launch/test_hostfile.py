@@ -24,11 +24,13 @@ node02\tslots=2
 """
 
 
+@pytest.mark.unit
 def test_a_good_hostfile_lists_hosts_in_order_with_their_slots():
     assert parse_hostfile(GOOD, "hosts") == Hostfile("hosts", ("node01", "node02"), 2)
     assert parse_hostfile("198.18.0.1 slots=1").hosts == ("198.18.0.1",)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, message", [
     ("node01 slots=2\nnode01 slots=2\n", "hosts:2: node01 is listed twice (first on line 1); list each host once, "
                                          "with its workers as slots=N"),
@@ -46,6 +48,7 @@ def test_a_bad_hostfile_is_one_line_naming_the_line_and_the_fix(text, message):
     assert str(err.value) == message
 
 
+@pytest.mark.unit
 def test_a_missing_hostfile_is_one_line(tmp_path):
     with pytest.raises(LaunchError, match=r"^--hostfile .*nope: No such file or directory; pass a file of"):
         read_hostfile(str(tmp_path / "nope"))
@@ -54,6 +57,7 @@ def test_a_missing_hostfile_is_one_line(tmp_path):
 HOSTS = Hostfile("hosts", ("node01", "node02", "node03"), 4)
 
 
+@pytest.mark.unit
 def test_the_hostfile_fills_in_the_launch_flags_as_node_0_sees_them():
     filled = hostfile_flags(HOSTS, LaunchFlags(), None, None, pid=123)
     assert filled.flags == LaunchFlags(nproc=4, nnodes="3", node_rank=0, rdzv_endpoint="node01:15123")
@@ -63,6 +67,7 @@ def test_the_hostfile_fills_in_the_launch_flags_as_node_0_sees_them():
     assert hostfile_flags(Hostfile("h", ("fe80::1",), 1), LaunchFlags(), None, 1, 0).flags.rdzv_endpoint == "[fe80::1]:1"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("given, local_addr, message", [
     (LaunchFlags(nnodes="3"), None, "--nnodes with --hostfile: the hostfile decides it"),
     (LaunchFlags(node_rank=1), None, "--node-rank with --hostfile: the hostfile decides it"),
@@ -76,6 +81,7 @@ def test_flags_the_hostfile_decides_are_refused(given, local_addr, message):
     assert str(err.value).startswith(message)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flags, line", [
     (["--nnodes", "2"], "ringtrain: error: --nnodes with --hostfile: the hostfile decides it (nodes = its hosts, node 0 = "
                         "its first host, the rendezvous there at --rdzv-port); drop --nnodes"),
@@ -91,6 +97,7 @@ def test_the_cli_refuses_in_one_line_with_exit_2(tmp_path, capsys, flags, line):
     assert capsys.readouterr().err.splitlines() == [line.format(hostfile=hostfile)]
 
 
+@pytest.mark.job
 def test_ssh_flags_without_a_hostfile_are_refused_by_the_command(tmp_path):
     result = run_cli("run", "train.py", "--ssh-option", "Port=2222", timeout=60)
     assert result.returncode == 2, result.stderr
@@ -98,6 +105,7 @@ def test_ssh_flags_without_a_hostfile_are_refused_by_the_command(tmp_path):
         "ringtrain: error: --ssh-option is for --hostfile jobs; add --hostfile FILE or drop --ssh-option"]
 
 
+@pytest.mark.unit
 def test_each_host_runs_the_users_flags_with_its_own_node_flags():
     # Three hosts of two slots: --nproc (the slots) and --nnodes (the hosts) differ, so neither stands for the other.
     hosts = Hostfile("h", ("a", "b", "c"), 2)
@@ -113,6 +121,7 @@ def test_each_host_runs_the_users_flags_with_its_own_node_flags():
         "--rdzv-endpoint", "a:1", "--local-addr", "a", "--", "--epochs", "3"]
 
 
+@pytest.mark.unit
 def test_every_train_and_run_argument_is_forwarded_or_the_hostfiles_own():
     """A new flag of `train` or `run` must be handled by node_argv (or the hosts would silently run without it)."""
     for argv in (["train", "c.toml"], ["run", "t.py"]):
@@ -120,6 +129,7 @@ def test_every_train_and_run_argument_is_forwarded_or_the_hostfiles_own():
         assert names <= FORWARDED, names - FORWARDED
 
 
+@pytest.mark.unit
 def test_the_remote_command_is_one_shell_line_that_quotes_every_word():
     line = remote_command(["train", "my config.toml", "--set", "a=$(x)"], "/opt/py 3/python", "/work/it's",
                           {"OMP_NUM_THREADS": "1", "PYTHONPATH": "/a b"})
@@ -130,12 +140,14 @@ def test_the_remote_command_is_one_shell_line_that_quotes_every_word():
     assert remote_command(["train"], "py", "/w", {}) == "cd /w && exec py -m ringtrain.hostfile train"
 
 
+@pytest.mark.unit
 def test_ssh_runs_in_batch_mode_with_the_users_options_first():
     assert ssh_command("node01", "cmd", 2222, ["IdentityFile=/k", "BatchMode=no"]) == [
         "ssh", "-T", "-o", "IdentityFile=/k", "-o", "BatchMode=no", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15",
         "-p", "2222", "--", "node01", "cmd"]
 
 
+@pytest.mark.unit
 def test_the_hosts_get_the_users_variables_not_the_launchers_own():
     env = remote_environ({"PYTHONPATH": "/p", "OMP_NUM_THREADS": "1", "RINGTRAIN_CACHE_DIR": "/c", "HOME": "/root",
                           "RINGTRAIN_FAULT_PLAN": "/plan", "RINGTRAIN_BIND_ADDR": "1.2.3.4", "SLURM_JOB_ID": "1",
@@ -148,6 +160,7 @@ OWN = frozenset({"trainbox", "trainbox.lab", "192.0.2.7"})
 """This machine's names, as _this_machines_names would find them (given: no lookup in a unit test)."""
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("first, second", [("localhost", "127.0.0.1"), ("127.0.0.1", "alice@localhost"),
                                            ("localhost", "::1"), ("trainbox", "localhost"), ("192.0.2.7", "127.0.0.2"),
                                            ("node01", "alice@NODE01")])
@@ -159,11 +172,13 @@ def test_two_lines_for_one_machine_are_refused_in_one_line(first, second):
     assert "list each machine once" in message and "\n" not in message
 
 
+@pytest.mark.unit
 def test_distinct_machines_and_this_machine_once_are_accepted():
     assert parse_hostfile("localhost slots=2\nnode02 slots=2\n10.0.0.3 slots=2\n", own=OWN).hosts == (
         "localhost", "node02", "10.0.0.3")
 
 
+@pytest.mark.unit
 def test_one_host_is_one_host():
     filled = hostfile_flags(Hostfile("hosts", ("node01",), 1), LaunchFlags(), None, None, pid=123)
     assert filled.line == "ringtrain: hostfile hosts: 1 host (node01), 1 worker per host, rendezvous node01:15123"
@@ -175,6 +190,7 @@ exit 255
 """
 
 
+@pytest.mark.job
 def test_an_ssh_failure_names_the_fix(tmp_path, monkeypatch, capsys):
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)
@@ -187,6 +203,7 @@ def test_an_ssh_failure_names_the_fix(tmp_path, monkeypatch, capsys):
     assert "`ssh node01 true`" in last and "StrictHostKeyChecking=accept-new" in last and "known_hosts" in last, last
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line, fix", [("Permission denied (publickey).", "ssh-copy-id node01"),
                                        ("ssh: Could not resolve hostname node01: Name or service not known",
                                         "not a name this machine resolves"),

@@ -39,6 +39,7 @@ def _client(server) -> dist.TCPStore:
 
 
 # --- sealed stores -------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_sealed_store_reads_back_what_the_job_wrote_and_refuses_a_strangers_value_in_one_line(server):
     secret = JobSecret.new()
     store = dist.PrefixStore("ringtrain/run/", AuthStore(_client(server), secret, "the job store at here"))
@@ -52,6 +53,7 @@ def test_a_sealed_store_reads_back_what_the_job_wrote_and_refuses_a_strangers_va
     assert "\n" not in message and "the job store at here" in message and "'ringtrain/run//heartbeat/0'" in message
 
 
+@pytest.mark.unit
 def test_a_value_sealed_by_another_secret_or_for_another_key_is_refused(server):
     mine, theirs = JobSecret.new(), JobSecret.new()
     store = AuthStore(_client(server), mine, "the store")
@@ -66,6 +68,7 @@ def test_a_value_sealed_by_another_secret_or_for_another_key_is_refused(server):
         store.get("c")
 
 
+@pytest.mark.unit
 def test_compare_set_keeps_torchs_meaning_over_sealed_values(server):
     store = AuthStore(_client(server), JobSecret.new(), "the store")
     assert store.compare_set("k", "", "one") == b"one"
@@ -74,6 +77,7 @@ def test_compare_set_keeps_torchs_meaning_over_sealed_values(server):
     assert store.get("k") == b"two"
 
 
+@pytest.mark.unit
 def test_job_store_and_workers_store_are_sealed_with_the_environments_secret(server):
     secret = JobSecret.new()
     env = DistEnv.from_environ({SECRET_VAR: secret.hex})
@@ -87,6 +91,7 @@ def test_job_store_and_workers_store_are_sealed_with_the_environments_secret(ser
 
 
 # --- the rendezvous --------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_planted_rendezvous_pickle_is_never_unpickled_and_the_last_good_state_is_written_back(server, marker, capfd):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder, RendezvousSettings
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
@@ -114,6 +119,7 @@ def test_a_planted_rendezvous_pickle_is_never_unpickled_and_the_last_good_state_
     assert holder.state.round == 4
 
 
+@pytest.mark.unit
 def test_the_run_id_is_not_predictable_from_the_endpoint_but_the_same_on_every_node():
     one, other = JobSecret.new(), JobSecret.new()
     assert default_run_id(one, "127.0.0.1", 29500) != default_run_id(other, "127.0.0.1", 29500)
@@ -122,6 +128,7 @@ def test_the_run_id_is_not_predictable_from_the_endpoint_but_the_same_on_every_n
 
 
 # --- the secret's sources ----------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_launcher_makes_a_secret_once_and_hands_it_on_through_its_environment(monkeypatch):
     monkeypatch.delenv(SECRET_VAR, raising=False)
     monkeypatch.delenv(SECRET_FILE_VAR, raising=False)
@@ -130,6 +137,7 @@ def test_a_launcher_makes_a_secret_once_and_hands_it_on_through_its_environment(
     assert job_secret_for(LaunchOptions(nproc=2)).hex == secret.hex  # a second call keeps the job's
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("options, fix", [
     (LaunchOptions(nproc=1, nnodes="2", rdzv_endpoint="127.0.0.1:29999"), "one secret on every node"),
     (LaunchOptions(nproc=1, join=True, rdzv_endpoint="127.0.0.1:29999", run_id="r"), "joining a job needs its secret"),
@@ -142,6 +150,7 @@ def test_a_job_of_several_nodes_or_a_joiner_without_the_secret_is_one_line(monke
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.unit
 def test_a_secret_file_must_be_the_users_own_and_private(tmp_path):
     path = tmp_path / "secret"
     path.write_text(JobSecret.new().hex + "\n")
@@ -168,6 +177,7 @@ def _spec(args: tuple[str, ...]) -> JobSpec:
     return JobSpec("127.0.0.1:1", "ringtrain-test", 1, 2, 0, "", Program(args), "/tmp/logs")
 
 
+@pytest.mark.unit
 def test_job_json_is_sealed_and_a_tampered_one_is_refused(tmp_path, monkeypatch):
     secret = JobSecret.new()
     monkeypatch.setenv(SECRET_VAR, secret.hex)
@@ -181,6 +191,7 @@ def test_job_json_is_sealed_and_a_tampered_one_is_refused(tmp_path, monkeypatch)
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.unit
 def test_join_finds_the_secret_its_account_kept_for_the_run_id(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv(SECRET_VAR, raising=False)
@@ -199,6 +210,7 @@ def test_join_finds_the_secret_its_account_kept_for_the_run_id(tmp_path, monkeyp
         JobSpec.read(tmp_path)
 
 
+@pytest.mark.job
 def test_ringtrain_join_of_a_planted_job_file_runs_nothing(tmp_path, marker, server):
     """The issue's row 6: a planted job.json (heal, a store anyone can start: ``server`` here, a command in args).
     Before job files were sealed, join found the store answering and started the command."""
@@ -215,6 +227,7 @@ def test_ringtrain_join_of_a_planted_job_file_runs_nothing(tmp_path, marker, ser
         assert ("no secret for this job" if secret is None else "no seal") in lines[0]
 
 
+@pytest.mark.unit
 def test_the_workers_store_and_the_job_store_a_worker_connects_to_are_sealed(server):
     """What a worker builds from its environment (group/init.py, group/jobstore.py): Gloo's address exchange and
     ringtrain's job keys both go through an AuthStore when the launcher handed the worker a secret."""

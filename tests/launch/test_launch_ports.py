@@ -6,9 +6,12 @@ from __future__ import annotations
 import random
 import socket
 
+import pytest
 import torch.distributed.elastic.rendezvous.api as rendezvous_api
 
 from ringtrain import launch
+
+pytestmark = pytest.mark.unit
 
 
 def _ephemeral_low() -> int:

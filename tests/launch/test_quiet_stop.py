@@ -11,6 +11,8 @@ import pytest
 
 from tests.jobs import Job, last_step
 
+pytestmark = pytest.mark.job
+
 NOISE = ("death signal", "Traceback", "recvVector", "TCPStore", "SignalException")
 
 

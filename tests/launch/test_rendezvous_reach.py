@@ -13,6 +13,8 @@ import pytest
 from ringtrain.errors import LaunchError
 from ringtrain.group.addresses import _loopback_cannot_reach, reach_rendezvous
 
+pytestmark = pytest.mark.unit
+
 
 def _own_address() -> str | None:
     for addresses in psutil.net_if_addrs().values():

@@ -16,6 +16,8 @@ import pytest
 from tests.jobs import Job, last_step
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.job
+
 CONFIG = "configs/debug_mlp.toml"
 OVERRIDES = ["train.epochs=4", "monitor.log_every_steps=1", "checkpoint.every_steps=10"]
 JOB = [CONFIG, "--nproc", "2", *(arg for override in OVERRIDES for arg in ("--set", override))]

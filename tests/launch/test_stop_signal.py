@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 from tests.distributed import run_distributed
 from tests.trainers import build_test_trainer
@@ -41,21 +43,25 @@ def _child(case: str) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.job
 def test_a_second_stop_signal_after_a_stop_does_not_kill_the_stopping_worker():
     done = _child("stopped")
     assert done.returncode == 0 and done.stdout.strip() == "alive after stopped", (done.returncode, done.stderr)
 
 
+@pytest.mark.job
 def test_the_agents_copy_after_a_peers_stop_does_not_kill_the_worker_either():
     done = _child("peer")
     assert done.returncode == 0 and done.stdout.strip() == "alive after peer", (done.returncode, done.stderr)
 
 
+@pytest.mark.job
 def test_without_a_stop_leaving_the_loop_restores_the_signals_default():
     done = _child("running")
     assert done.returncode == -signal.SIGUSR1 and not done.stdout, (done.returncode, done.stdout, done.stderr)
 
 
+@pytest.mark.job
 def test_a_hand_written_loops_stop_signal_restores_the_default_after_a_stop():
     done = _child("hand-written")
     assert done.returncode == -signal.SIGUSR1 and not done.stdout, (done.returncode, done.stdout, done.stderr)
@@ -65,15 +71,18 @@ def _trainers_flag(rank: int, world_size: int, run_dir: str) -> bool:
     return build_test_trainer(rank, world_size, "configs/debug_mlp.toml", [], run_dir).stop_signal.absorb_after_stop
 
 
+@pytest.mark.ranks
 def test_the_trainer_absorbs_stop_signals_after_a_stop(tmp_path):
     assert run_distributed(_trainers_flag, 1, str(tmp_path / "run")) == [True]
 
 
+@pytest.mark.job
 def test_a_sessions_stop_absorbs_the_late_copy_too():
     done = _child("session")
     assert done.returncode == 0 and done.stdout.strip() == "alive after session", (done.returncode, done.stderr)
 
 
+@pytest.mark.job
 def test_the_session_absorbs_stop_signals_after_a_stop(tmp_path):
     code = ("import sys, ringtrain\n"
             "session = ringtrain.Session({'train': {'global_batch_size': 2, 'local_batch_size': 2}}, run_dir=sys.argv[1])\n"

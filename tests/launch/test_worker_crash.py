@@ -4,7 +4,11 @@ crash names the function it happened in (a user's own PYTHONFAULTHANDLER setting
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.job
 
 SCRIPT = '''
 import os

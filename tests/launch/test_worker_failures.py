@@ -25,6 +25,8 @@ from tests.conftest import run_cli, run_main
 from tests.distributed import run_distributed
 from tests.trainers import train_uninterrupted
 
+pytestmark = pytest.mark.job
+
 # Long enough to be hit mid-run (4 epochs, 92 steps), checkpoints every 10 steps, a record per step.
 CONFIG = "configs/debug_mlp.toml"
 OVERRIDES = ["train.epochs=4", "monitor.log_every_steps=1", "checkpoint.every_steps=10", "model.hidden_sizes=[256, 256]"]

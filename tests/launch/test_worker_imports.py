@@ -6,11 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ringtrain.data import digits
 
 
+@pytest.mark.job
 def test_a_worker_imports_neither_scikit_learn_nor_torch_distributed_checkpoint_until_used():
     probe = ("import sys, ringtrain.worker, ringtrain.train.loop; "
              "print(sorted(m for m in ('sklearn', 'torch.distributed.checkpoint', 'transformers', 'timm') if m in sys.modules))")
@@ -18,6 +20,7 @@ def test_a_worker_imports_neither_scikit_learn_nor_torch_distributed_checkpoint_
     assert out.strip() == "[]", f"heavy modules imported at worker start-up: {out.strip()}"
 
 
+@pytest.mark.unit
 def test_the_kept_digits_split_equals_the_computed_one_and_a_damaged_file_is_recomputed(tmp_path, monkeypatch):
     monkeypatch.setenv("RINGTRAIN_CACHE_DIR", str(tmp_path))
     first = digits.load_digits_split(0.25, 3)
@@ -34,6 +37,7 @@ def test_the_kept_digits_split_equals_the_computed_one_and_a_damaged_file_is_rec
     assert digits._read(kept) is not None, "the damaged file is replaced by a good one"
 
 
+@pytest.mark.job
 def test_exit_quickly_still_joins_threads_runs_atexit_and_flushes_output(tmp_path):
     marks = tmp_path / "marks"
     script = f"""

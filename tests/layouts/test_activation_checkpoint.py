@@ -16,6 +16,8 @@ from ringtrain.models.transformer import TransformerLM
 from ringtrain.monitor.memory import saved_for_backward
 from ringtrain.parallel.activation_checkpoint import ac_blocks, apply_ac
 
+pytestmark = pytest.mark.unit
+
 
 def _lm() -> TransformerLM:
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ in this test before zero.py knew). 2 real Gloo workers, the parameters bit for b
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -13,6 +14,8 @@ from ringtrain.models.transformer import TransformerLM
 from ringtrain.parallel import build_strategy
 from ringtrain.parallel.activation_checkpoint import apply_ac
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.ranks
 
 
 def train_zero3(rank: int, world_size: int, mode: str) -> dict:

@@ -15,6 +15,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.trainers import train_run
 
+pytestmark = pytest.mark.ranks
+
 MODES = ("none", "full", "selective")
 
 

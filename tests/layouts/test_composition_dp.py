@@ -13,11 +13,13 @@ from tests.layouts.composition import CELLS, PARTS, REFUSED, Cell, assert_trains
 composition_runs_folder = runs_folder()
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("cell", cells("dp"), ids=lambda cell: cell.id)
 def test_a_layout_trains_as_one_worker(cell: Cell):
     assert_trains_as_one_worker(cell)
 
 
+@pytest.mark.unit
 def test_the_table_is_every_layout_the_config_accepts():
     """The table follows the config: a refused layout that gets built (or an accepted one that gets refused) fails
     here, naming the cell to add to the table (or to the refused list)."""

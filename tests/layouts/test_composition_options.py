@@ -12,6 +12,8 @@ from tests.faults import Fault, fault_plan
 from tests.layouts.composition import RTOL, SGD, STEPS, ZBV, Cell, Run, assert_same_run, cell_run, oracle, root, \
     runs_folder, train
 
+pytestmark = pytest.mark.ranks
+
 composition_runs_folder = runs_folder()
 
 # --- the layouts' options, beside the table: same oracle, one run each ------------------------------------------

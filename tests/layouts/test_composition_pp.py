@@ -9,6 +9,8 @@ import pytest
 from tests.layouts.composition import RTOL, SGD, Cell, assert_same_run, assert_trains_as_one_worker, cell_run, \
     cells, oracle, runs_folder, train
 
+pytestmark = pytest.mark.ranks
+
 composition_runs_folder = runs_folder()
 
 

@@ -12,6 +12,8 @@ from tests.distributed import DistributedTestError
 from tests.layouts.composition import SGD, Cell, assert_trains_as_one_worker, cell_run, cells, root, runs_folder, \
     train
 
+pytestmark = pytest.mark.ranks
+
 composition_runs_folder = runs_folder()
 
 

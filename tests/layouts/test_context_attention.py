@@ -58,6 +58,7 @@ def _oracle(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_ring_attention_output_and_gradients_are_causal_sdpas(cp):
     cases = [_inputs(cp, k, dtype, kv_heads, seed=100 * cp + i) for i, (k, dtype, kv_heads) in enumerate(CASES)]
@@ -93,6 +94,7 @@ def _two_rings(rank: int, world_size: int, cases: list[dict[str, torch.Tensor]])
     return {"case": mine, "cp_rank": cp_rank, "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+@pytest.mark.ranks
 def test_ring_attention_on_subgroups_of_the_world():
     cases = [_inputs(2, 2, torch.float64, HEADS, seed=7), _inputs(2, 2, torch.float64, 2, seed=8)]
     for got in run_distributed(_two_rings, 4, cases, timeout_s=120):
@@ -106,6 +108,7 @@ def _round_trip(rank: int, world_size: int, x: torch.Tensor) -> dict:
     return {dim: unshard_sequence(shard_sequence(x, dim, rank, world_size), dim, dist.group.WORLD) for dim in (0, 1, 2)}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("cp", [3])
 def test_shard_unshard_round_trip(cp):
     x = torch.arange(6 * 12 * 18).reshape(6, 12, 18)  # every dim divisible by 2 * 3
@@ -114,6 +117,7 @@ def test_shard_unshard_round_trip(cp):
             assert torch.equal(whole, x), dim
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_shards_hold_chunks_r_and_their_mirror_with_their_positions(cp):
     seq = 2 * cp * 3
@@ -127,6 +131,7 @@ def test_shards_hold_chunks_r_and_their_mirror_with_their_positions(cp):
     assert len({int((part + 1).sum()) for part in parts}) == 1
 
 
+@pytest.mark.unit
 def test_a_sequence_that_does_not_divide_is_one_line_naming_the_numbers_and_the_fix():
     with pytest.raises(ValueError) as err:
         shard_sequence(torch.zeros(2, 4, 30, 16), 2, 0, 4)
@@ -137,6 +142,7 @@ def test_a_sequence_that_does_not_divide_is_one_line_naming_the_numbers_and_the_
         sequence_positions(10, 1, 3)
 
 
+@pytest.mark.unit
 def test_ring_attention_refuses_heads_that_do_not_group():
     q = torch.zeros(2, 4, 8, 16)
     kv = torch.zeros(2, 3, 8, 16)
@@ -146,6 +152,7 @@ def test_ring_attention_refuses_heads_that_do_not_group():
         ring_attention(torch.zeros(2, 4, 7, 16), torch.zeros(2, 4, 7, 16), torch.zeros(2, 4, 7, 16), None)
 
 
+@pytest.mark.unit
 def test_the_timer_hands_each_wait_and_byte_over_once():
     timer = ContextCommTimer()
     timer.record("forward", 0.5, 100)
@@ -183,6 +190,7 @@ def _context_parallel_step(rank: int, world_size: int, state: dict, tokens: torc
     return {"loss": loss / items, "grads": grads, "bytes": model.cp_comm_timer.take_bytes()}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("cp", [2, 3])
 def test_a_two_block_transformer_split_over_cp_has_the_unsplit_loss_and_gradients(cp):
     torch.manual_seed(0)
@@ -202,6 +210,7 @@ def test_a_two_block_transformer_split_over_cp_has_the_unsplit_loss_and_gradient
         assert got["bytes"] > 0
 
 
+@pytest.mark.unit
 def test_apply_context_parallel_refuses_attention_dropout_in_one_line():
     with pytest.raises(ValueError, match="ring attention has no attention dropout; the model's is 0.1"):
         apply_context_parallel(TransformerLM(**LM, dropout=0.1), None)

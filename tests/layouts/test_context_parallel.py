@@ -25,6 +25,8 @@ from ringtrain.train.resume import ResumePlan
 from tests.runs import losses, records
 from tests.trainers import build_test_trainer, params_of, train_run
 
+pytestmark = pytest.mark.ranks
+
 CONFIG = "configs/debug_lm.toml"
 STEPS = 4
 BASE = [f"train.max_steps={STEPS}", "train.precision='fp32'", "train.auto_micro_batch=false", "model.dropout=0.0",

@@ -17,6 +17,8 @@ import torch
 from tests.conftest import run_clis
 from tests.runs import losses, records, summary
 
+pytestmark = pytest.mark.job
+
 STEPS = 4
 SCRIPT = "tests/layouts/tp_code.py"
 CONFIG = {"train": {"precision": "fp32", "max_steps": STEPS, "global_batch_size": 16, "local_batch_size": 8,

@@ -11,6 +11,8 @@ from torch import nn
 from ringtrain.errors import ConfigError
 from ringtrain.hf import decoder_stages
 
+pytestmark = pytest.mark.unit
+
 
 def llama(layers: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM

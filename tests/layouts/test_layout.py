@@ -12,6 +12,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.layout import Layout
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("given, owner, world, expected", [
     ({}, "dp_replicate", 4, dict(dp_replicate=4)),
     ({}, "dp_shard", 4, dict(dp_shard=4)),
@@ -27,6 +28,7 @@ def test_unset_degrees_follow_the_owner_and_minus_one_takes_the_rest(given, owne
     assert layout.dp * layout.model_parallel == world
 
 
+@pytest.mark.unit
 def test_degrees_that_do_not_multiply_to_the_world_are_one_line_naming_them():
     with pytest.raises(ConfigError) as caught:
         Layout.resolve({"tp": 3}, "dp_shard", 4)
@@ -39,6 +41,7 @@ def test_degrees_that_do_not_multiply_to_the_world_are_one_line_naming_them():
         Layout(tp=0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("layout, shape, needs_mesh", [
     (Layout(dp_replicate=4), (("dp",), (4,)), False),
     (Layout(dp_shard=4, owner="dp_shard"), (("dp",), (4,)), False),
@@ -53,11 +56,13 @@ def test_the_mesh_keeps_model_parallel_ranks_innermost(layout, shape, needs_mesh
     assert layout.needs_mesh is needs_mesh
 
 
+@pytest.mark.unit
 def test_describe_names_the_degrees_above_one():
     assert Layout(dp_shard=2, tp=2, owner="dp_shard").describe() == "dp_shard 2 x tp 2"
     assert Layout().describe() == "1 worker"
 
 
+@pytest.mark.job
 def test_resolving_a_layout_imports_no_torch():
     code = ("import sys; from ringtrain.layout import Layout; from ringtrain.strategies import strategy_spec; "
             "Layout.resolve({'tp': 2}, strategy_spec('fsdp').owner, 4); assert 'torch' not in sys.modules")

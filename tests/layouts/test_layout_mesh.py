@@ -14,6 +14,8 @@ from ringtrain.group.init import DistContext
 from ringtrain.layout import Layout
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 
 def place(rank: int, world_size: int, layout: Layout):
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)

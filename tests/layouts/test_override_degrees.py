@@ -10,6 +10,8 @@ from ringtrain.config import check_override_degrees
 from ringtrain.errors import ConfigError
 from tests.conftest import REPO, run_main
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("overrides, world_sizes", [
     (["parallel.tp=2"], (4, 4)),

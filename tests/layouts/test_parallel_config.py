@@ -10,6 +10,8 @@ from ringtrain.config.parallel import check_parallel, resolve_layout
 from ringtrain.errors import ConfigError
 from tests.conftest import run_main
 
+pytestmark = pytest.mark.unit
+
 LM = {"model": {"name": "transformer", "n_layers": 4}, "data": {"dataset": "text"}}
 
 

@@ -17,6 +17,7 @@ from tests.distributed import run_distributed
 OBJECT_COLLECTIVE = re.compile(r"\.(all_gather_object|gather_object|broadcast_object_list|scatter_object_list)\(")
 
 
+@pytest.mark.unit
 def test_no_object_collective_is_called_anywhere_in_ringtrain():
     """Before: parallel/pipeline.py gathered state dicts with dist.all_gather_object (pickle over the wire)."""
     calls = [f"{path.relative_to(REPO)}:{number}" for path in sorted((REPO / "ringtrain").rglob("*.py"))
@@ -54,6 +55,7 @@ def _same(got, want) -> bool:
     return got == want
 
 
+@pytest.mark.ranks
 def test_every_ranks_tensors_arrive_whole_in_rank_order():
     out = run_distributed(_gather, 2)
     for rank in range(2):
@@ -89,6 +91,7 @@ def _hostile(rank: int, world_size: int, entry: list) -> str | None:
     return "accepted"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("entry", BAD_ENTRIES, ids=[str(i) for i in range(len(BAD_ENTRIES))])
 def test_a_tensor_entry_its_bytes_do_not_hold_is_refused_in_one_line(entry):
     message = run_distributed(_hostile, 2, entry)[0]

@@ -18,6 +18,8 @@ from tests.distributed import run_distributed
 from tests.data.test_accumulation import PLAIN_SGD
 from tests.trainers import REPO, build_test_trainer
 
+pytestmark = pytest.mark.ranks
+
 CONFIG = "configs/debug_lm.toml"
 JOB = [*PLAIN_SGD, "model.n_layers=2", "model.d_model=16", "data.seq_len=32", "train.global_batch_size=8",
        "train.local_batch_size=2", "train.auto_micro_batch=false", "train.grad_clip_norm=1e9"]

@@ -15,6 +15,8 @@ import torch
 from tests.conftest import run_cli, run_clis
 from tests.runs import records
 
+pytestmark = pytest.mark.job
+
 
 def parameters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["model"]

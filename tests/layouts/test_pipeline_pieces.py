@@ -13,6 +13,7 @@ Bound: test_uneven_shares.py's (the sums run in another order than the oracle's)
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -24,6 +25,8 @@ from ringtrain.parallel.pipeline_schedule import agree_shapes
 from tests.distributed import run_distributed
 from tests.data.test_accumulation import PLAIN_SGD, full_batch_gradient
 from tests.trainers import REPO, build_test_trainer
+
+pytestmark = pytest.mark.ranks
 
 BOUND = dict(rtol=1e-4, atol=2e-6)
 CONFIG = "configs/debug_lm.toml"

@@ -28,6 +28,7 @@ INTERLEAVED = {"pp": 2, "pp_microbatches": 4, "stages_per_rank": 2, "pp_schedule
 
 # Its runs one after another in this process (a launched job's were all at once): on the shared 2-core machine at load
 # 30-40 the pipeline file's four took over 300 s, the suite's limit (pyproject.toml); a hang still fails, at 600 s.
+@pytest.mark.ranks
 @pytest.mark.timeout(600)
 def test_a_huggingface_llama_cut_by_the_users_split_function_trains_as_one_worker(tmp_path):
     runs = {"one": ("llama4", 1, {}), "pp": ("llama4_pp", 2, {"parallel": PP}),
@@ -62,6 +63,7 @@ def test_a_huggingface_llama_cut_by_the_users_split_function_trains_as_one_worke
     assert mine.keys() == one.keys() and all(abs(mine[s] - one[s]) <= 1e-5 * abs(one[s]) for s in one)
 
 
+@pytest.mark.ranks
 def test_a_split_that_does_not_fit_is_one_line(tmp_path):
     cases = {"llama4_copying": ({"parallel": PP}, "stage 0 of pp_split uses a parameter of shape"),
              "llama4_leaving": ({"parallel": PP}, "no stage of pp_split holds model.norm.weight"),
@@ -72,6 +74,7 @@ def test_a_split_that_does_not_fit_is_one_line(tmp_path):
         assert_refused_in_one_line(ranks, words)
 
 
+@pytest.mark.unit
 def test_a_pp_split_that_is_not_a_function_is_one_line():
     from ringtrain.errors import ConfigError
     from ringtrain.train.user_parts import UserParts

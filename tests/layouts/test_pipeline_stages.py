@@ -14,6 +14,8 @@ from ringtrain.models.transformer import TransformerLM
 from ringtrain.parallel.pipeline_schedule import SCHEDULES, pad_rows
 from ringtrain.parallel.pipeline_stages import SequentialStage, TransformerStage, sequential_cut, stage_indices
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("schedule, pp, per_rank", [("1f1b", 4, 1), ("interleaved_1f1b", 2, 2),
                                                     ("interleaved_1f1b", 3, 3), ("zbv_zero_bubble", 3, 2)])

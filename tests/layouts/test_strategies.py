@@ -15,6 +15,8 @@ from ringtrain.config import CommConfig
 from ringtrain.parallel import build_strategy
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 STEPS = 4
 MICRO = 2
 BATCH = 8  # per micro-batch per rank

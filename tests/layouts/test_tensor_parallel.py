@@ -8,7 +8,11 @@ tests/layouts/test_tensor_pipeline_parallel.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.job
 
 
 def test_a_layout_tensor_parallelism_cannot_run_is_one_line_before_any_worker(tmp_path):

@@ -73,6 +73,7 @@ def assert_same_run(run_dir: Path, oracle: Path) -> None:
 
 # Its runs one after another in this process (a launched job's were all at once): on the shared 2-core machine at load
 # 30-40 the pipeline file's four took over 300 s, the suite's limit (pyproject.toml); a hang still fails, at 600 s.
+@pytest.mark.ranks
 @pytest.mark.timeout(600)
 def test_a_huggingface_llama_and_a_users_plan_train_as_one_worker(tmp_path):
     runs = {"llama_one": ("llama", 1, {}), "llama_tp2": ("llama", 2, {"parallel": {"tp": 2}}),
@@ -86,6 +87,7 @@ def test_a_huggingface_llama_and_a_users_plan_train_as_one_worker(tmp_path):
     assert summary(tmp_path / "llama_tp2")["model_state_mb"] < 0.8 * summary(tmp_path / "llama_one")["model_state_mb"]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(600)  # as the test above
 def test_loss_parallel_splits_llamas_output_layer_by_vocabulary_and_trains_as_one_worker(tmp_path):
     """parallel.loss_parallel: Llama's own lm_head split by vocabulary, the cross-entropy on the logits' shards
@@ -109,6 +111,7 @@ def test_loss_parallel_splits_llamas_output_layer_by_vocabulary_and_trains_as_on
         "'__main__:token_loss': torch's loss_parallel computes the cross-entropy only" in lines[0], lines[0]
 
 
+@pytest.mark.ranks
 def test_huggingface_gpt2_splits_its_conv1d_layers_and_trains_as_one_worker(tmp_path):
     """GPT-2's layers are Conv1Ds (weights stored (in, out)) and its c_attn fuses q | k | v by columns: ringtrain's
     plan splits them; the checkpoint holds the unsplit model, columns in their own order."""
@@ -118,6 +121,7 @@ def test_huggingface_gpt2_splits_its_conv1d_layers_and_trains_as_one_worker(tmp_
     assert summary(tmp_path / "gpt2_tp2")["model_state_mb"] < 0.8 * summary(tmp_path / "gpt2_one")["model_state_mb"]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case, words", [
     ("mixer_whole", "[parallel] tp = 2: Mixer has no tensor-parallel plan"),
     ("typo", "tp_plan: 'blocks.*.upp' names no module of Mixer"),
@@ -126,6 +130,7 @@ def test_a_model_without_a_plan_or_a_plan_that_names_nothing_is_one_line(tmp_pat
     assert_refused_in_one_line(fit_in_ranks(tmp_path / "run", case, 2, refused=True, parallel={"tp": 2}), words)
 
 
+@pytest.mark.ranks
 def test_a_plan_without_tensor_parallelism_is_one_line(tmp_path):
     ranks = fit_in_ranks(tmp_path / "run", "mixer", 1, refused=True)
     assert_refused_in_one_line(ranks, "fit(tp_plan=...) splits the model over tensor-parallel ranks, but parallel.tp is 1")

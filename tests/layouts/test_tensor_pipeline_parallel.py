@@ -86,6 +86,7 @@ def oracle(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.ranks
 def test_dp2_by_pp2_by_tp2_on_eight_ranks_trains_as_one_worker_and_its_sharded_checkpoint_resumes_elsewhere(
         tmp_path, oracle):
     # The 3-D mesh with FSDP2 over the two pipelines (sharded, asynchronous checkpoints) or plain replicas (ddp).
@@ -122,6 +123,7 @@ def test_dp2_by_pp2_by_tp2_on_eight_ranks_trains_as_one_worker_and_its_sharded_c
         assert_same_parameters(run_dir, oracle)
 
 
+@pytest.mark.job
 def test_what_tensor_parallelism_inside_a_pipeline_cannot_run_with_is_one_line_before_any_worker(tmp_path):
     result = run_cli(*train_args(CONFIG, tmp_path / "run", *COMMON, "parallel.tp=2", "model.n_heads=1", nproc=4))
     assert result.returncode == 2

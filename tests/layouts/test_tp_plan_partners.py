@@ -32,6 +32,7 @@ def model() -> nn.Module:
     return nn.ModuleDict({"layers": nn.ModuleList([Block(), Block()]), "head": nn.Linear(32, 10)})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("plan", [
     {"layers.*.mlp.0": "colwise", "layers.*.mlp.2": "rowwise"},
     {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
@@ -42,6 +43,7 @@ def test_plans_written_in_pairs_pass(plan):
     check_colwise_partners(model(), plan)
 
 
+@pytest.mark.unit
 def test_a_colwise_layer_without_a_rowwise_partner_is_one_line_naming_the_entry():
     plan = {"layers.*.mlp.0": "colwise", "layers.*.attn.o": "rowwise"}
     with pytest.raises(ConfigError) as err:
@@ -66,6 +68,7 @@ def _wrap(rank: int, world_size: int, plan: dict) -> str:
         return f"refused: {err}"
 
 
+@pytest.mark.ranks
 def test_the_tensor_parallel_strategy_refuses_the_plan_before_any_forward():
     refused = run_distributed(_wrap, 2, {"0": "colwise"})
     assert all(r.startswith("refused: tp_plan['0'] = 'colwise' splits 0's 128 output features") for r in refused), refused

@@ -11,6 +11,8 @@ import torch
 from ringtrain.errors import ConfigError
 from ringtrain.parallel.tensor import _to_natural, _to_ranks, huggingface_plan
 
+pytestmark = pytest.mark.unit
+
 
 def _gpt2(**overrides):
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -86,6 +86,7 @@ def train(rank: int, world_size: int, runs: list[dict]) -> list[list[torch.Tenso
 ALGORITHMS = ["torch", "ring", "shm"]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_zero1_and_zero2_are_bit_identical_to_the_manual_strategy(optimizer):
     runs = []
@@ -103,6 +104,7 @@ def test_zero1_and_zero2_are_bit_identical_to_the_manual_strategy(optimizer):
 SHARDED = [("zero1", "ring"), ("zero2", "shm"), ("zero3", "torch"), ("zero3", "ring_chunked"), ("fsdp", "torch")]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_accumulation_clipping_zero3_and_fsdp_stay_within_the_bound_of_the_manual_strategy(world_size):
     runs = []
@@ -134,6 +136,7 @@ def test_accumulation_clipping_zero3_and_fsdp_stay_within_the_bound_of_the_manua
                 assert torch.equal(ours, theirs), f"{name}, step {step}: not bit-identical"
 
 
+@pytest.mark.ranks
 def test_world_size_one_trains_like_one_process():
     runs = [{"strategy": s, "algorithm": "torch", "optimizer": "sgd", "micro": 2, "clip": 1.0} for s in
             ("manual", "zero1", "zero2", "zero3", "fsdp")]
@@ -197,6 +200,7 @@ def checkpoint_round_trip(rank: int, world_size: int, run_root: str) -> dict:
     return {"reference": reference, "results": results}
 
 
+@pytest.mark.ranks
 def test_a_ddp_checkpoint_resumes_bit_exactly_into_every_sharded_strategy_and_back(tmp_path):
     per_rank = run_distributed(checkpoint_round_trip, 2, str(tmp_path), timeout_s=300)
     reference = per_rank[0]["reference"]
@@ -230,6 +234,7 @@ def model_state(rank: int, world_size: int, run_root: str) -> dict:
     return out
 
 
+@pytest.mark.ranks
 def test_model_state_meets_the_analytic_bound_of_each_strategy(tmp_path):
     """Bytes per parameter for N workers and AdamW in fp32 (ZeRO paper, Fig. 1), within 5%, plus the buffers
     each strategy holds by design: zero2 one bucket of gradient staging; zero3 the root unit, two blocks (one
@@ -255,6 +260,7 @@ def test_model_state_meets_the_analytic_bound_of_each_strategy(tmp_path):
     assert measured["zero2"]["bytes"] < measured["zero1"]["bytes"]
 
 
+@pytest.mark.job
 def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_path):
     """The public path (ringtrain.fit in a user's script, `ringtrain run`), bf16 autocast, zero3 over shm (the
     other strategies share its trainer path; tests above cover them): the losses of every
@@ -282,6 +288,7 @@ def test_a_user_model_through_ringtrain_run_trains_under_zero3_like_manual(tmp_p
     assert exported.returncode == 0 and (tmp_path / "zero3" / "model.safetensors").is_file(), exported.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
     (["comm.strategy=zero2", "comm.algorithm=powersgd"], "algorithm 'powersgd' is one of torch's DDP hooks"),
     (["comm.strategy=zero1", "comm.algorithm=bf16"], "use strategy = 'ddp' with it"),
@@ -300,6 +307,7 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(overrides, messag
     assert message in str(raised.value) and "\n" not in str(raised.value).strip(), str(raised.value)
 
 
+@pytest.mark.ranks
 def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank_under_zero2(tmp_path):
     """An infinite gradient on rank 1 at step 3 under zero2: each rank holds another gradient shard, so the
     flag travels in the step agreement (StepGuard.check + agree); both ranks skip step 3 and the parameters
@@ -320,6 +328,7 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_by_every_rank_under_zero2(
     assert skip["step"] == 3 and skip["reason"].startswith("non-finite gradient on ranks 0, 1"), skip
 
 
+@pytest.mark.job
 def test_bench_train_reports_model_state_per_strategy(tmp_path):
     """The short form of the sharded-training bench (the measured one: docs/sharded.md, docs/benchmarks.md)."""
     import json
@@ -368,6 +377,7 @@ def prefetching(rank: int, world_size: int, prefetch: bool) -> dict:
     return {"params": _flat(strategy.model_state_dict(model)), "prefetched": model._gatherer.prefetched}
 
 
+@pytest.mark.ranks
 def test_zero3_prefetch_overlaps_gathers_and_keeps_the_bits():
     """Prefetching (gathers and reduce-scatters on a communication thread; a block skipped in forward, or
     gathered without a backward, prefetched for nothing and freed) trains the parameters of the run without
@@ -417,6 +427,7 @@ def fp16_train(rank: int, world_size: int, names: list[str], overflow_step: int)
     return out
 
 
+@pytest.mark.ranks
 def test_fp16_with_the_grad_scaler_on_shards_steps_and_skips_like_the_replicated_strategy():
     """An overflow in one rank's gradient shard makes every rank skip the step and halve its scale; every
     other step's parameters equal the replicated run's bit for bit (zero1/2/3 and FSDP2, whose DTensor

@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from ringtrain.monitor.comm_timer import CommTimer
+
+pytestmark = pytest.mark.unit
 
 
 class FakeClock:

@@ -10,6 +10,8 @@ import pytest
 from ringtrain.monitor.loggers import ConsoleLogger
 from tests.conftest import run_main
 
+pytestmark = pytest.mark.unit
+
 # The summary of the default job (configs/digits_mlp.toml, 2 workers) as the loop writes it.
 SUMMARY = {
     "world_size": 2, "steps": 920, "epochs": 40.0, "wall_s": 2.794, "samples_per_s": 820.1, "final_loss": 0.0015046,

@@ -23,6 +23,7 @@ from ringtrain.monitor.diagnose import DiagnoseError, diagnose
 from tests.distributed import run_distributed
 
 
+@pytest.mark.unit
 def test_the_ring_buffer_keeps_the_last_n_and_costs_nothing_when_off(tmp_path):
     recorder = flight.FlightRecorder(capacity=0)
     assert recorder.begin("all_reduce", "ring", torch.ones(4)) is None
@@ -42,6 +43,7 @@ def test_the_ring_buffer_keeps_the_last_n_and_costs_nothing_when_off(tmp_path):
     assert dumped["reason"] == "requested" and dumped["regions"][0]["caller"] == "DDP gradient sync"
 
 
+@pytest.mark.unit
 def test_diagnose_without_dumps_says_how_to_get_them(tmp_path):
     with pytest.raises(DiagnoseError, match="SIGUSR1"):
         diagnose(tmp_path)
@@ -85,6 +87,7 @@ def _rank_run(rank: int, world_size: int, run_dir: str, port: int, mode: str) ->
         return "done"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("mode", ["behind", "mismatch"])
 def test_diagnose_names_the_rank_behind_and_the_disagreement(tmp_path, mode):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))

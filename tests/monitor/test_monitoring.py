@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
 PHASES = ("data", "forward_backward", "comm_exposed", "optimizer", "monitor", "eval", "checkpoint")
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_step_breakdown_adds_up_to_the_step_time(runs, world_size):
     records = train_records(runs[world_size])
@@ -47,6 +48,7 @@ def test_step_breakdown_adds_up_to_the_step_time(runs, world_size):
     assert phases == pytest.approx(step, rel=0.05)
 
 
+@pytest.mark.job
 def test_exposed_communication_is_zero_alone_and_positive_with_two(runs):
     alone = statistics.fmean(r["comm_fraction"] for r in train_records(runs[1]))
     pair = statistics.fmean(r["comm_fraction"] for r in train_records(runs[2]))
@@ -55,6 +57,7 @@ def test_exposed_communication_is_zero_alone_and_positive_with_two(runs):
     assert pair > max(3 * alone, 0.01), "two workers must wait for their gradient all-reduce"
 
 
+@pytest.mark.job
 def test_records_carry_memory_straggler_and_sinks(runs):
     record = train_records(runs[2])[-1]
     assert record["memory/peak_rss_mb"] > 50
@@ -74,6 +77,7 @@ def assert_png(path):
         assert image.format == "PNG"
 
 
+@pytest.mark.job
 def test_report_compares_runs_and_explains_scaling(runs, tmp_path):
     result = run_main("report", str(runs[1]), "--compare", str(runs[2]), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -84,12 +88,14 @@ def test_report_compares_runs_and_explains_scaling(runs, tmp_path):
         assert_png(tmp_path / f"{name}.png")
 
 
+@pytest.mark.unit
 def test_report_of_a_missing_run_is_one_line(tmp_path):
     result = run_main("report", str(tmp_path / "nothing"))
     assert result.returncode == 2
     assert result.stderr.strip().startswith("ringtrain: error:") and "metrics.jsonl" in result.stderr
 
 
+@pytest.mark.job
 def test_bench_train_runs_ringtrain_beside_bare_ddp(tmp_path):
     result = run_cli("bench", "train", "configs/debug_mlp.toml", "--nproc", "1,2", "--steps", "15", "--interval", "5",
                      "--out", str(tmp_path))

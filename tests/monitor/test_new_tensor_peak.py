@@ -3,9 +3,12 @@ counted op by op (views and in-place results of existing tensors are not new; fr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ringtrain.monitor.memory import new_tensor_peak
+
+pytestmark = pytest.mark.unit
 
 
 def test_the_peak_counts_what_is_alive_at_once_and_not_views_or_in_place_results():

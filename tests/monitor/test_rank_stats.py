@@ -8,6 +8,8 @@ import pytest
 
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 BUSY_S = [0.25, 1.0, 0.5, 0.125]
 
 

@@ -14,6 +14,8 @@ from ringtrain.monitor import report_plots
 from ringtrain.monitor.report import PHASES, load_run
 from tests.conftest import run_main
 
+pytestmark = pytest.mark.unit
+
 STEP_S = {1: 0.010, 2: 0.020}  # seconds per step in each attempt
 RATE = {1: 6400.0, 2: 3200.0}  # samples/s: 64 samples a step
 

@@ -13,6 +13,8 @@ import torch
 from ringtrain.monitor.metrics import StepClock
 from ringtrain.train.step import GradientStep
 
+pytestmark = pytest.mark.unit
+
 BEFORE_S, INSIDE_S = 5.0, 0.01
 
 

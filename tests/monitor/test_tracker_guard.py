@@ -16,6 +16,8 @@ from ringtrain.monitor.loggers import ConsoleLogger, Logger, MultiLogger, RunDir
 from ringtrain.redact import is_secret_name, redact
 from ringtrain.monitor.trackers import Guarded, flat_params
 
+pytestmark = pytest.mark.unit
+
 TOKEN = "s3cretTOKEN"
 URI = f"http://alice:{TOKEN}@127.0.0.1:9"
 

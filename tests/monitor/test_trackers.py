@@ -24,6 +24,7 @@ pytest.importorskip("wandb")
 JOB = ["configs/debug_mlp.toml", "--nproc", "2", "--set", "train.epochs=1", "--set", "monitor.log_every_steps=2"]
 
 
+@pytest.mark.job
 def test_mlflow_and_wandb_get_what_metrics_jsonl_has(tmp_path):
     run_dir = tmp_path / "run"
     done = run_cli("train", *JOB, "--run-dir", str(run_dir), "--set", 'monitor.trackers=["mlflow", "wandb"]')
@@ -82,6 +83,7 @@ def _closed_port() -> int:
     raise AssertionError("no closed port on 127.0.0.1")
 
 
+@pytest.mark.job
 def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path):
     """MLflow at a server that refuses (its URI holds a token), W&B not importable (a stand-in package that raises
     on import): the run finishes with one warning each, and the token is in no file of the run directory and not
@@ -111,6 +113,7 @@ def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path
     assert "http://***@127.0.0.1:" in (run_dir / "config.toml").read_text()
 
 
+@pytest.mark.unit
 def test_the_old_tensorboard_field_is_the_tensorboard_tracker(tmp_path):
     pytest.importorskip("tensorboard")
     for monitor in ({"tensorboard": True}, {"trackers": ["tensorboard"]}):
@@ -123,6 +126,7 @@ def test_the_old_tensorboard_field_is_the_tensorboard_tracker(tmp_path):
         Config.model_validate({"monitor": {"trackers": ["mlflow", "mlflow"]}})
 
 
+@pytest.mark.unit
 def test_mlflow_gets_the_settings_that_applied():
     """A fit() run (a model and data factory) under DDP: no built-in model's or dataset's fields, no DiLoCo; the
     built-in transformer's own fields, DiLoCo's under diloco, PowerSGD's under powersgd (issue 41)."""

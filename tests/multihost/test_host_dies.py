@@ -13,6 +13,8 @@ import pytest
 from tests.jobs import last_step
 from tests.multihost.jobs import start_node_jobs
 
+pytestmark = pytest.mark.hosts
+
 
 
 @pytest.mark.exclusive  # the time to name the host, against a bound

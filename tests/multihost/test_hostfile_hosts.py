@@ -18,6 +18,8 @@ from tests.multihost.sshd import SshHosts, missing, processes_in
 from tests.multihost.test_launch import CONFIG, SHORT
 from tests.trainers import train_run
 
+pytestmark = pytest.mark.hosts
+
 PORT = "29400"
 
 

@@ -25,6 +25,8 @@ from tests.distributed import run_distributed
 from tests.hosts import INTERFACE, SUBNET, Hosts, listening_sockets
 from tests.trainers import train_run
 
+pytestmark = pytest.mark.hosts
+
 PORT = 29400
 CONFIG = "configs/debug_mlp.toml"
 SHORT = ["--set", "train.epochs=1"]

@@ -13,6 +13,8 @@ import pytest
 from tests.jobs import last_step
 from tests.multihost.jobs import start_node_jobs
 
+pytestmark = pytest.mark.hosts
+
 TIMEOUT_S = 5
 
 

@@ -27,6 +27,7 @@ SECRET = "0123456789abcdef" * 4
 FIX = "; write a hostname or an IP address, optionally USER@ before it (e.g. 'node01 slots=4', 'alice@10.0.0.2 slots=4')"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("host, wrong", [
     ("-oProxyCommand=touch${IFS}/tmp/x", "starts with '-' (ssh would take it for an option)"),
     ("-F/path", "starts with '-' (ssh would take it for an option)"),
@@ -49,6 +50,7 @@ def test_a_host_ssh_would_read_as_an_option_or_a_shell_would_split_is_refused(ho
     assert str(err.value) == f"hosts:2: host {host!r} {wrong}{FIX}"
 
 
+@pytest.mark.unit
 def test_the_cli_refuses_the_proxycommand_host_in_one_line_with_exit_2(tmp_path, capsys):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# planted\n-oProxyCommand=touch${IFS}/tmp/x slots=1\n")
@@ -58,12 +60,14 @@ def test_the_cli_refuses_the_proxycommand_host_in_one_line_with_exit_2(tmp_path,
         f"it for an option){FIX}"]
 
 
+@pytest.mark.unit
 def test_hostnames_addresses_and_user_at_host_are_taken():
     hosts = ("node01", "gpu-3.cluster.local", "10.0.0.2", "fe80::1", "fe80::1%eth0", "alice@node02", "bob_x@10.0.0.3",
              "c.d-e@2001:db8::7", "N1")
     assert parse_hostfile("".join(f"{host} slots=2\n" for host in hosts)).hosts == hosts
 
 
+@pytest.mark.unit
 def test_user_at_host_reaches_the_other_hosts_at_the_address_only():
     hosts = Hostfile("h", ("alice@node01", "bob@fe80::2"), 1)
     assert hostfile_flags(hosts, LaunchFlags(), None, 29500, pid=1).flags.rdzv_endpoint == "node01:29500"
@@ -71,6 +75,7 @@ def test_user_at_host_reaches_the_other_hosts_at_the_address_only():
     assert node_argv(args, hosts, 1, "node01:29500")[-2:] == ["--local-addr", "fe80::2"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("host", ["node01", "-oProxyCommand=touch${IFS}/tmp/x", "-F/path", "-E/path"])
 def test_ssh_has_double_dash_right_before_the_host(host):
     argv = ssh_command(host, "cmd", 22, ["IdentityFile=/k"])
@@ -78,6 +83,7 @@ def test_ssh_has_double_dash_right_before_the_host(host):
     assert argv.index("--") == len(argv) - 3 and argv.count(host) == 1
 
 
+@pytest.mark.job
 @pytest.mark.skipif(shutil.which("ssh") is None, reason="needs the OpenSSH client")
 def test_openssh_takes_what_follows_the_double_dash_as_the_host(tmp_path):
     """The real client, ``ssh -G`` (prints its settings, connects nowhere): the argv ssh_command makes for the
@@ -109,6 +115,7 @@ def _fake_ssh(tmp_path) -> tuple[str, str]:
     return str(bin_dir), str(out)
 
 
+@pytest.mark.job
 def test_the_secret_goes_to_each_host_on_ssh_stdin_never_in_its_argv(tmp_path, monkeypatch, capsys):
     bin_dir, out = _fake_ssh(tmp_path)
     monkeypatch.setenv("PATH", bin_dir + os.pathsep + os.environ["PATH"])
@@ -131,6 +138,7 @@ def test_the_secret_goes_to_each_host_on_ssh_stdin_never_in_its_argv(tmp_path, m
     assert SECRET not in capsys.readouterr().err
 
 
+@pytest.mark.job
 def test_a_secret_that_is_not_hex_is_refused_before_any_host_starts(tmp_path, monkeypatch):
     bin_dir, out = _fake_ssh(tmp_path)
     monkeypatch.setenv("PATH", bin_dir + os.pathsep + os.environ["PATH"])
@@ -158,6 +166,7 @@ def _serve(tmp_path, sleep: float = 0.0) -> subprocess.Popen:
                             cwd=REPO)
 
 
+@pytest.mark.job
 def test_the_hosts_end_reads_the_first_line_and_hands_the_secret_to_its_launcher(tmp_path):
     serving = _serve(tmp_path)
     serving.stdin.write(f"secret {SECRET}\n".encode())
@@ -176,6 +185,7 @@ def test_the_hosts_end_reads_the_first_line_and_hands_the_secret_to_its_launcher
     serving.stdin.close()
 
 
+@pytest.mark.job
 def test_the_hosts_end_still_stops_its_launcher_when_stdin_closes(tmp_path):
     serving = _serve(tmp_path, sleep=120)
     serving.stdin.write(f"secret {SECRET}\n".encode())
@@ -189,6 +199,7 @@ def test_the_hosts_end_still_stops_its_launcher_when_stdin_closes(tmp_path):
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("sent, why", [
     (b"", "stdin closed before the first line"),
     (b"secret zz\n", "the first line on stdin is neither 'secret HEX' nor 'nosecret'"),
@@ -204,6 +215,7 @@ def test_a_wrong_first_line_is_one_line_exit_2_and_nothing_starts(tmp_path, sent
     assert not (tmp_path / "seen.json").exists()
 
 
+@pytest.mark.unit
 def test_the_remote_command_never_holds_the_secret():
     line = remote_command(["train", "c.toml"], "py", "/w", remote_environ({"RINGTRAIN_JOB_SECRET": SECRET,
                                                                           "RINGTRAIN_X": "1"}))

@@ -22,6 +22,8 @@ from ringtrain.checkpoint.manifest import Digest, write_manifest
 from ringtrain.checkpoint.sharded import EXTRA_FILE, ShardedCheckpointer, check_loadable, manifest_of
 from ringtrain.errors import CheckpointError, LaunchError, UnsafeCheckpoint
 
+pytestmark = pytest.mark.unit
+
 
 class Payload:
     """Unpickled, it runs ``touch MARKER`` (what the issue's exploit did with a real command)."""

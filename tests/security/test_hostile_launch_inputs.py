@@ -13,6 +13,8 @@ from ringtrain.errors import LaunchError
 from tests.conftest import run_main
 from tests.launch.test_cluster import slurm
 
+pytestmark = pytest.mark.unit
+
 QUICK_S = 5.0
 """Each refusal, in the test's process (torch imported already): before, the node list took 6-12 s and gigabytes."""
 

@@ -32,6 +32,8 @@ from ringtrain.comm.objects import (
 )
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 
 class _Payload:
     """Unpickled, it runs ``touch MARKER``."""

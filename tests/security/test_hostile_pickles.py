@@ -139,6 +139,7 @@ def _refused_metadata(path: Path, *phrases: str) -> str:
 
 
 # --- row 2: opcodes that reach a class or a function ---------------------------------------------------------
+@pytest.mark.unit
 def test_the_issue_s_redirect_by_build_on_posixpath_and_get_layout_is_refused_and_changes_nothing(tmp_path):
     _, path = _saved_sharded(tmp_path)
     _with_tail(path, _redirect({str(tmp_path / "model.safetensors"): str(tmp_path / "authorized_keys")}))
@@ -175,6 +176,7 @@ OPCODE_TRICKS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tail, complaint", OPCODE_TRICKS.values(), ids=OPCODE_TRICKS.keys())
 def test_metadata_opcodes_beyond_new_instances_of_allowed_classes_are_refused(tmp_path, tail, complaint):
     _, path = _saved_sharded(tmp_path)
@@ -182,6 +184,7 @@ def test_metadata_opcodes_beyond_new_instances_of_allowed_classes_are_refused(tm
     _refused_metadata(path, complaint)
 
 
+@pytest.mark.job
 def test_export_refuses_the_redirect_and_writes_nowhere(tmp_path):
     """The issue's end-to-end attack on ``ringtrain export RUN_DIR``: the metadata maps every path the export
     opens after reading it to itself, but the output (and its temporary, named by the pid) to the attacker's
@@ -221,6 +224,7 @@ def _planted_full(tmp_path: Path, payload: bytes) -> tuple[CheckpointManager, Pa
     return manager, forged
 
 
+@pytest.mark.unit
 def test_a_deep_full_checkpoint_is_refused_before_unpickling(tmp_path):
     manager, forged = _planted_full(tmp_path, _torch_zip(_nested_key_dict(DEEP)))
     for load in (lambda: manager.load(forged), lambda: manager.load_latest(lambda message: None)):
@@ -239,6 +243,7 @@ def _deep_through_aliases(depth: int) -> bytes:
     return b"\x80\x02" + made + joined + b"}" + _text("model") + b"j" + slot(0) + b"s."
 
 
+@pytest.mark.unit
 def test_nesting_built_through_second_references_is_refused(tmp_path):
     """In ``.metadata`` (the C unpickler runs every opcode; torch's weights-only one refuses these itself)."""
     _, path = _saved_sharded(tmp_path)
@@ -247,6 +252,7 @@ def test_nesting_built_through_second_references_is_refused(tmp_path):
     _refused_metadata(path, "applies APPEND to a list after a second reference to it was taken")
 
 
+@pytest.mark.unit
 def test_a_deep_extra_pt_is_refused_before_unpickling(tmp_path):
     checkpointer, path = _saved_sharded(tmp_path)
     (path / EXTRA_FILE).write_bytes(_torch_zip(_nested_key_dict(DEEP)))
@@ -257,6 +263,7 @@ def test_a_deep_extra_pt_is_refused_before_unpickling(tmp_path):
         _one_line(err, "step_00000008.dcp/extra.pt", "nests more than 200 levels deep")
 
 
+@pytest.mark.unit
 def test_deep_metadata_is_refused_before_unpickling(tmp_path):
     _, path = _saved_sharded(tmp_path)
     (path / ".metadata").write_bytes(_nested_key_dict(DEEP))
@@ -264,6 +271,7 @@ def test_deep_metadata_is_refused_before_unpickling(tmp_path):
     _refused_metadata(path, "nests more than 200 levels deep")
 
 
+@pytest.mark.unit
 def test_a_deep_shard_stretch_is_refused_before_unpickling(tmp_path):
     """The stretch DCP reads with torch.load(weights_only=True): a shard file rewritten to hold a deep pickle
     where a tensor was, its metadata and manifest to match."""
@@ -281,6 +289,7 @@ def test_a_deep_shard_stretch_is_refused_before_unpickling(tmp_path):
     _one_line(err, "step_00000008.dcp: __0_0.distcp bytes 0+", "nests more than 200 levels deep")
 
 
+@pytest.mark.unit
 def test_a_peer_s_deep_torch_save_or_json_is_refused_in_one_line_naming_it():
     from ringtrain.comm import objects
     from ringtrain.comm.errors import PeerDataError
@@ -298,6 +307,7 @@ def test_a_peer_s_deep_torch_save_or_json_is_refused_in_one_line_naming_it():
     assert objects.decode_json(json.dumps({"note": "[" * 5000, "x": [[1]]}).encode(), 1)["x"] == [[1]]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("where", ["full", "extra.pt", ".metadata"])
 def test_the_cli_refuses_the_issue_s_200000_deep_pickle_in_one_line_instead_of_a_segfault(tmp_path, where):
     """``ringtrain export`` over each file (before: exit -11, SIGSEGV, no message)."""
@@ -350,6 +360,7 @@ def _fake_manifest(path: Path, size: int = 100) -> None:
     write_manifest(path, Digest("0" * 64, size), step=int(path.stem.removeprefix("step_")))
 
 
+@pytest.mark.unit
 def test_a_fifo_as_the_newest_full_checkpoint_is_refused_not_waited_on(tmp_path):
     from ringtrain.checkpoint.front import newest_verified
 
@@ -365,6 +376,7 @@ def test_a_fifo_as_the_newest_full_checkpoint_is_refused_not_waited_on(tmp_path)
         _one_line(err, "step_00000020.pt is a FIFO")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("target", ["/dev/zero", "outside"])
 def test_a_symlinked_full_checkpoint_is_refused_without_following_it(tmp_path, target):
     """A symlink to /dev/zero (before: read until MemoryError), or to a real checkpoint outside the folder."""
@@ -382,6 +394,7 @@ def test_a_symlinked_full_checkpoint_is_refused_without_following_it(tmp_path, t
     _one_line(err, "step_00000020.pt is a symbolic link")
 
 
+@pytest.mark.unit
 def test_a_sparse_full_checkpoint_is_refused_by_its_size_before_reading(tmp_path):
     manager = CheckpointManager(tmp_path / "checkpoints")
     manager.save(10, {"model": {"w": torch.ones(2)}})
@@ -399,6 +412,7 @@ def _unlisted_metadata(path: Path) -> None:
     manifest_of(path).write_text(json.dumps(manifest))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("planted", ["fifo", "/dev/zero", "real"])
 def test_a_metadata_file_left_out_of_the_manifest_is_never_opened(tmp_path, planted):
     """The launcher's check (check_loadable) and a worker's load. Before: a FIFO hung both; a symlink to
@@ -418,6 +432,7 @@ def test_a_metadata_file_left_out_of_the_manifest_is_never_opened(tmp_path, plan
         _one_line(err, "step_00000008.dcp", "manifest does not list .metadata")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("planted, complaint", [("fifo", "is a FIFO"), ("/dev/zero", "is a symbolic link")])
 def test_a_listed_shard_that_is_not_a_regular_file_is_refused(tmp_path, planted, complaint):
     _, path = _saved_sharded(tmp_path)
@@ -432,6 +447,7 @@ def test_a_listed_shard_that_is_not_a_regular_file_is_refused(tmp_path, planted,
     _one_line(err, "__0_0.distcp", complaint)
 
 
+@pytest.mark.unit
 def test_a_metadata_memo_slot_of_2_28_is_refused_at_once(tmp_path):
     """10 bytes: BININT1 1, LONG_BINPUT 2**28, STOP. Before: the C unpickler sized its memo to it, 23 s and
     4 GiB, then a refusal."""
@@ -446,6 +462,7 @@ def test_a_metadata_memo_slot_of_2_28_is_refused_at_once(tmp_path):
 
 
 # --- row 9: manifests of the wrong shape, a tampered stretch, a metadata of a TiB --------------------------------
+@pytest.mark.unit
 def test_a_full_manifest_of_the_wrong_shape_is_one_line(tmp_path):
     manager = CheckpointManager(tmp_path / "checkpoints")
     path = manager.save(10, {"model": {"w": torch.ones(2)}})
@@ -463,6 +480,7 @@ def test_a_full_manifest_of_the_wrong_shape_is_one_line(tmp_path):
     _one_line(err, "step_00000010.manifest.json", "nests more than 200 levels deep")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("change, kind, complaint", [
     (lambda m: m.update(files=list(m["files"])), CorruptCheckpoint, "lists its files as a list"),
     (lambda m: m["files"][".metadata"].pop("bytes"), CorruptCheckpoint, ".metadata has no bytes"),
@@ -480,6 +498,7 @@ def test_a_sharded_manifest_of_the_wrong_shape_is_one_line(tmp_path, change, kin
         _one_line(err, "step_00000008.dcp.manifest.json", complaint)
 
 
+@pytest.mark.unit
 def test_a_metadata_of_a_tib_is_refused_by_its_size_before_reading(tmp_path):
     """A sparse ``.metadata`` of 2**40 bytes (the issue's 10**18 is past ext4's largest file), the manifest
     saying so. Before: hashed for minutes, then read until MemoryError."""
@@ -494,6 +513,7 @@ def test_a_metadata_of_a_tib_is_refused_by_its_size_before_reading(tmp_path):
     _one_line(err, "step_00000008.dcp: .metadata is 1099511627776 bytes, more than")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tamper, complaint", [
     ("stretch", "__0_0.distcp bytes "),
     ("unlisted", "its manifest does not list .metadata"),
@@ -523,6 +543,7 @@ def test_export_of_a_tampered_sharded_checkpoint_is_one_line_and_exit_2(tmp_path
     assert not (run_dir / "model.safetensors").exists()
 
 
+@pytest.mark.unit
 def test_a_tampered_shard_stretch_is_one_line_naming_it(tmp_path):
     """Bytes inside a tensor's stretch overwritten, the manifest rewritten: before, DCP's CheckpointException
     with every rank's traceback (a BaseException, past ringtrain's one-line reporting)."""

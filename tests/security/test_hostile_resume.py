@@ -5,8 +5,12 @@ payload had run."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import run_cli
 from tests.security.test_hostile_files import _bytes_entry
+
+pytestmark = pytest.mark.job
 
 FLAGS = ["--nproc", "2", "--set", "checkpoint.sharded=true", "--set", "comm.strategy='zero1'",
          "--set", "checkpoint.every_steps=4"]

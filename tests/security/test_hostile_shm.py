@@ -47,6 +47,7 @@ def _sweep_as(uid: int, timeout: float = 30) -> subprocess.CompletedProcess:
                            str(MODULE)], capture_output=True, text=True, timeout=timeout, cwd="/")
 
 
+@pytest.mark.job
 @as_root
 def test_another_uids_old_file_does_not_fail_a_non_root_users_sweep_and_its_own_orphans_still_go():
     planted = _plant(segment_name(1, "0123456789ab"), owner=ATTACKER)  # an hour old, unlocked, not the victim's
@@ -62,6 +63,7 @@ def test_another_uids_old_file_does_not_fail_a_non_root_users_sweep_and_its_own_
             unlink(os.path.basename(path))
 
 
+@pytest.mark.unit
 @as_root
 def test_a_sweep_leaves_another_uids_files_even_as_root():
     """Root's job sweeps only root's segments: an orphan of user 12346 is 12346's to clean up."""
@@ -72,6 +74,7 @@ def test_a_sweep_leaves_another_uids_files_even_as_root():
         unlink(os.path.basename(theirs))
 
 
+@pytest.mark.job
 def test_a_fifo_under_a_ringtrain_name_does_not_stall_a_sweep():
     name = segment_name(4, "a1b2c3d4e5f6")
     path = os.path.join(SHM_DIR, name)
@@ -89,6 +92,7 @@ def test_a_fifo_under_a_ringtrain_name_does_not_stall_a_sweep():
         os.unlink(path)
 
 
+@pytest.mark.unit
 def test_a_symlink_planted_at_the_expected_name_is_refused_not_followed(tmp_path):
     target = tmp_path / "victim.bin"
     target.write_bytes(b"precious" * 512)
@@ -106,6 +110,7 @@ def test_a_symlink_planted_at_the_expected_name_is_refused_not_followed(tmp_path
         os.unlink(os.path.join(SHM_DIR, name))
 
 
+@pytest.mark.unit
 @as_root
 def test_a_segment_another_uid_owns_is_refused_by_attach():
     name = segment_name(6, "0badc0ffee00")
@@ -117,6 +122,7 @@ def test_a_segment_another_uid_owns_is_refused_by_attach():
         unlink(name)
 
 
+@pytest.mark.unit
 def test_a_segment_of_this_uid_still_attaches():
     created = Segment.create(segment_name(), 4096)
     try:
@@ -128,6 +134,7 @@ def test_a_segment_of_this_uid_still_attaches():
         created.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("announced", [
     [1234, "../../../etc/x"],          # a path out of /dev/shm
     [1234, "0123456789ab/../../x"],
@@ -153,6 +160,7 @@ def test_a_peers_bad_pid_or_token_is_refused_in_one_line(announced):
     assert "\n" not in message and len(message) < 250, message
 
 
+@pytest.mark.unit
 def test_a_peers_good_pid_and_token_name_the_segment_as_before():
     assert peer_segment_name([1234, "0123456789ab"], "g1-arena", rank=0) == "ringtrain-1234-0123456789ab-g1-arena"
     assert peer_segment_name([1234, "0123456789ab"], "workspace", rank=0) == segment_name(1234, "0123456789ab-workspace")

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch.distributed as dist
 
 from ringtrain.comm.errors import PeerDataError
 from ringtrain.comm.objects import all_gather_json
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.ranks
 
 
 def hostile_leader(rank: int, world_size: int, token: str) -> str:

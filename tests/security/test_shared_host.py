@@ -40,8 +40,9 @@ store.set("torch.rendezvous." + sys.argv[2], base64.b64encode(pickle.dumps(Paylo
 print("planted", flush=True)
 """
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                                reason="needs root and setpriv to act as another local user")
+pytestmark = [pytest.mark.job,
+              pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                 reason="needs root and setpriv to act as another local user")]
 
 
 def _free_port() -> int:

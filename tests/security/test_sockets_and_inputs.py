@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import pytest
 import torch
 
 from ringtrain.checkpoint.manager import CheckpointManager
@@ -27,6 +28,7 @@ class _CreatesAFile:
         return (open, (self.target, "w"))
 
 
+@pytest.mark.job
 def test_a_malicious_checkpoint_is_refused_and_its_payload_never_runs(tmp_path):
     target = tmp_path / "pwned"
     evil = tmp_path / "evil" / "step_00000010.pt"
@@ -43,6 +45,7 @@ def test_a_malicious_checkpoint_is_refused_and_its_payload_never_runs(tmp_path):
     assert str(evil) in last and "refusing to unpickle" in last and "io.open" in last, result.stderr
 
 
+@pytest.mark.unit
 def test_an_explicitly_requested_broken_checkpoint_fails_in_one_line_before_any_worker(tmp_path):
     broken = CheckpointManager(tmp_path / "source").save(10, {"model": {"w": torch.ones(1000)}})
     data = bytearray(broken.read_bytes())
@@ -57,6 +60,7 @@ def test_an_explicitly_requested_broken_checkpoint_fails_in_one_line_before_any_
     assert not run_dir.exists(), "a worker started"
 
 
+@pytest.mark.unit
 def test_join_without_a_running_job_fails_in_one_line(tmp_path, capsys):
     from ringtrain.cli import main
     from ringtrain.elastic import JOB_FILE, JobSpec

@@ -22,7 +22,7 @@ from tests.faults import Fault, fault_plan
 # Beside other tests: the survivors hold until the joiner asked (above), so no race is left to run alone for.
 # A job of a launcher, agents and workers (each importing torch) took minutes to start beside other tests at
 # load 25 on two cores: more than the suite's 300 s a test.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(900)]
 JOINER_STARTUP_S = 300
 """How long the joiner may take to ask (a Python process importing torch; over 90 s beside busy processes)."""
 

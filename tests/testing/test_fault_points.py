@@ -10,6 +10,8 @@ sample ledger. Also: a plan naming an unknown point stops a launched job's worke
 
 from __future__ import annotations
 
+import pytest
+
 from ringtrain.group.env import FAULT_PLAN_ARMED_VAR, FAULT_PLAN_VAR
 from ringtrain.testing.faults import OPT_IN_PREFIX, POINTS
 from tests.conftest import REPO, run_cli, run_clis
@@ -30,6 +32,7 @@ JOB = ["train", "configs/debug_mlp.toml", "--nproc", "2", "--set", "train.max_st
        "--set", "checkpoint.every_steps=2", "--set", "data.ledger=true", "--set", "comm.strategy=manual"]
 
 
+@pytest.mark.job
 def test_every_declared_fault_point_is_reached_by_a_ring_and_an_shm_job(tmp_path):
     plan = fault_plan(tmp_path, *(Fault(name, action="observe") for name in POINTS))
     ring, shm = run_clis(
@@ -46,6 +49,7 @@ def test_every_declared_fault_point_is_reached_by_a_ring_and_an_shm_job(tmp_path
     assert {r["step"] for r in reached if r["point"] in ("ring.step", "ledger.gathered", "step.micro_batch")} == {1}
 
 
+@pytest.mark.job
 def test_a_plan_naming_an_unknown_point_stops_the_worker_in_one_line(tmp_path):
     plan = tmp_path / "faults.json"
     opt_in = OPT_IN_PREFIX + "5" * 32  # written by hand: the test's opt-in with it, as write_plan would
@@ -60,6 +64,7 @@ def test_a_plan_naming_an_unknown_point_stops_the_worker_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "run" / "metrics.jsonl").exists(), result.stderr
 
 
+@pytest.mark.job
 def test_a_plan_a_production_run_inherits_without_the_tests_opt_in_arms_nothing(tmp_path):
     """Issue 39, row 10: RINGTRAIN_FAULT_PLAN alone in a run's environment (a CI runner's, a shell's) used to end
     the job at the named point; now the run trains to its end, with one warning line. (The same plan beside its
@@ -75,6 +80,7 @@ def test_a_plan_a_production_run_inherits_without_the_tests_opt_in_arms_nothing(
                         "opt_in); unset RINGTRAIN_FAULT_PLAN"], result.stderr
 
 
+@pytest.mark.unit
 def test_the_points_only_a_heal_reaches_are_placed_by_a_test_that_asserts_they_fired():
     for name, test_file in PROVEN_ELSEWHERE.items():
         assert name in POINTS, f"{name} is not a declared point any more: drop it from PROVEN_ELSEWHERE"

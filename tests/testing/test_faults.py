@@ -45,6 +45,7 @@ def _disarmed():
     faults.disarm()
 
 
+@pytest.mark.unit
 def test_a_fault_fires_once_where_its_rank_member_step_and_hit_say(tmp_path):
     plan = fault_plan(tmp_path, Fault("ring.step", action="raise", error=INJECTED, message="third ring step",
                                       member=1, step=2, hit=3))
@@ -78,6 +79,7 @@ def test_a_fault_fires_once_where_its_rank_member_step_and_hit_say(tmp_path):
     assert reached == {("ring.step", 0), ("ring.step", 1), ("shm.arrive", 1)}
 
 
+@pytest.mark.job
 def test_a_kill_fires_in_one_process_of_the_job_and_a_restarted_one_survives(tmp_path):
     plan = fault_plan(tmp_path, Fault("checkpoint.save.commit", member=0, step=20))
     code = (f"from ringtrain.testing import faults; "
@@ -91,6 +93,7 @@ def test_a_kill_fires_in_one_process_of_the_job_and_a_restarted_one_survives(tmp
     assert [(r["point"], r["action"]) for r in plan.fired()] == [("checkpoint.save.commit", "kill")]
 
 
+@pytest.mark.unit
 def test_shm_takes_its_python_path_only_in_a_process_a_fault_waits_for_at_an_shm_barrier(tmp_path):
     plan = fault_plan(tmp_path, Fault("shm.arrive", member=1, step=1))
     assert not faults.armed_at("shm.arrive")  # unarmed
@@ -100,6 +103,7 @@ def test_shm_takes_its_python_path_only_in_a_process_a_fault_waits_for_at_an_shm
     assert faults.armed_at("shm.arrive") and not faults.armed_at("ring.step")
 
 
+@pytest.mark.unit
 def test_an_unknown_point_action_or_error_is_one_line_when_written_and_when_armed(tmp_path):
     for fault, words in ((Fault("ring.stepp"), "unknown fault point 'ring.stepp'; declared points: ring.step"),
                          (Fault("ring.step", action="explode"), "unknown action 'explode'"),
@@ -121,6 +125,7 @@ def test_an_unknown_point_action_or_error_is_one_line_when_written_and_when_arme
         faults.point("ring.stepp")
 
 
+@pytest.mark.unit
 def test_a_flip_corrupts_bytes_passing_through_a_point_once_and_needs_such_a_point(tmp_path):
     data = bytes(range(8))
     assert faults.through("ring.step", data) is data  # unarmed
@@ -134,6 +139,7 @@ def test_a_flip_corrupts_bytes_passing_through_a_point_once_and_needs_such_a_poi
         faults.point("shm.arrive")  # a plain point passes no value
 
 
+@pytest.mark.unit
 def test_every_point_in_the_code_is_declared_and_every_declared_point_is_placed_once():
     pattern = re.compile(r"""faults\.(?:point|through)\(\s*["']([^"']+)["']""")
     placed: dict[str, list[str]] = {}
@@ -154,6 +160,7 @@ def _reach_in_child(queue) -> None:
     queue.put("alive")
 
 
+@pytest.mark.job
 def test_the_worker_drops_the_plan_so_no_process_it_starts_is_armed(tmp_path, monkeypatch):
     plan = fault_plan(tmp_path, Fault("ring.step"))  # a kill at the first ring step, anyone
     for name, value in plan.env.items():
@@ -175,6 +182,7 @@ def test_the_worker_drops_the_plan_so_no_process_it_starts_is_armed(tmp_path, mo
     assert plan.fired() == [] and plan.reached() == []
 
 
+@pytest.mark.unit
 def test_a_ringtrain_join_never_hands_the_plan_to_its_workers_but_the_launchers_own_agents_do(tmp_path, monkeypatch):
     spec = JobSpec("127.0.0.1:9", "no-such-job", 1, 2, 0, "", Program.worker([]), str(tmp_path))  # nobody listens
     for launched_agent, kept in ((True, True), (False, False)):
@@ -198,6 +206,7 @@ def _points_fire_nothing(plan) -> None:
     assert plan.fired() == [] and plan.reached() == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("opt_in", [
     None,                                          # the plan's path alone: a production environment that inherited it
     "i-am-a-test",                                 # not the form write_plan makes
@@ -223,6 +232,7 @@ def test_a_plan_in_the_environment_without_its_opt_in_arms_nothing_and_warns_onc
     assert FAULT_PLAN_VAR not in os.environ and FAULT_PLAN_ARMED_VAR not in os.environ  # nothing started inherits it
 
 
+@pytest.mark.unit
 def test_a_plan_without_a_proper_opt_in_field_arms_nothing_whatever_the_variable_says(tmp_path, capsys):
     fault = {"point": "ring.step", "action": "raise", "error": INJECTED}
     for name, opt_in, given in (("old_style.json", None, faults.OPT_IN_PREFIX + "0" * 32),
@@ -236,6 +246,7 @@ def test_a_plan_without_a_proper_opt_in_field_arms_nothing_whatever_the_variable
         assert "ignored" in capsys.readouterr().err, name
 
 
+@pytest.mark.job
 def test_a_stray_plan_path_is_not_even_opened_without_an_opt_in(tmp_path):
     """A FIFO as the plan: opening it would wait for a writer; without an opt-in ``arm`` returns at once."""
     fifo = tmp_path / "plan.fifo"
@@ -245,6 +256,7 @@ def test_a_stray_plan_path_is_not_even_opened_without_an_opt_in(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
+@pytest.mark.unit
 def test_with_its_opt_in_beside_it_the_plan_is_armed_and_says_so_on_stderr(tmp_path, monkeypatch, capsys):
     plan = fault_plan(tmp_path, Fault("ring.step", action="raise", error=INJECTED, message="armed", step=1))
     for name, value in plan.env.items():
@@ -260,6 +272,7 @@ def test_with_its_opt_in_beside_it_the_plan_is_armed_and_says_so_on_stderr(tmp_p
     assert fault_plan(tmp_path, Fault("ring.step"), name="other.json").opt_in != plan.opt_in
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("error", [
     "os.system", "subprocess.Popen", "builtins.SystemExit", "builtins.KeyboardInterrupt", "pickle.loads",
     f"{__name__}.Planted", "ringtrain.errors.__builtins__", "ringtrain.errors", "RingtrainError", "",
@@ -276,6 +289,7 @@ class Planted(Exception):
     """An exception class of a module that is not ringtrain's errors: before, a plan could raise it."""
 
 
+@pytest.mark.unit
 def test_a_raise_fault_never_imports_the_module_it_names(tmp_path, monkeypatch):
     """A plan written by hand (past write_plan's check) naming a module planted on sys.path: refused as it is
     armed, and the module is never imported (before: importlib.import_module ran it)."""
@@ -291,6 +305,7 @@ def test_a_raise_fault_never_imports_the_module_it_names(tmp_path, monkeypatch):
     assert not (tmp_path / "imported").exists() and "planted_fault_module" not in sys.modules
 
 
+@pytest.mark.unit
 def test_ringtrains_own_errors_and_torchs_out_of_memory_may_be_raised(tmp_path):
     allowed = faults.raisable_errors()
     for name in ("ringtrain.errors.ConfigError", "ringtrain.errors.CheckpointError", "ringtrain.comm.errors.PeerDiedError",

@@ -6,7 +6,11 @@ import gc
 import multiprocessing as mp
 import sys
 
+import pytest
+
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.ranks
 
 
 def _what_the_rank_started_with(rank: int, world_size: int) -> dict:

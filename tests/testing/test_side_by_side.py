@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.job
+
 pytest.importorskip("xdist")
 
 _TESTS = '''

@@ -18,6 +18,8 @@ from ringtrain.config import (
 )
 from ringtrain.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "configs" / "digits_mlp.toml"
 

@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.job
 
 
 def test_fp16_trains_on_cpu_workers_through_ringtrain_train(tmp_path):

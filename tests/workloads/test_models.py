@@ -12,6 +12,8 @@ from ringtrain.monitor.metrics import model_flops_utilization
 from ringtrain.train.precision import Precision
 from ringtrain.train.tasks import builtin_task
 
+pytestmark = pytest.mark.unit
+
 
 def test_transformer_is_causal_and_ties_its_embeddings():
     torch.manual_seed(0)

@@ -12,6 +12,8 @@ from ringtrain.config import load_config
 from ringtrain.data import build_datasets
 from tests.trainers import make_image_folder
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
 from tests.faults import fault_plan, oom_at
+
+pytestmark = pytest.mark.job
 
 
 def read_run(run_dir) -> tuple[dict, list[dict]]:
