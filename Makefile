@@ -1,6 +1,6 @@
 # `make run`: set up and train the default job on 2 workers. `make test`: set up, build the docs, run every test.
-# `make docs`: the documentation site into site/ (warnings are errors). `make conformance`: torch's own c10d tests
-# against the ringtrain_shm backend.
+# `make test-fast`: only the tests that start no job (markers unit and ranks). `make docs`: the documentation site
+# into site/ (warnings are errors). `make conformance`: torch's own c10d tests against the ringtrain_shm backend.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # One compute thread per worker: workers are pinned one per core.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install run test docs clean conformance
+.PHONY: install run test test-fast docs clean conformance
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ test: install
 	$(BIN)/python -m pytest -n 3 --dist loadscope -m "not exclusive"; shared=$$?; \
 	$(BIN)/python -m pytest -m exclusive; alone=$$?; \
 	test $$docs -eq 0 && test $$shared -eq 0 && test $$alone -eq 0
+
+# The tests that start no job, host or CLI (cost markers unit and ranks, tests/conftest.py COSTS), with the shared
+# phase's processes side by side; the few of them marked exclusive still run alone (the lock, not a phase).
+test-fast: install
+	$(BIN)/python -m pytest -n 3 --dist loadscope -m "unit or ranks"
 
 # torch's own c10d tests (DistributedTest._DistTestBase, the set Gloo passes) against ringtrain_shm at 2, 3 and 4
 # ranks (tests/conformance/: the driver, run.py, and the explained exclusions, exclusions.py). Long: every test

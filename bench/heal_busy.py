@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TEST = "tests/chaos/test_heal.py::test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_once"
+TEST = "tests/heal/test_heal.py::test_five_kills_while_joins_bring_workers_back_heal_in_place_every_sample_once"
 
 
 def main() -> int:

@@ -5,7 +5,7 @@
 A world of one worker brought up by ``init_distributed`` with ``dist.threads_per_worker = 2`` and pinning on, as
 ``ringtrain train`` does; then the best time of interleaved repeats with one and with two threads (noise only ever
 slows a repeat down). With both threads held to one core, two are never faster than one. This was once a unit
-test's assertion (two < 0.85 x one), which a loaded machine could not show; tests/multiproc/test_process_group.py now
+test's assertion (two < 0.85 x one), which a loaded machine could not show; tests/comm/test_process_group.py now
 asserts the pinning itself (the cores each compute thread may use), and the speed-up is measured here, alone.
 """
 

@@ -10,7 +10,7 @@ non-finite step skipped on every rank, Ctrl-C saves), and checkpoints. With ``re
 exactly as ``ringtrain train`` does on the same parts, bit for bit::
 
     ringtrain train configs/digits_mlp.toml --nproc 2 --set model.factory=examples.custom_loop:build_model \\
-        --set data.factory=examples.custom_loop:load_data ...    # tests/integration/test_custom_loop.py
+        --set data.factory=examples.custom_loop:load_data ...    # tests/fit/test_custom_loop.py
 """
 
 import argparse

@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # A job of several nodes needs one secret on every node (ringtrain/group/auth.py), which its user exports on each;
 # the tests' multi-node jobs (test hosts, SLURM's variables, --nnodes on loopback) get this one the same way. A
-# one-node launcher then takes it instead of making its own; tests/integration/test_shared_host.py runs one without
-# it, and `ringtrain join` commands (tests/chaos/jobs.py) drop it to find the secret the job's launcher kept.
+# one-node launcher then takes it instead of making its own; tests/security/test_shared_host.py runs one without
+# it, and `ringtrain join` commands (tests/jobs.py) drop it to find the secret the job's launcher kept.
 os.environ.setdefault("RINGTRAIN_JOB_SECRET", __import__("secrets").token_hex(32))
 
 
@@ -101,7 +101,7 @@ def cli():
 
 
 # --- DeepSpeed's shm op, built in the background while other tests run ------------------------------------
-# tests/integration/test_bench_deepspeed.py runs DeepSpeed's CPU shm all-reduce, which DeepSpeed compiles at
+# tests/comm/test_bench_deepspeed.py runs DeepSpeed's CPU shm all-reduce, which DeepSpeed compiles at
 # first use (~40 s of g++ in a fresh venv: its cache is keyed by the venv's path). When that test is collected,
 # the build starts at the session's start, niced so it only takes CPU the other tests leave idle (most of them
 # wait on processes, heartbeats and timeouts); the test awaits it through the ``deepspeed_build`` fixture and
@@ -245,6 +245,46 @@ def pytest_configure(config):
     global _config
     _config = config
     config.addinivalue_line("markers", "exclusive: runs with no other test beside it (under pytest-xdist)")
+    for name, what in COSTS.items():
+        config.addinivalue_line("markers", f"{name}: cost: {what}")
+
+
+# --- Each test's cost, a marker (issue 45) ----------------------------------------------------------------------
+# The folders sort tests by the component they prove; what a test costs is its marker, one of four, on the test or
+# on its module (``pytestmark = pytest.mark.job``). ``pytest -m unit`` runs the tests that start nothing,
+# ``make test-fast`` the unit and ranks ones. A test of the suite without one (or with two) fails to collect, so
+# a new test cannot slip out of every selection.
+COSTS = {
+    "unit": "the test's own process only",
+    "ranks": "ranks forked from the test process: the in-process multi-rank harness (tests/distributed.py), "
+             "or another forked child",
+    "job": "starts processes as subprocesses: a launcher, the ringtrain CLI, torchrun, a script, a pytest",
+    "hosts": "test hosts in network namespaces (tests/hosts.py; needs root, skips without it)",
+}
+_SUITE = Path(__file__).resolve().parent
+
+
+def _cost_problem(item) -> str | None:
+    costs = sorted({mark.name for mark in item.iter_markers()} & COSTS.keys())
+    if len(costs) == 1 or not item.path.is_relative_to(_SUITE):  # outside: a test file of a test's own (tmp_path)
+        return None
+    says = f"two cost markers ({', '.join(costs)})" if costs else "no cost marker"
+    return (f"{item.nodeid}: {says}; mark the test or its module (pytestmark) with exactly one of "
+            f"{', '.join(COSTS)} (tests/conftest.py COSTS)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module (or class) with a test that has no cost marker fails to collect, naming the test: before any test
+    runs and before ``-m`` deselects (a test with no cost matches no selection), and as a collection error, which
+    pytest-xdist's workers report as such."""
+    report = yield
+    if report.passed:
+        wrong = [problem for node in report.result if isinstance(node, pytest.Item)
+                 for problem in [_cost_problem(node)] if problem]
+        if wrong:
+            report.outcome, report.longrepr, report.result = "failed", "\n".join(wrong), []
+    return report
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ Memory per worker (bytes), the fullest rank (a pipeline's first stage, which als
   the gathered inputs of the split layers, backward's gradients and a recomputed layer stay whole. Measured
   against this in fp32 on one worker, tp 2 (with and without sequence parallelism), pp 2, tp 2 x pp 2 (also with it), each with
   and without full checkpointing, and FSDP2 on 2 ranks alone and beside tp 2 (its gathered parameters and unreduced
-  gradients, not counted here, leave it up to 5% under): within 10% (tests/integration/test_activation_memory.py); in bf16, whose norms autocast
+  gradients, not counted here, leave it up to 5% under): within 10% (tests/bench/test_activation_memory.py); in bf16, whose norms autocast
   keeps in fp32, not measured. Context parallelism gives each rank s / cp tokens of every sequence inside the
   model: every term above but the logits' is divided by cp (s / cp for s); the fp32 logits and their
   log-softmax, ``2 x 4 b s V``, stay whole (gathered back over the cp ranks before the loss), so cp saves most

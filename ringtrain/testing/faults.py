@@ -43,7 +43,7 @@ with O_EXCL, so a worker its agent restarted does not fire it again.
 
 Beside the plan the armed processes append ``<plan>.reached.jsonl`` (each point's first reach per process:
 point, rank, member, generation, step, hit, pid) and ``<plan>.fired.jsonl`` (every fault fired, before its
-action), so a test asserts that its fault fired, and ``tests/integration/test_fault_points.py`` that every
+action), so a test asserts that its fault fired, and ``tests/testing/test_fault_points.py`` that every
 declared point is still reached by real jobs::
 
     plan = faults.write_plan(tmp_path / "faults.json", [faults.Fault("ring.step", member=2, step=1, hit=3)])
@@ -51,7 +51,7 @@ declared point is still reached by real jobs::
     assert [f["point"] for f in faults.fired(plan)] == ["ring.step"]
 
 Adding a point: one entry in ``POINTS`` (its name: the file and function it sits in, and what has happened when
-it is reached) and one line at that place, ``faults.point("area.what")``; ``tests/unit/test_faults.py`` checks
+it is reached) and one line at that place, ``faults.point("area.what")``; ``tests/testing/test_faults.py`` checks
 that each declared point is placed exactly once, in the file its entry names, and the integration test above
 that a job reaches it (add a job there if none does). The name is the contract plans use: a plan naming an
 undeclared point is refused when written and when armed, and an armed process reaching an undeclared one raises.

@@ -1,5 +1,5 @@
 """Repeated failures under --heal, as issue 12's proof puts it: a worker SIGKILLed every few steps, again and
-again, while `ringtrain join` brings workers back. Shared by tests/chaos/test_heal.py (five kills in one
+again, while `ringtrain join` brings workers back. Shared by tests/heal/test_heal.py (five kills in one
 run) and bench/heal_recovery.py (``--kills K --join``, many runs, the recovery times' median and worst).
 
     with Job("train", CONFIG, "--nproc", "3", "--min-nproc", "2", "--heal", "--run-dir", str(run_dir)) as job:

@@ -1,5 +1,5 @@
 """Randomized chaos for --heal (issue 21): a seed makes a schedule of failures, a job runs it, and the
-invariants a user relies on are checked. Shared by tests/chaos/test_heal_random.py (a few fixed seeds, in CI)
+invariants a user relies on are checked. Shared by tests/heal/test_heal_random.py (a few fixed seeds, in CI)
 and bench/heal_chaos.py (many seeds, counted).
 
 A schedule (``Schedule.from_seed``) picks the job (3 or 4 workers, --min-nproc 1 or 2, ddp / manual / zero2,

@@ -5,7 +5,7 @@ never because ringtrain_shm fails what it could do."""
 
 _ANY_SOURCE = ("a recv from any source must report its sender through Work._source_rank(), which torch's trampoline "
                "for work objects written in Python does not forward (only wait and get_future): ringtrain_shm refuses "
-               "it in one line where its sends go to shm (tests/multiproc/test_shm_p2p.py, "
+               "it in one line where its sends go to shm (tests/comm/test_shm_p2p.py, "
                "test_a_recv_from_any_source_runs_on_gloo_until_sends_go_to_shm_then_is_refused_in_one_line)")
 
 EXCLUDED: dict[str, str] = {

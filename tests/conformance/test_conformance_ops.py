@@ -11,6 +11,8 @@ import pytest
 
 from tests.conformance.run import run_suite
 
+pytestmark = pytest.mark.job
+
 SELECTED = {
     "registration": "test_ringtrain_process_groups_are_ringtrain_shm",  # ringtrain's: every group is ringtrain_shm's
     "gather": "test_gather_checks",

@@ -27,6 +27,9 @@ import sys
 
 import pytest
 
+# Each rank a process forked from the pytest process (setUp below); tests/conftest.py asks every test for its cost.
+pytestmark = pytest.mark.ranks
+
 if "WORLD_SIZE" not in os.environ:  # collected without run.py's environment: nothing to run
     pytest.skip("torch's c10d conformance suite: run through tests/conformance/run.py (make conformance)",
                 allow_module_level=True)

@@ -2,7 +2,7 @@
 
 ``script_in_ranks``: the script's main() in each rank, under the variables `ringtrain run`'s `--set`/`--run-dir`/
 `--resume` set, each rank a worker as torchrun starts one; ``script_alone``: one rank as `python SCRIPT`. The
-script is imported as its module (tests/fit/user_code.py as ``tests.fit.user_code``), not run as ``__main__``:
+script is imported as its module (tests/user_code.py as ``tests.user_code``), not run as ``__main__``:
 what a name of its own is recorded as (``__main__:digits_mlp`` under a launcher) is the one difference.
 Used by tests/fit/test_fit.py, test_front_door.py, test_tensor_parallel_fit.py and test_pipeline_split_fit.py.
 """
@@ -25,7 +25,7 @@ from tests.conftest import REPO
 from tests.distributed import run_distributed
 from tests.fit.test_session_loop import as_launched_worker, free_port
 
-SCRIPT = "tests/fit/user_code.py"
+SCRIPT = "tests/user_code.py"
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.jobs import Job
+from tests.jobs import Job
 from tests.conftest import REPO, run_cli, run_main
 from tests.distributed import run_distributed
 from tests.fit.scripts import SCRIPT, script_alone, script_in_ranks
@@ -54,6 +54,7 @@ def oracle(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.job
 def test_the_builtin_mlp_and_the_same_class_through_fit_train_bit_identical_parameters(tmp_path, oracle):
     # The built-in by name: the trainer `ringtrain train BUILT_IN --nproc 2` builds in its workers, built in the
     # harness's 2 ranks (issue 45: the launcher adds nothing to the numbers compared; fit()'s side stays a real
@@ -69,9 +70,10 @@ def test_the_builtin_mlp_and_the_same_class_through_fit_train_bit_identical_para
     program = json.loads((oracle / "program.json").read_text())
     assert program["script"] == str(REPO / SCRIPT) and program["args"] == ["--case", "oracle"]
     config = (oracle / "config.toml").read_text()
-    assert 'factory = "tests.fit.user_code:digits_mlp"' in config or 'factory = "__main__:digits_mlp"' in config
+    assert 'factory = "tests.user_code:digits_mlp"' in config or 'factory = "__main__:digits_mlp"' in config
 
 
+@pytest.mark.job
 def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path, oracle):
     """model(**input) with dict items trains the same numbers as tensors; a user's mean loss and a
     torchmetrics metric run end to end, and --set (RINGTRAIN_SET) reaches the script's config. In the harness's
@@ -91,15 +93,15 @@ def test_dict_inputs_and_a_user_mean_loss_with_torchmetrics(tmp_path, oracle):
 
 FACTORY_CONFIG = """
 [model]
-factory = "tests.fit.user_code:digits_mlp"
+factory = "tests.user_code:digits_mlp"
 [model.args]
 hidden = 32
 [data]
-factory = "tests.fit.user_code:digits"
+factory = "tests.user_code:digits"
 [task]
-loss = "tests.fit.user_code:sum_cross_entropy"
+loss = "tests.user_code:sum_cross_entropy"
 loss_reduction = "sum"
-metrics = "tests.fit.user_code:accuracy_metrics"
+metrics = "tests.user_code:accuracy_metrics"
 [train]
 epochs = 1
 global_batch_size = 64
@@ -111,6 +113,7 @@ progress = false
 """
 
 
+@pytest.mark.ranks
 def test_a_factory_config_trains_through_ringtrain_train(tmp_path):
     """The trainer `ringtrain train mine.toml --nproc 2` builds, in the harness's 2 ranks (issue 45): the factories'
     parts, loss and metrics end to end. Launched workers importing a factory config's modules: the next test."""
@@ -122,21 +125,22 @@ def test_a_factory_config_trains_through_ringtrain_train(tmp_path):
     assert len(set(got["param_sha256"])) == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.no_such_module:digits_mlp"'),
+        (('"tests.user_code:digits_mlp"', '"tests.fit.no_such_module:digits_mlp"'),
          "model.factory = 'tests.fit.no_such_module:digits_mlp': cannot import tests.fit.no_such_module"),
-        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.user_code:NOT_CALLABLE"'),
-         "model.factory = 'tests.fit.user_code:NOT_CALLABLE' is a int, not a callable"),
-        (('"tests.fit.user_code:digits_mlp"', '"tests.fit.user_code:no_such_function"'),
-         "model.factory = 'tests.fit.user_code:no_such_function': tests.fit.user_code has no attribute"),
-        (('"tests.fit.user_code:digits_mlp"', '"digits_mlp"'),
+        (('"tests.user_code:digits_mlp"', '"tests.user_code:NOT_CALLABLE"'),
+         "model.factory = 'tests.user_code:NOT_CALLABLE' is a int, not a callable"),
+        (('"tests.user_code:digits_mlp"', '"tests.user_code:no_such_function"'),
+         "model.factory = 'tests.user_code:no_such_function': tests.user_code has no attribute"),
+        (('"tests.user_code:digits_mlp"', '"digits_mlp"'),
          "model.factory = 'digits_mlp' must be 'package.module:function'"),
-        (('factory = "tests.fit.user_code:digits_mlp"', 'factory = "tests.fit.user_code:digits_mlp"\nname = "mlp"'),
+        (('factory = "tests.user_code:digits_mlp"', 'factory = "tests.user_code:digits_mlp"\nname = "mlp"'),
          "set model.factory (your own model) or model.name (a built-in one), not both"),
-        (('loss = "tests.fit.user_code:sum_cross_entropy"', 'loss = "tests.fit.user_code:missing_loss"'),
-         "task.loss = 'tests.fit.user_code:missing_loss': tests.fit.user_code has no attribute"),
+        (('loss = "tests.user_code:sum_cross_entropy"', 'loss = "tests.user_code:missing_loss"'),
+         "task.loss = 'tests.user_code:missing_loss': tests.user_code has no attribute"),
     ],
     ids=["import-fails", "not-callable", "no-such-name", "not-an-import-path", "factory-and-name", "bad-loss"],
 )
@@ -164,19 +168,20 @@ def _worker_main(rank: int, world_size: int, port: int, argv: list[str]) -> dict
     return {"code": code, "stderr": stderr.getvalue()}
 
 
+@pytest.mark.ranks
 def test_what_a_factory_returns_is_checked_on_the_workers_in_one_line(tmp_path):
     """What the launcher cannot check (it imports the factories, it does not call them): each worker's line. The
     workers of `ringtrain train mine.toml --nproc 2` in the harness's 2 ranks (issue 45: the line is the workers';
     how the launcher relays a usage error every worker reports, once and exit 2: test_front_door's test 2)."""
     config = tmp_path / "mine.toml"
-    config.write_text(FACTORY_CONFIG.replace('"tests.fit.user_code:digits"', '"tests.fit.user_code:data_as_list"')
+    config.write_text(FACTORY_CONFIG.replace('"tests.user_code:digits"', '"tests.user_code:data_as_list"')
                       .replace("[model.args]\nhidden = 32", "[model.args]\nwidth = 32"))
     ranks = run_distributed(_worker_main, 2, free_port(), [str(config), "--run-dir", str(tmp_path / "run")],
                             timeout_s=240)
     for rank, got in enumerate(ranks):
         errors = [line for line in got["stderr"].splitlines() if line.startswith("ringtrain: error:")]
         assert got["code"] == 2 and len(errors) == 1, got
-        assert errors[0].startswith(f"ringtrain: error: [rank {rank}] ") and "data.factory tests.fit.user_code:" \
+        assert errors[0].startswith(f"ringtrain: error: [rank {rank}] ") and "data.factory tests.user_code:" \
             "data_as_list returned list of 2; it must return (train, eval)" in errors[0], got["stderr"]
         assert "Traceback" not in got["stderr"]
 
@@ -200,6 +205,7 @@ def misfits(tmp_path_factory) -> dict[str, tuple[int, str]]:
     return results
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(("case", "message"), list(MISFITS.items()), ids=list(MISFITS))
 def test_a_part_that_does_not_fit_is_one_line_and_exit_2(misfits, case, message):
     """Plain `python script.py` (one worker): what fit() checks itself."""
@@ -209,6 +215,7 @@ def test_a_part_that_does_not_fit_is_one_line_and_exit_2(misfits, case, message)
     assert lines[0].startswith("ringtrain: error: [rank 0] ") and message in lines[0], lines[0]
 
 
+@pytest.mark.ranks
 def test_a_parameter_without_gradient_is_named_under_ddp_on_two_workers(tmp_path):
     """Under DDP on two workers, a parameter without gradient is named by fit's check, not met as DDP's own
     "Expected to have finished reduction". The script in the harness's 2 ranks, as `ringtrain run --nproc 2` runs it
@@ -221,6 +228,7 @@ def test_a_parameter_without_gradient_is_named_under_ddp_on_two_workers(tmp_path
         assert "Expected to have finished reduction" not in got["stderr"]
 
 
+@pytest.mark.job
 def test_resume_of_a_user_model_through_ringtrain_run_is_bit_exact(tmp_path, oracle):
     """A user's script stopped at step 20 and resumed (`--set train.max_steps=20`, then `--resume`: the
     variables those flags set, in the harness's 2 ranks; issue 45) ends bit-identical to the oracle job, loss
@@ -234,6 +242,7 @@ def test_resume_of_a_user_model_through_ringtrain_run_is_bit_exact(tmp_path, ora
     assert losses(tmp_path / "split") == losses(oracle)
 
 
+@pytest.mark.job
 def test_sigkill_of_a_user_model_worker_restarts_and_every_sample_is_used_once(tmp_path):
     run_dir = tmp_path / "chaos"
     config = json.dumps({"train": {"epochs": 4}, "monitor": {"log_every_steps": 1}, "data": {"ledger": True}})
@@ -251,15 +260,16 @@ def test_sigkill_of_a_user_model_worker_restarts_and_every_sample_is_used_once(t
           f"lost; ledger: {ledger.stdout.strip().splitlines()[-1]}")
 
 
+@pytest.mark.job
 def test_bench_train_measures_a_factory_config_against_bare_ddp_on_the_same_parts(tmp_path):
     config = tmp_path / "mine.toml"
     # The trained parts (model, data and loss factories) without the metrics factory: metrics only join the
     # evaluation, not the weights the bench compares (the factory config test above runs them), and importing
     # torchmetrics costs ~6 CPU-seconds in each of the four workers (ringtrain's two and the bare loop's two).
-    trained_parts = FACTORY_CONFIG.replace('metrics = "tests.fit.user_code:accuracy_metrics"\n', "")
+    trained_parts = FACTORY_CONFIG.replace('metrics = "tests.user_code:accuracy_metrics"\n', "")
     assert trained_parts != FACTORY_CONFIG
-    config.write_text(trained_parts.replace('loss = "tests.fit.user_code:sum_cross_entropy"\nloss_reduction = "sum"\n',
-                                            'loss = "tests.fit.user_code:mean_cross_entropy"\n'))
+    config.write_text(trained_parts.replace('loss = "tests.user_code:sum_cross_entropy"\nloss_reduction = "sum"\n',
+                                            'loss = "tests.user_code:mean_cross_entropy"\n'))
     result = run_cli("bench", "train", str(config), "--nproc", "2", "--steps", "6", "--interval", "2",
                      "--out", str(tmp_path / "bench"))
     assert result.returncode == 0, result.stderr
@@ -269,6 +279,7 @@ def test_bench_train_measures_a_factory_config_against_bare_ddp_on_the_same_part
     assert ours["overhead_vs_bare"] > 0
 
 
+@pytest.mark.ranks
 def test_every_feature_on_a_user_model_manual_shm_bf16_oom_shrink_export_report(tmp_path):
     """A user's model (dict inputs) under the manual strategy over shm, bf16 and auto micro-batching: an OOM on
     member 1 at step 3 halves the micro-batch on every rank, the run ends with equal parameters, and `ringtrain
@@ -289,6 +300,7 @@ def test_every_feature_on_a_user_model_manual_shm_bf16_oom_shrink_export_report(
     assert report.returncode == 0 and (run_dir / "report" / "report.md").is_file(), report.stderr
 
 
+@pytest.mark.job
 def test_an_elastic_ringtrain_run_records_the_program_for_join(tmp_path):
     run_dir = tmp_path / "run"
     without = run_main("run", SCRIPT, "--nproc", "2", "--min-nproc", "1")  # refused before any launch

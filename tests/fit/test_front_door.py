@@ -33,7 +33,7 @@ from tests.conftest import REPO, run_cli, run_main
 from tests.distributed import run_distributed
 from tests.fit.scripts import SCRIPT, script_alone, script_in_ranks
 from tests.fit.test_fit import script_args
-from tests.integration.test_cli_train import free_port
+from tests.launch.test_cli_train import free_port
 from tests.runs import records, summary
 from tests.trainers import train_run
 
@@ -89,6 +89,7 @@ def assert_one_line_before_step_1(result: subprocess.CompletedProcess, run_dir: 
     return lines[0]
 
 
+@pytest.mark.ranks
 def test_1_datasets_of_different_lengths_are_one_line_before_step_1(refused):
     ranks, took, run_dir = refused["lengths_differ"]
     line = assert_each_rank_refused_before_step_1(ranks, run_dir,
@@ -96,12 +97,14 @@ def test_1_datasets_of_different_lengths_are_one_line_before_step_1(refused):
     print(f"256 vs 257 samples: refused in {took:.1f} s (2 harness ranks): {line}")
 
 
+@pytest.mark.ranks
 def test_input_keys_that_forward_does_not_take_are_one_line_before_step_1(refused):
     ranks, _, run_dir = refused["wrong_keys"]
     assert_each_rank_refused_before_step_1(ranks, run_dir, "train_data's inputs are dict(pixel), called as "
                                            "model(**inputs), but key 'pixel' is not a parameter of DictMLP.forward(pixels")
 
 
+@pytest.mark.unit
 def test_2_a_bad_override_is_refused_before_any_worker_starts(tmp_path):
     run_dir = tmp_path / "run"
     result = run_main("run", SCRIPT, "--nproc", "2", "--set", "train.lrate=0.1", "--run-dir", str(run_dir))
@@ -112,6 +115,7 @@ def test_2_a_bad_override_is_refused_before_any_worker_starts(tmp_path):
     assert typed.returncode == 2 and "train.lr = 'fast' in --set train.lr=fast" in typed.stderr, typed.stderr
 
 
+@pytest.mark.job
 def test_2_a_mistake_only_the_workers_see_is_one_line_from_the_launcher_and_exit_2(tmp_path):
     """The one launched refusal of this file: the launcher relays its workers' line (the other refusals' lines are
     checked in the harness's ranks: the refused fixture)."""
@@ -122,6 +126,7 @@ def test_2_a_mistake_only_the_workers_see_is_one_line_from_the_launcher_and_exit
     assert line.startswith("ringtrain: error: [rank "), line  # the workers' message, once, without torch's E/W lines
 
 
+@pytest.mark.job
 def test_3_an_exception_on_one_rank_is_named_in_the_last_line_with_its_traceback_kept(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli(*script_args("--nproc", "2", "--run-dir", str(run_dir), case="raises_on_rank_1",
@@ -140,6 +145,7 @@ def test_3_an_exception_on_one_rank_is_named_in_the_last_line_with_its_traceback
     assert len(result.stderr.strip().splitlines()) == len(errors(result.stderr)), result.stderr
 
 
+@pytest.mark.job
 def test_4_fit_twice_in_one_script_under_ringtrain_run_and_torchrun(tmp_path):
     # 5 steps a fit(): the launchers, not the training, are the point (an epoch, 23 steps, before).
     config = {**QUIET, "train": {"max_steps": 5}}
@@ -161,6 +167,7 @@ def test_4_fit_twice_in_one_script_under_ringtrain_run_and_torchrun(tmp_path):
         assert got["same_module"] and got["model"] == got["second"] != got["first"]
 
 
+@pytest.mark.ranks
 def test_5_a_metric_that_does_not_fit_is_one_line_before_step_1_and_inputs_fix_it(refused, tmp_path):
     ranks, _, run_dir = refused["metric_misfit"]
     line = assert_each_rank_refused_before_step_1(
@@ -174,6 +181,7 @@ def test_5_a_metric_that_does_not_fit_is_one_line_before_step_1_and_inputs_fix_i
     assert 0.8 < fixed["summary"]["zero_acc"] <= 1.0
 
 
+@pytest.mark.ranks
 def test_6_resume_and_run_dir_are_fit_arguments_and_environment_variables(tmp_path):
     """fit(run_dir=..., resume=...) and RINGTRAIN_RUN_DIR / RINGTRAIN_RESUME decide where a run writes and whether
     it resumes (the variable wins), a fresh run over checkpoints is one line naming fit's words (not flags), and
@@ -212,6 +220,7 @@ def test_6_resume_and_run_dir_are_fit_arguments_and_environment_variables(tmp_pa
     assert done["summary"] == last["summary"] and fingerprint(run_dir) == before
 
 
+@pytest.mark.job
 def test_7_resume_of_a_finished_run_has_nothing_to_do_and_leaves_every_file(tmp_path):
     run_dir = tmp_path / "run"
     # The finished run: what `ringtrain train configs/debug_mlp.toml --nproc 2` leaves, trained in the harness's
@@ -227,12 +236,13 @@ def test_7_resume_of_a_finished_run_has_nothing_to_do_and_leaves_every_file(tmp_
 
 @pytest.fixture(scope="module")
 def one_worker_adamw(tmp_path_factory):
-    """`python tests/fit/user_code.py --case own_optimizer` (one worker, the user's AdamW), run once in a harness
+    """`python tests/user_code.py --case own_optimizer` (one worker, the user's AdamW), run once in a harness
     rank (issue 45) for tests 8 and 10, which only read it: (what it ended with, its run directory)."""
     run_dir = tmp_path_factory.mktemp("own_optimizer") / "run"
     return script_alone("--case", "own_optimizer", "--config", json.dumps({**QUIET, "run_dir": str(run_dir)})), run_dir
 
 
+@pytest.mark.ranks
 def test_8_the_run_directory_records_the_users_optimizer(one_worker_adamw):
     result, run_dir = one_worker_adamw
     assert result["code"] == 0, result["stderr"]
@@ -251,6 +261,7 @@ def test_8_the_run_directory_records_the_users_optimizer(one_worker_adamw):
     assert type(built) is torch.optim.AdamW and built.defaults["weight_decay"] == 0.01 and built.defaults["lr"] == 0.003
 
 
+@pytest.mark.ranks
 def test_9_the_users_lr_scheduler_is_stepped_recorded_and_resumed_bit_exact(tmp_path):
     """fit(lr_scheduler=...): config.toml names it, each step's lr is StepLR's, and a run stopped at step 12 and
     resumed ends bit-identical to a whole run, lr for lr. The script in the harness's 2 ranks, as `ringtrain run
@@ -268,6 +279,7 @@ def test_9_the_users_lr_scheduler_is_stepped_recorded_and_resumed_bit_exact(tmp_
     assert summary(split)["param_sha256"] == summary(whole)["param_sha256"], "the scheduler did not resume exactly"
 
 
+@pytest.mark.ranks
 def test_10_fit_hands_back_the_trained_model(tmp_path, one_worker_adamw):
     """One worker (the module itself), two under zero3 (a new module from the factory with the gathered weights):
     the script in harness ranks, as `python SCRIPT` and as `ringtrain run --nproc 2` run it (issue 45)."""

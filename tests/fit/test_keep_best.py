@@ -25,7 +25,7 @@ from ringtrain.train.keep_best import lower_is_better
 from ringtrain.train.resume import ResumePlan
 from ringtrain.train.user_parts import UserParts
 from tests.distributed import run_distributed
-from tests.fit import user_code
+from tests import user_code
 
 EPOCHS = 6
 STEPS_PER_EPOCH = 23  # 1,437 digits, 64 a step
@@ -64,6 +64,7 @@ def checkpoint_model(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_checkpoint_file(run_dir / "checkpoints" / f"step_{step:08d}.pt")["model"]
 
 
+@pytest.mark.ranks
 def test_the_kept_model_is_the_best_epochs_and_a_resumed_run_keeps_it(tmp_path):
     whole = tmp_path / "whole"
     record, _ = run_distributed(train, 2, str(whole), {}, timeout_s=240)
@@ -94,6 +95,7 @@ def test_the_kept_model_is_the_best_epochs_and_a_resumed_run_keeps_it(tmp_path):
     assert all(torch.equal(resumed[name], kept[name]) for name in kept)
 
 
+@pytest.mark.unit
 def test_keep_best_modes():
     assert lower_is_better("loss") and lower_is_better("val_error") and lower_is_better("perplexity")
     assert not lower_is_better("accuracy") and not lower_is_better("macro_f1")
@@ -105,6 +107,7 @@ def check_refused(rank: int, world_size: int, run_dir: str, overrides: dict) -> 
     return str(caught.value)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("overrides, message", [
     ({"keep_best": "eval.f1"}, "the evaluation makes no metric 'f1' (it makes accuracy, count, loss"),
     ({"keep_best": "eval.loss", "eval": False}, "this run has no evaluation set; pass eval_data"),
@@ -116,6 +119,7 @@ def test_a_metric_the_evaluation_does_not_make_is_one_line_before_step_1(tmp_pat
     assert not metrics.exists() or '"type": "train"' not in metrics.read_text(), "training started"
 
 
+@pytest.mark.unit
 def test_keep_best_is_named_as_eval_metric():
     with pytest.raises(ConfigError, match="'eval.METRIC'"):
         load_config_dict({"train": {"keep_best": "accuracy"}}, run_dir="unused")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +19,7 @@ from ringtrain.group.init import DistContext
 from ringtrain.train.build import build_trainer
 from ringtrain.train.user_parts import UserParts
 from tests.distributed import run_distributed
-from tests.fit import user_code
+from tests import user_code
 from tests.trainers import flat_params
 
 STEPS = 6
@@ -91,6 +92,7 @@ def warnings_in(run_dir: Path) -> list[str]:
     return [r["message"] for r in records if r["type"] == "warning"]
 
 
+@pytest.mark.ranks
 def test_a_model_loss_is_named_once_as_ignored_or_trained_on_with_loss_model(tmp_path):
     ignored = run_distributed(train, 2, str(tmp_path / "ignored"), "cross_entropy", timeout_s=120)
     used = run_distributed(train, 2, str(tmp_path / "model"), "model", timeout_s=120)
@@ -109,6 +111,7 @@ def test_a_model_loss_is_named_once_as_ignored_or_trained_on_with_loss_model(tmp
     assert summary["steps"] == STEPS and summary["eval"]["loss"] > 0
 
 
+@pytest.mark.unit
 def test_a_config_names_the_models_own_loss():
     """`[task] loss = "model"` through the factory path of `ringtrain train` (no import of a callable)."""
     config = load_config_dict({**CONFIG, "task": {"loss": "model"}}, run_dir="unused")

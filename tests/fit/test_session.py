@@ -33,7 +33,7 @@ import pytest
 
 from ringtrain.data.ledger import check_ledger
 from ringtrain.group.env import RESUME_VAR, RUN_DIR_VAR, SET_VAR
-from tests.chaos.jobs import Job, ledger_steps
+from tests.jobs import Job, ledger_steps
 from tests.conftest import REPO
 from tests.distributed import run_distributed
 from tests.faults import Fault, fault_plan
@@ -120,6 +120,7 @@ def changed_lines(before: Path, after: Path) -> tuple[int, int]:
     return sum(line[0] == "+" for line in diff), sum(line[0] == "-" for line in diff)
 
 
+@pytest.mark.unit
 def test_the_plain_script_converts_in_no_more_lines_than_accelerate_takes():
     session, accelerate = changed_lines(PLAIN, SESSION), changed_lines(PLAIN, ACCELERATE)
     print(f"{len(code_lines(PLAIN))} lines of code; ringtrain.Session +{session[0]}/-{session[1]}, "
@@ -128,6 +129,7 @@ def test_the_plain_script_converts_in_no_more_lines_than_accelerate_takes():
     assert sum(session) <= 16  # the issue's bound: Accelerate's +11/-5 on its 74-line script
 
 
+@pytest.mark.ranks
 def test_the_fit_conversion_hands_the_loop_over_and_trains_on_two_workers(tmp_path):
     """examples/digits_cnn_fit.py: the same model, Dataset, AdamW and cosine schedule through fit (the loop and
     the evaluation are fit's); the README quotes its line count beside the Session's."""
@@ -159,6 +161,7 @@ def whole(tmp_path_factory) -> tuple[Path, dict]:
     return run_dir, in_ranks(SESSION, run_dir, *SETTINGS, args=("--epochs", str(EPOCHS)))
 
 
+@pytest.mark.ranks
 def test_the_converted_script_deals_every_sample_once_and_resumes_bit_exact(tmp_path, whole):
     """`ringtrain run SESSION --set train.max_steps=30`, then `--resume`: the variables those flags set, in the
     harness's 2 ranks (issue 45)."""
@@ -178,6 +181,7 @@ def test_the_converted_script_deals_every_sample_once_and_resumes_bit_exact(tmp_
         assert_every_sample_once(run_dir)
 
 
+@pytest.mark.job
 def test_ctrl_c_saves_the_step_it_reached_and_a_resume_ends_bit_exact(tmp_path, whole):
     """Paced (every step 0.2 s longer: a fault plan's delay), so that Ctrl-C lands mid-run. The stopped job is a
     launched one (the signal reaches the launcher and its workers); its resume runs in the harness's 2 ranks."""
@@ -226,6 +230,7 @@ for _ in session.epochs(1):
 """
 
 
+@pytest.mark.ranks
 def test_a_loop_that_uses_the_session_wrong_gets_one_line_naming_the_fix(tmp_path):
     """`python misuse.py RUN_DIR CASE` for each case, each in a harness rank as a lone process (issue 45: the line
     and the exit code are the Session's own; a new interpreter per case only waited on its imports)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
 
 SCRIPT = """
@@ -42,6 +44,7 @@ def errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("ringtrain: error:")]
 
 
+@pytest.mark.job
 def test_an_exception_in_a_session_loop_on_one_rank_is_told_as_fit_tells_it(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(SCRIPT)
@@ -141,6 +144,7 @@ def assert_the_report_breaks_the_step_down(run_dir):
     assert f"{run.totals.final_step} steps in 2 attempts" in text, text
 
 
+@pytest.mark.ranks
 def test_the_report_of_a_session_run_and_of_a_fit_run_breaks_the_step_down(tmp_path):
     from tests.fit.test_session_loop import in_two
 
@@ -205,6 +209,7 @@ def _layout_run(rank: int, world_size: int, port: int, run_dir: str, sections: d
             "unwrapped": unwrapped}
 
 
+@pytest.mark.ranks
 def test_a_session_with_tensor_parallelism_trains_as_one_worker(tmp_path):
     import torch
 
@@ -301,6 +306,7 @@ def _pipeline_run(rank: int, world_size: int, port: int, run_dir: str, sections:
             "evaluation": evaluation}
 
 
+@pytest.mark.ranks
 def test_a_session_with_pipeline_parallelism_trains_as_one_worker(tmp_path):
     """pp = 2 (the user's split) at 2 ranks, and pp = 2 x dp = 2 at 4, match one worker: the step losses every
     rank gets back from forward_backward, the weights after 6 SGD steps, and an evaluation through
@@ -392,6 +398,7 @@ def _pipeline_misuse(rank: int, world_size: int, port: int, run_dir: str, sectio
     return {"exits": exits, "stderr": stderr.getvalue()}
 
 
+@pytest.mark.ranks
 def test_a_pipeline_used_wrong_in_a_session_is_one_line_each(tmp_path):
     from tests.distributed import run_distributed
     from tests.fit.test_session_loop import free_port, in_two

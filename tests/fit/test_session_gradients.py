@@ -14,6 +14,8 @@ from torch import nn
 
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.job
+
 SAMPLES = 8
 SCRIPT = """
 import sys, torch

@@ -29,6 +29,8 @@ from torch.utils.data import TensorDataset
 
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.ranks
+
 SAMPLES, FEATURES, CLASSES = 24, 5, 3
 EPOCHS, STEPS_PER_EPOCH = 3, 3  # 8 samples a step
 CONFIG = {"train": {"global_batch_size": 8, "local_batch_size": 4, "seed": 0},
@@ -293,7 +295,7 @@ def test_fit_result_says_the_rank_and_a_finished_run_directory_holds_no_lock(tmp
     assert (tmp_path / "run" / "summary.json").is_file() and not (tmp_path / "run" / ".lock").exists()
 
 
-# --- a non-finite step: the guarantee fit's trainer gives (tests/multiproc/test_fault_tolerance.py), here ----------
+# --- a non-finite step: the guarantee fit's trainer gives (tests/checkpoint/test_fault_tolerance.py), here ----------
 def _nan_at(rank: int, world_size: int, port: int, run_dir: str, steps: int, nan_rank: int, nan_step: int | None):
     """A Session loop of ``steps`` steps whose loss is NaN on ``nan_rank`` at ``nan_step`` (None: never)."""
     import ringtrain

@@ -21,8 +21,10 @@ from ringtrain.group.init import DistContext
 from ringtrain.train.build import build_trainer
 from ringtrain.train.user_parts import UserParts
 from tests.distributed import run_distributed
-from tests.fit import user_code
+from tests import user_code
 from tests.trainers import flat_params
+
+pytestmark = pytest.mark.ranks
 
 PLAIN_SGD = {"optimizer": "sgd", "lr": 1.0, "momentum": 0.0, "lr_schedule": "constant", "weight_decay": 0.0}
 
@@ -70,8 +72,8 @@ def one_step(rank: int, world_size: int, run_root: str) -> dict:
                       "gloo", torch.device("cpu"), host_rank=rank, host_world_size=world_size)
     for name, (spec, train, left) in CASES.items():
         # The factories are named for the record, as fit() does; the parts themselves are handed over.
-        config = load_config_dict({"model": {"factory": "tests.fit.user_code:digits_mlp"},
-                                   "data": {"factory": "tests.fit.user_code:digits"},
+        config = load_config_dict({"model": {"factory": "tests.user_code:digits_mlp"},
+                                   "data": {"factory": "tests.user_code:digits"},
                                    "train": {**PLAIN_SGD, **train}, "monitor": {"progress": False}},
                                   run_dir=f"{run_root}/{name}")
         trainer = build_trainer(config, ctx, parts=user_parts(spec))

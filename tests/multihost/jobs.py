@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
-from tests.chaos.jobs import Job
+from tests.jobs import Job
 from tests.hosts import Hosts
 
 PORT = 29400

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.hosts
+
 
 def test_bench_collectives_across_two_capped_hosts(make_hosts, tmp_path):
     # make_hosts skips without root; the benchmark makes its own hosts

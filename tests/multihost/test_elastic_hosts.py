@@ -8,10 +8,14 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 
+import pytest
+
 from ringtrain.data.ledger import check_ledger
-from tests.chaos.jobs import Job, last_step, ledger_steps, records
-from tests.chaos.test_elastic import sigterm_pending
+from tests.jobs import Job, last_step, ledger_steps, records
+from tests.launch.test_elastic import sigterm_pending
 from tests.conftest import run_main
+
+pytestmark = pytest.mark.hosts
 
 PORT = 29400
 TIMEOUT_S = 5

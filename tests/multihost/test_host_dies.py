@@ -10,8 +10,10 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.chaos.jobs import last_step
+from tests.jobs import last_step
 from tests.multihost.jobs import start_node_jobs
+
+pytestmark = pytest.mark.hosts
 
 
 

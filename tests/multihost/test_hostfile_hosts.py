@@ -12,11 +12,13 @@ import time
 
 import pytest
 
-from tests.chaos.jobs import Job, last_step
+from tests.jobs import Job, last_step
 from tests.distributed import run_distributed
 from tests.multihost.sshd import SshHosts, missing, processes_in
 from tests.multihost.test_launch import CONFIG, SHORT
 from tests.trainers import train_run
+
+pytestmark = pytest.mark.hosts
 
 PORT = "29400"
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 from tests.hosts import INTERFACE, Hosts, namespaces, sweep_stale
+
+pytestmark = pytest.mark.hosts
 
 _PROBE = """
 import socket, sys

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.chaos.jobs import Job
+from tests.jobs import Job
 from tests.conftest import REPO
 from tests.distributed import run_distributed
 from tests.hosts import INTERFACE, SUBNET, Hosts, listening_sockets
 from tests.trainers import train_run
+
+pytestmark = pytest.mark.hosts
 
 PORT = 29400
 CONFIG = "configs/debug_mlp.toml"

@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 
-from tests.chaos.jobs import Job
+import pytest
+
+from tests.jobs import Job
 from tests.hosts import SUBNET
 from tests.multihost.test_launch import CONFIG, SHORT, _launchers
+
+pytestmark = pytest.mark.hosts
 
 JOB_ID = "70123"
 """Its rendezvous port: 15000 + 70123 % 20000 = 25123."""
