@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
 def forked(argv: list[str]) -> None:
     """A worker forked from its launcher's forkserver (launch.py), where torch, torch._dynamo and ringtrain's
     trainer are imported once for all the node's workers: it runs as ``python -u -m ringtrain.worker ARGV``
-    would, with the working folder first on sys.path, and a process title that names it and its rank
+    would (a factory module in the working folder imports: train/user_parts.py), with a process title that
+    names it and its rank
     (``ps`` shows ``ringtrain.worker rank 1/4: CONFIG ...``). Multiprocessing ends the process with
     os._exit, so the exit's own work (atexit handlers, non-daemon threads, flushes) is done here."""
     import signal
@@ -77,8 +78,6 @@ def forked(argv: list[str]) -> None:
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the forkserver (launch.py)
     sys.argv = [__file__, *argv]
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
     setproctitle.setproctitle(f"ringtrain.worker rank {rank}/{world}: {' '.join(argv)}")
     try:
