@@ -55,16 +55,14 @@ _RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_t
 _WORKER_LOG = "torch.distributed.elastic.multiprocessing.api"
 """The agent's logger of worker processes: 'Sending process N closing signal SIGTERM', 'failed (exitcode: 2)'."""
 _AGENT_LOG = "torch.distributed.elastic.agent.server.api"
+"""The agent's own logger: on Ctrl-C or SIGTERM it warns 'Received 2 death signal, shutting down workers'."""
 _SPAWN_LOG = "torch.multiprocessing.spawn"
 WORKER_START_VAR = "RINGTRAIN_WORKER_START"
 """``spawn``: every ``ringtrain train`` worker a fresh interpreter (``python -u -m ringtrain.worker``), as
 before workers were forked from a warm forkserver (``_entrypoint``)."""
-FORKSERVER_PRELOAD = ("torch._dynamo", "ringtrain.train.run", "ringtrain.config", "ringtrain.group.init",
-                      "ringtrain.heal.membership", "torch.distributed.elastic.multiprocessing.errors")
-"""What the forkserver imports once for all of a node's workers: torch, torch._dynamo (DDP's constructor
-imports it), ringtrain's trainer. ~3.3 s of CPU an interpreter here. No name holds ``ringtrain.worker``: the
-forkserver's command line lists them, and ``ringtrain.worker`` in a command line is how a worker is found."""
-"""The agent's own logger: on Ctrl-C or SIGTERM it warns 'Received 2 death signal, shutting down workers'."""
+FORKSERVER_PRELOAD = ("ringtrain.preload",)
+"""What the forkserver imports once for all of a node's workers (ringtrain/preload.py: torch, torch._dynamo,
+the trainer; ~3.3 s of CPU an interpreter here), then freezes for the garbage collector."""
 
 
 class _ShutdownNoise(logging.Filter):

@@ -73,8 +73,8 @@ def _slot_bytes(sg: ShmGroup) -> int:
 
 def fits(sg: ShmGroup) -> bool:
     """Whether these collectives can run on ``sg``: all its ranks on this host, a cache line per rank in a
-    staging buffer (``init_shm(piece_kb=1)`` with more than 16 ranks has not)."""
-    return not sg.hierarchical and sg.local_size == sg.size and _slot_bytes(sg) > 0
+    staging buffer and room for an all-to-all's header (``init_shm(piece_kb=1)`` with 13 ranks or more has not)."""
+    return not sg.hierarchical and sg.local_size == sg.size and _slot_bytes(sg) > 0 and _a2a_layout(sg)[1] > 0
 
 
 def all_gather(sg: ShmGroup, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, timeout_s: float) -> None:
@@ -183,46 +183,67 @@ def broadcast(sg: ShmGroup, tensor: torch.Tensor, root: int, timeout_s: float) -
 
 def all_to_all(sg: ShmGroup, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], dtype: torch.dtype,
                timeout_s: float) -> None:
-    """Rank i's ``inputs[j]`` lands in rank j's ``outputs[i]`` (1-D byte or typed views, any sizes). A first
-    round exchanges every rank's sizes: every rank checks the whole matrix (what each rank sends against what
-    its receiver expects), so all fail together, in one line, when two ranks disagree."""
+    """Rank i's ``inputs[j]`` lands in rank j's ``outputs[i]`` (1-D byte or typed views, any sizes). The first
+    round carries every rank's sizes in a header before its data: every rank checks the whole matrix (what each
+    rank sends against what its receiver expects) before it reads, so all fail together, in one line, when two
+    ranks disagree, and all know how many rounds the largest part takes. A rank's part for itself never goes
+    through the buffers."""
     n, me = sg.local_size, sg.local_rank
     sources = [_bytes(t) for t in inputs]
     targets = [_bytes(t) for t in outputs]
     sizes = torch.tensor([s.numel() for s in sources] + [t.numel() for t in targets], dtype=torch.int64)
-    table: list[torch.Tensor] = []
-
-    def write_sizes(k: int, mine: torch.Tensor) -> None:
-        mine[: sizes.numel() * 8].copy_(sizes.view(torch.uint8))
-
-    def read_sizes(k: int, buffers: list[torch.Tensor]) -> None:
-        table.extend(b[: sizes.numel() * 8].view(torch.int64).clone() for b in buffers)
-
+    header, slot = _a2a_layout(sg)
     what = "shm all_to_all"
-    _rounds(sg, what, encode_call("all_to_all", "sum", dtype, n), 1, timeout_s, write_sizes, read_sizes)
-    sends = torch.stack([row[:n] for row in table])  # sends[i, j]: bytes rank i sends to rank j
-    receives = torch.stack([row[n:] for row in table]).T  # receives[i, j]: bytes rank j expects from rank i
+    desc = encode_call("all_to_all", "sum", dtype, n)
+    board = sg.board
+    rounds, k = 1, 0
+    while k < rounds:
+        sg.turns.staging_turn ^= 1
+        buffers = sg.region_views("staging", sg.turns.staging_turn, torch.uint8)
+        mine = buffers[me]
+        if k == 0:
+            mine[: sizes.numel() * 8].copy_(sizes.view(torch.uint8))
+        lo = k * slot
+        for j, source in enumerate(sources):
+            part = source[lo : lo + slot]
+            if j != me and part.numel():
+                at = header + j * slot
+                mine[at : at + part.numel()].copy_(part)
+        count = board.arrive(desc if k == 0 else None)
+        board.wait_all(count, what, k + 1, rounds, timeout_s)
+        if k == 0:
+            board.check_same_call(count, desc, what)
+            rounds = _a2a_rounds(sg, torch.stack([b[: sizes.numel() * 8].view(torch.int64) for b in buffers]), slot,
+                                 what)
+        for j, target in enumerate(targets):
+            part = target[lo : lo + slot]
+            if j != me and part.numel():
+                at = header + me * slot
+                part.copy_(buffers[j][at : at + part.numel()])
+        k += 1
+    targets[me].copy_(sources[me])
+
+
+def _a2a_layout(sg: ShmGroup) -> tuple[int, int]:
+    """(header, slot) of an all-to-all round in a staging buffer: the header holds a rank's 2n sizes (first round
+    only), then a cache-line-aligned slot per peer."""
+    header = -(-2 * sg.local_size * 8 // _LINE) * _LINE
+    return header, (sg.piece_bytes - header) // sg.local_size // _LINE * _LINE
+
+
+def _a2a_rounds(sg: ShmGroup, table: torch.Tensor, slot: int, what: str) -> int:
+    """The rounds an all-to-all takes, from every rank's sizes (row i: rank i's n sends, then its n receives);
+    ValueError, the same on every rank, when a rank sends other than its receiver expects."""
+    n = sg.local_size
+    sends = table[:, :n]  # sends[i, j]: bytes rank i sends to rank j
+    receives = table[:, n:].T  # receives[i, j]: bytes rank j expects from rank i
     if not torch.equal(sends, receives):
         i, j = (sends != receives).nonzero()[0].tolist()
         raise ValueError(f"{what}: rank {sg.local[i]} sends {sends[i, j]} bytes to rank {sg.local[j]}, which expects "
                          f"{receives[i, j]}; every rank's output split sizes must match its peers' input split sizes")
-    slot = _slot_bytes(sg)
-    rounds = -(-int(sends.max()) // slot) if sends.numel() else 0
-
-    def write(k: int, mine: torch.Tensor) -> None:
-        for j, source in enumerate(sources):
-            part = source[k * slot : (k + 1) * slot]
-            if part.numel():
-                mine[j * slot : j * slot + part.numel()].copy_(part)
-
-    def read(k: int, buffers: list[torch.Tensor]) -> None:
-        for j, target in enumerate(targets):
-            part = target[k * slot : (k + 1) * slot]
-            if part.numel():
-                part.copy_(buffers[j][me * slot : me * slot + part.numel()])
-
-    if rounds:
-        _rounds(sg, what, encode_call("all_to_all", "sum", dtype, n), rounds, timeout_s, write, read)
+    through_buffers = sends.clone()
+    through_buffers.fill_diagonal_(0)  # a rank's part for itself is copied directly
+    return max(1, -(-int(through_buffers.max()) // slot))
 
 
 def barrier(sg: ShmGroup, timeout_s: float) -> None:

@@ -435,3 +435,32 @@ def test_ranks_that_disagree_on_a_collective_fail_naming_each_other_in_one_line(
     # The rank that compares first names both calls; the other is told by the abort line, or compares too.
     assert any("from rank 0" in m and "from rank 1" in m for m in messages), messages
     assert all("from rank 0" in m or "called a different collective" in m for m in messages), messages
+
+
+def disagreeing_splits(rank: int, world_size: int) -> dict:
+    """Rank 1 sends rank 0 three elements where rank 0 expects two; everything else agrees."""
+    from ringtrain.comm.c10d_backend import BACKEND
+
+    group = dist.new_group(backend=BACKEND)
+    sends = [2] * world_size
+    receives = [2] * world_size
+    if rank == 1:
+        sends[0] = 3
+    try:
+        dist.all_to_all_single(torch.zeros(sum(receives)), torch.ones(sum(sends)), receives, sends, group=group)
+    except ValueError as err:
+        message = str(err)
+    else:
+        message = None
+    # The group still works: the sizes are checked before any rank reads, and every rank fails at that round.
+    total = torch.ones(5)
+    dist.all_reduce(total, group=group)
+    return {"message": message, "total": total.tolist()}
+
+
+def test_all_to_all_split_sizes_that_disagree_fail_on_every_rank_in_the_same_line():
+    results = run_distributed(disagreeing_splits, 3, timeout_s=120)
+    expected = ("shm all_to_all: rank 1 sends 12 bytes to rank 0, which expects 8; every rank's output split sizes "
+                "must match its peers' input split sizes")
+    assert [r["message"] for r in results] == [expected] * 3, results
+    assert all(r["total"] == [3.0] * 5 for r in results), results
