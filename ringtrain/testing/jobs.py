@@ -137,10 +137,15 @@ class Job:
 
     def held(self) -> int:
         """How many of the job's workers are stopped (held by a ``stop`` fault, or SIGSTOP)."""
-        held = 0
-        for process in self.workers().values():
+        return len(self.held_workers())
+
+    def held_workers(self) -> dict[int, psutil.Process]:
+        """The job's stopped workers (held by a ``stop`` fault, or SIGSTOP), by rank."""
+        held = {}
+        for rank, process in self.workers().items():
             try:
-                held += process.status() == psutil.STATUS_STOPPED
+                if process.status() == psutil.STATUS_STOPPED:
+                    held[rank] = process
             except psutil.Error:
                 continue
         return held

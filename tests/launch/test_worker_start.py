@@ -28,21 +28,11 @@ pytestmark = pytest.mark.job
 CONFIG = "configs/debug_mlp.toml"
 
 
-def _held(job: Job) -> dict[int, psutil.Process]:
-    held = {}
-    for rank, process in job.workers().items():
-        try:
-            if process.status() == psutil.STATUS_STOPPED:
-                held[rank] = process
-        except psutil.Error:
-            continue
-    return held
-
-
 def test_workers_fork_from_one_forkserver_named_by_rank_and_train_bit_for_bit_as_interpreters_do(tmp_path):
     plan = fault_plan(tmp_path, *(Fault("step.micro_batch", member=m, step=2, action="stop") for m in range(3)))
     with Job("train", CONFIG, "--nproc", "3", "--run-dir", str(tmp_path / "forked"), env=plan.env) as job:
-        held = job.wait_for(lambda: (h := _held(job)) and len(h) == 3 and h, what="three workers to hold at step 2")
+        held = job.wait_for(lambda: (h := job.held_workers()) and len(h) == 3 and h,
+                            what="three workers to hold at step 2")
         parents = {process.ppid() for process in held.values()}
         assert len(parents) == 1, parents
         forkserver = psutil.Process(parents.pop())

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from tests.jobs import Job
@@ -51,18 +50,6 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _held(job: Job) -> dict[int, psutil.Process]:
-    """The job's workers that are stopped (held by their ``stop`` fault), by rank."""
-    held = {}
-    for rank, process in job.workers().items():
-        try:
-            if process.status() == psutil.STATUS_STOPPED:
-                held[rank] = process
-        except psutil.Error:
-            continue
-    return held
-
-
 def test_another_local_user_cannot_run_code_through_the_rendezvous_state(tmp_path, monkeypatch):
     marker = tmp_path / "payload-ran"
     port = _free_port()
@@ -73,8 +60,8 @@ def test_another_local_user_cannot_run_code_through_the_rendezvous_state(tmp_pat
              # Workers in interpreters of their own: the test reads the run id from a worker's environment,
              # which a worker forked from the forkserver does not show (/proc/PID/environ is the forkserver's).
              env={**plan.env, "RINGTRAIN_WORKER_START": "spawn"}) as job:
-        job.wait_for(lambda: len(_held(job)) == 2, what="both workers to hold at step 2")
-        run_id = next(iter(_held(job).values())).environ()["TORCHELASTIC_RUN_ID"]
+        job.wait_for(lambda: len(job.held_workers()) == 2, what="both workers to hold at step 2")
+        run_id = next(iter(job.held_workers().values())).environ()["TORCHELASTIC_RUN_ID"]
         assert str(port) not in run_id  # the id the issue's attacker derived from the port
         attack = subprocess.run(
             ["setpriv", "--reuid", str(STRANGER), "--regid", str(STRANGER), "--clear-groups",
@@ -82,7 +69,7 @@ def test_another_local_user_cannot_run_code_through_the_rendezvous_state(tmp_pat
             cwd="/", capture_output=True, text=True, timeout=120)
         assert attack.stdout.strip() == "planted", attack.stderr
         job.wait_for(lambda: "not sealed with this job's secret" in job.stderr, what="the agent to read the state")
-        for process in _held(job).values():
+        for process in job.held_workers().values():
             process.resume()
         code = job.finish()
     assert not marker.exists(), "the planted pickle ran"
