@@ -219,6 +219,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
     Raises WorkerFailed naming the first failed rank, or LaunchError when the rendezvous fails.
     """
     options.validate()
+    _check_worker_start()
     secret = job_secret_for(options)
     min_nodes, max_nodes = options.node_range()
     if options.heal and options.join:
@@ -310,9 +311,9 @@ def _entrypoint(options: LaunchOptions, program: Program) -> tuple[object, tuple
 
     ``ringtrain train``'s workers, two or more on this node, fork from one forkserver that imports torch,
     torch._dynamo and the trainer once (``FORKSERVER_PRELOAD``), instead of each worker importing them in an
-    interpreter of its own (~3.3 s of CPU each here, most of a small job's start). The forkserver starts at the
-    first worker's start, after the environment and folder above are set, from this process's environment;
-    it stops with this launch. One worker per agent (``--min-nproc``, ``--heal``, ``ringtrain join``) saves
+    interpreter of its own (~3.3 s of CPU each here, most of a small job's start). The forkserver starts here,
+    after the environment and folder above are set, from this process's environment; it stops with this
+    launch. One worker per agent (``--min-nproc``, ``--heal``, ``ringtrain join``) saves
     nothing that way, and a user's script runs as Python runs it: ``python -u SCRIPT`` in an interpreter of its
     own, as does every worker under ``RINGTRAIN_WORKER_START=spawn``."""
     argv = program.worker_argv()
@@ -333,6 +334,14 @@ def _entrypoint(options: LaunchOptions, program: Program) -> tuple[object, tuple
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return _forked_worker, (argv,), True
+
+
+def _check_worker_start() -> None:
+    """RINGTRAIN_WORKER_START, when set, says spawn or forkserver: a typo must not pass for the default."""
+    value = os.environ.get(WORKER_START_VAR)
+    if value is not None and value not in ("spawn", "forkserver"):
+        raise LaunchError(f"{WORKER_START_VAR}={value!r}: set it to 'spawn' (every worker an interpreter of its own) "
+                          "or 'forkserver' (the default: workers fork from one warm process), or unset it")
 
 
 def _forked_worker(argv: list[str]) -> None:

@@ -100,3 +100,12 @@ def test_a_factory_module_in_the_folder_the_job_starts_from_imports_in_forked_wo
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
     assert [(tmp_path / f"exited-{rank}").read_text() for rank in (0, 1)] == ["atexit ran"] * 2
+
+
+def test_a_worker_start_that_is_neither_spawn_nor_forkserver_is_refused_in_one_line(tmp_path):
+    done = run_cli("train", CONFIG, "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                   env={"RINGTRAIN_WORKER_START": "fork"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "ringtrain: error: RINGTRAIN_WORKER_START='fork': set it to 'spawn' (every worker an interpreter of its own) "
+        "or 'forkserver' (the default: workers fork from one warm process), or unset it"]
