@@ -302,6 +302,7 @@ def launch(options: LaunchOptions, program: Program) -> None:
         logging.getLogger(_AGENT_LOG).removeFilter(shutdown_noise)
         if forks:
             _stop_forkserver()
+        rendezvous.stop_heartbeats()  # torch leaves them running after a signal (group/rendezvous.py)
         # The rendezvous store lives exactly as long as this node's agent.
         del store
 

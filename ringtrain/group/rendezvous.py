@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -32,7 +33,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, c
 from ringtrain.group.auth import JobSecret, UnsealedValue, load_job_secret
 from ringtrain.group.auth_store import AuthStore
 
-__all__ = ["BACKEND", "register", "SealedRendezvousBackend", "RankedNode", "NODE_RANK_OPTION"]
+__all__ = ["BACKEND", "register", "stop_heartbeats", "SealedRendezvousBackend", "RankedNode", "NODE_RANK_OPTION"]
 
 BACKEND = "ringtrain-c10d"
 """The name the launcher asks torch's launcher for (bench/rendezvous_cost.py sets it to torch's "c10d" to compare)."""
@@ -109,7 +110,28 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if isinstance(node, _NodeDesc) and hasattr(executor, "_node"):
         # The handler's descriptor, as torch made it, with the node rank beside it (both places torch keeps it).
         handler._this_node = executor._node = RankedNode(node.addr, node.pid, node.local_id, node_rank)
+    _HANDLERS.add(handler)
     return handler
+
+
+_HANDLERS: "weakref.WeakSet[RendezvousHandler]" = weakref.WeakSet()
+
+
+def stop_heartbeats() -> None:
+    """Stop the keep-alive thread of every handler this process made, without joining it.
+
+    torch's launcher leaves a handler's heartbeats running when the agent stops on a signal (it does not shut
+    the rendezvous down, so that other nodes may go on). The timer's thread then holds the handler while it
+    beats; if the last reference to the handler goes while it does, the timer's finalizer runs on that thread
+    and joins it: ``RuntimeError: cannot join current thread``, printed as a traceback after ringtrain's
+    "stopped" line. Here the finalizer is detached and the thread told to stop (it ends at its next wake-up:
+    a beat in flight against a store that is gone must not hold the launcher's exit). Closing the rendezvous
+    stays torch's choice."""
+    for handler in list(_HANDLERS):
+        timer = getattr(handler, "_keep_alive_timer", None)
+        finalizer = getattr(timer, "_finalizer", None)
+        if finalizer is not None and finalizer.detach() is not None:
+            timer._ctx.stop_event.set()
 
 
 def _sealed_client(params: RendezvousParameters, secret: JobSecret) -> AuthStore:
