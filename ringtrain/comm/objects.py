@@ -37,7 +37,7 @@ from ringtrain.comm.errors import PeerDataError
 from ringtrain.decode_limits import Refused, check_json, load_weights_only
 
 __all__ = ["all_gather_bytes", "gather_bytes", "broadcast_bytes", "all_gather_json", "gather_json", "gather_ints",
-           "gather_weights_only", "decode_json"]
+           "gather_weights_only", "broadcast_weights_only", "decode_json"]
 
 _INT = "q"  # int64, little-endian on the wire
 _LITTLE = sys.byteorder == "little"
@@ -117,6 +117,18 @@ def gather_weights_only(value: Any, dst: int = 0, group: dist.ProcessGroup | Non
     torch.save(value, buffer)
     gathered = gather_bytes(buffer.getvalue(), dst, group)
     return None if gathered is None else [_weights_only(data, _global(group, r)) for r, data in enumerate(gathered)]
+
+
+def broadcast_weights_only(value: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
+    """``src``'s ``value`` (a global rank; the others pass None) on every rank, for values with tensors: sent
+    and read back as ``gather_weights_only``'s."""
+    data = None
+    if dist.get_rank() == src:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        data = buffer.getvalue()
+    received = broadcast_bytes(data, src, group)
+    return value if dist.get_rank() == src else _weights_only(received, src)
 
 
 def decode_json(data: bytes, rank: int) -> Any:

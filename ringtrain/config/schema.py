@@ -594,10 +594,6 @@ class Config(Section):
                 raise ValueError(f"[diloco] is set but comm.strategy = '{self.comm.strategy}'; set comm.strategy = "
                                  "'diloco' to train with it, or remove [diloco]")
             return self
-        if self.dist.heal and self.diloco.inner == "host":
-            raise ValueError("dist.heal = true (--heal) with diloco.inner = 'host' is not built yet (a lost worker "
-                             "would leave its host's replica out of step); set diloco.inner = 'worker' (or 'auto', "
-                             "which --heal resolves to 'worker'), or leave out --heal")
         if not strategy_spec(self.comm.strategy).sharded_checkpoints and (self.checkpoint.sharded or self.checkpoint.async_):
             raise ValueError("comm.strategy = 'diloco' writes full checkpoints only (each worker's own parameters "
                              "and the outer state); set checkpoint.sharded = false and checkpoint.async = false")

@@ -72,7 +72,7 @@ from torch import nn
 from ringtrain import comm
 from ringtrain.comm import codec, shm
 from ringtrain.comm.groups import host_id, resolve_group
-from ringtrain.comm.objects import all_gather_json
+from ringtrain.comm.objects import all_gather_json, broadcast_weights_only
 from ringtrain.errors import ConfigError
 from ringtrain.layout import MODEL_DIMS
 from ringtrain.monitor.comm_timer import CommTimer
@@ -570,6 +570,20 @@ class DiLoCoStrategy(ReplicatedStrategy):
         with torch.no_grad():  # the module is the global model already (``abandon_interval``, a whole sync)
             for param, global_ in zip(self._params, self.global_params):
                 param.copy_(global_)
+        self._share_inner_state()
+
+    def _share_inner_state(self) -> None:
+        """Inside a replica of several ranks (DDP over its group) every rank must step the same inner optimizer
+        state, or its ranks drift apart at the next inner step. A heal's new group may put into one replica a
+        joiner (holding the state it received from a rank of another replica) or ranks that trained in
+        different replicas: the leader's state becomes every member's. Collective over each replica's group."""
+        replica = self.replica_group
+        if replica is None or self._inner is None:
+            return
+        leader = self._replica_leader
+        state = broadcast_weights_only(self._inner.state_dict() if dist.get_rank() == leader else None, leader, replica)
+        if dist.get_rank() != leader:
+            self._inner.load_state_dict(state)
 
     def figures(self) -> dict[str, Any]:
         """For records and the summary: fragment outer steps so far, the bytes per H steps (a replica's), those
@@ -698,9 +712,9 @@ class SplitOuterState(OuterState):
 
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DiLoCoStrategy:
-    """``comm.strategy = 'diloco'`` with the [diloco] section (its defaults when None); ``heal``: a --heal job,
-    whose replicas are single workers (``diloco.inner = 'auto'`` resolves so); ``mesh``: the layout's beside a split
-    model, whose model-parallel groups are the replicas (``model_groups``)."""
+    """``comm.strategy = 'diloco'`` with the [diloco] section (its defaults when None); ``heal``: a --heal job
+    (its replicas are formed again from each new group's hosts, ``_form_replicas``); ``mesh``: the layout's beside
+    a split model, whose model-parallel groups are the replicas (``model_groups``)."""
     from ringtrain.config import DiLoCoConfig
 
     diloco = diloco or DiLoCoConfig()
@@ -708,5 +722,5 @@ def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = F
                           outer_momentum=diloco.outer_momentum, nesterov=diloco.nesterov,
                           algorithm=comm.algorithm, chunk_kb=comm.chunk_kb, fragments=diloco.fragments,
                           delay=diloco.delay, dtype=diloco.dtype,
-                          inner="worker" if heal and diloco.inner == "auto" else diloco.inner,
+                          inner=diloco.inner,
                           bucket_mb=comm.resolved_bucket_mb, mesh=mesh)

@@ -26,8 +26,6 @@ REFUSED = [
     ([*DILOCO, "diloco.outer_momentum=1.0"], ["diloco.outer_momentum", "less than 1"]),
     ([*DILOCO, "diloco.outer_lr=0"], ["diloco.outer_lr", "greater than 0"]),
     (["diloco.sync_every=5"], ["[diloco] is set but comm.strategy = 'ddp'", "comm.strategy = 'diloco'"]),
-    ([*DILOCO, "dist.heal=true", "diloco.inner='host'"],
-     ["dist.heal = true (--heal) with diloco.inner = 'host' is not built yet", "diloco.inner = 'worker'"]),
     ([*DILOCO, "diloco.inner='hosts'"], ["diloco.inner", "'auto'", "'worker'", "'host'"]),
     ([*DILOCO, "checkpoint.sharded=true"], ["diloco", "checkpoint.sharded = false"]),
     ([*DILOCO, "comm.algorithm='powersgd'"], ["algorithm 'powersgd'", "strategy 'diloco'"]),

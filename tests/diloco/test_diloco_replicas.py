@@ -111,3 +111,52 @@ def run(algorithm: str, steps: int, sync_every: int, fragments: int, delay: int,
     from tests.distributed import run_distributed
 
     return run_distributed(train, 4, algorithm, steps, sync_every, fragments, delay, dtype, timeout_s=120)
+
+
+def heal_with_a_joiner(rank: int, world_size: int) -> dict:
+    """Two host replicas train with Adam (state that differs between the replicas), then a heal regroups them
+    as ``Trainer.regroup`` does: each rank abandons the interval, a new strategy wraps the same module and takes
+    over; rank 3 stands for a joiner, holding the inner optimizer state it received from rank 0 (another
+    replica's rank: what a heal's transfer sends). Returns every rank's digests over the inner steps after."""
+    def build() -> DiLoCoStrategy:
+        return DiLoCoStrategy(torch.device("cpu"), sync_every=100, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                              inner="auto", hosts=HOSTS)
+
+    def inner_steps(model, optimizer, strategy, steps) -> list[list[str]]:
+        digests = []
+        for step in steps:
+            x, y = _batch(rank, step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            digests.append(all_gather_json(_digest(strategy.unwrap(model))))
+        return digests
+
+    old = build()
+    model = old.wrap(_model())
+    optimizer = old.shard_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    inner_steps(model, optimizer, old, range(1, 4))
+    from ringtrain.comm.objects import broadcast_weights_only
+
+    received = broadcast_weights_only(optimizer.state_dict() if rank == 0 else None, 0)
+    if rank == 3:
+        optimizer.load_state_dict(received)
+    old.abandon_interval()
+    module = old.unwrap(model)
+    new = build()
+    model = new.wrap(module)
+    new.take_over(old, optimizer)
+    return {"digests": inner_steps(model, optimizer, new, range(4, 7))}
+
+
+@pytest.mark.ranks
+def test_a_heals_replica_steps_one_inner_optimizer_state_on_every_rank():
+    """After a heal whose replica holds a rank with another replica's inner optimizer state (a joiner), the
+    replica's ranks still hold the same bits at every inner step: the leader's state is every member's
+    (``DiLoCoStrategy._share_inner_state``). With Adam, two states would move the two ranks apart at once."""
+    from tests.distributed import run_distributed
+
+    results = run_distributed(heal_with_a_joiner, 4, timeout_s=120)
+    for step, digests in enumerate(results[0]["digests"], start=4):
+        assert digests[0] == digests[1] and digests[2] == digests[3], (step, digests)
+        assert digests[0] != digests[2], (step, digests)  # the replicas train apart between outer steps
