@@ -1,6 +1,6 @@
-"""Chaos: healing across layouts (issue 40). 4 workers as 2 model-parallel replicas of 2 ranks (tp 2, or pp 2);
+"""Chaos: healing across layouts (issue 40). 4 workers as 2 model-parallel replicas of 2 ranks (tp 2, pp 2 or cp 2);
 one rank is SIGKILLed mid-run under --heal: its replica's other rank leaves the job with it (a replica cannot
-train without its part), and the whole replica left goes on at 2 workers with the same tp (pp) degree and the
+train without its part), and the whole replica left goes on at 2 workers with the same tp (pp, cp) degree and the
 data-parallel degree shrunk from 2 to 1, rebuilt in the same processes (heal/replicas.py).
 
 Checked: exit 0; one 'heal' record naming the lost replica (``replica``, ``replica_ranks``), 0 steps lost; the
@@ -27,7 +27,7 @@ SETS = ["--set", f"train.max_steps={STEPS}", "--set", "train.auto_micro_batch=fa
         "--set", "dist.timeout_s=20", "--set", "checkpoint.every_steps=1000", "--set", "model.n_heads=2"]
 
 
-@pytest.mark.parametrize("split", ["tp", "pp"])
+@pytest.mark.parametrize("split", ["tp", "pp", "cp"])
 def test_a_killed_rank_takes_its_replica_out_and_the_other_replica_heals_in_place(tmp_path, split):
     run_dir = tmp_path / split
     degrees = ["--set", f"parallel.{split}=2"] + (["--set", "parallel.pp_microbatches=2"] if split == "pp" else [])
