@@ -263,9 +263,10 @@ def refuse_for_split_model(config: Config, where: str, shrinking_needs: str) -> 
                           "train.auto_micro_batch = false")
     if config.dist.heal:
         spec = strategy_spec(config.comm.strategy)
-        if spec.reloads or spec.section == "diloco":
+        if spec.reloads:
             # A split model heals by whole replicas, each survivor moving the part it holds to the regrouped
-            # trainer in memory (heal/replicas.py): that needs every part's state on each replica.
+            # trainer in memory (heal/replicas.py): that needs every part's state on each replica (DiLoCo's
+            # outer state is: every replica holds the global model's part and its momentum).
             raise ConfigError(f"{where} with --heal and comm.strategy = '{config.comm.strategy}': a split model heals "
                               "by whole replicas, each keeping the model part it holds, but this strategy's state "
                               "is spread over the data-parallel ranks a heal removes; use comm.strategy = 'ddp', or "

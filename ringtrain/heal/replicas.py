@@ -12,6 +12,9 @@ for the new group through the same path as the start (``build_trainer`` -> ``bui
 rank moves the state it holds (its model part, its optimizer state, the sampler, counters, precision) from
 the old trainer into the new one in memory (``move_to_group``): no checkpoint read, no step lost. The rest of
 the epoch is dealt over the new data-parallel ranks as for any shrink (the sampler's cursor, the ledger).
+Under DiLoCo the replicas are these model-parallel groups: each survivor has gone back to the last outer step's
+model (``abandon_interval``) and its outer state (its parts of the global model and momentum) goes on in the
+new trainer's outer loop (``take_over``).
 
     trainer = move_to_group(trainer, generation, rebuild)
 
@@ -35,6 +38,7 @@ from ringtrain.comm.errors import PeerDataError
 from ringtrain.comm.objects import all_gather_json, broadcast_bytes
 from ringtrain.decode_limits import load_weights_only
 from ringtrain.heal.membership import Generation, HealFailed
+from ringtrain.parallel.outer_loop import NO_OUTER_LOOP
 
 if TYPE_CHECKING:
     from ringtrain.group.init import DistContext
@@ -64,15 +68,16 @@ def move_to_group(old: Trainer | None, generation: Generation, rebuild: Rebuild,
     member at the same position, or the heal fails in one line. ``old`` None: a worker admitted with a whole
     replica (``ctx``: its context before the group formed); every member calls this at once, and rank r of
     each new replica receives its model part, optimizer state and the rest from rank r of a replica that
-    trained (its counterpart over the ``dp`` dimension: the same tp/cp/pp coordinate, the same part)."""
+    trained (its counterpart over the ``dp`` dimension: the same tp/cp/pp coordinate, the same part), DiLoCo's
+    outer state with it."""
     from ringtrain.heal.supervisor import context_for  # the supervisor imports this module lazily
 
     positions = all_gather_json(list(old.position) if old is not None else None)
     held = {tuple(position) for position in positions if position is not None}
     if len(held) > 1:
         steps = sorted({step for step, _ in held})
-        raise HealFailed(f"the surviving replicas hold different steps ({steps}) and a split model's parts cannot be "
-                         "sent between replicas yet; continue with --resume")
+        raise HealFailed(f"the surviving replicas hold different steps ({steps}) and a split model's parts are sent "
+                         "between replicas only to joiners; continue with --resume")
     if old is not None:
         old.close()
         ctx = context_for(old.ctx, generation)
@@ -83,6 +88,9 @@ def move_to_group(old: Trainer | None, generation: Generation, rebuild: Rebuild,
     if old is not None:
         new.carry_over(old)
         _load_part(new, _part_state(old))
+        # DiLoCo: the outer state goes on (each rank's parts of the global model and momentum; back at the last
+        # outer step already: ``abandon_interval``).
+        new.parts.strategy.outer_loop.take_over(old.parts.strategy.outer_loop, new.parts.optimizer)
     if None in positions:  # joiners among the members: each receives its part from its counterpart
         _send_parts(new, has_state=[position is not None for position in positions])
     return new
@@ -129,6 +137,7 @@ def _part_state(trainer: Trainer) -> dict[str, Any]:
             "group_sizes": [len(group["params"]) for group in optimizer.param_groups],
             "params": params,
             "carried": {name: parts[name].state_dict() for name in _CARRIED if name in parts},
+            "outer": {name: part.state_dict() for name, part in trainer.parts.strategy.outer_loop.transfer_parts().items()},
             "progress": {"eval_due": trainer.eval_due, "final_eval_done": trainer.final_eval_done,
                          "last_eval": dict(trainer.last_eval)}}
 
@@ -196,3 +205,4 @@ def _send_parts(new: Trainer, has_state: list[bool]) -> None:
         raise PeerDataError(f"rank {source} sent a model part that is not tensors and plain values ({err}); "
                             "refused") from None
     _load_part(new, part)
+    new.parts.strategy.outer_loop.take_over(NO_OUTER_LOOP, new.parts.optimizer, part["outer"] or None)

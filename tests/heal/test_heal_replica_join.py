@@ -1,6 +1,6 @@
-"""Chaos: a joiner pair restores a model-parallel replica (issue 40). 4 workers as 2 tp-2 replicas (and as 2
-pp-2 replicas) under --heal; a rank of replica 0 is SIGKILLed (a fault) in step 3, so replica 0 leaves and
-replica 1 goes on alone (heal/replicas.py).
+"""Chaos: a joiner pair restores a model-parallel replica (issue 40). 4 workers as 2 tp-2 replicas (as 2 tp-2
+DiLoCo replicas, and as 2 pp-2 replicas) under --heal; a rank of replica 0 is SIGKILLed (a fault) in step 3, so
+replica 0 leaves and replica 1 goes on alone (heal/replicas.py).
 Then two `ringtrain join` workers come one at a time: the first is held (the job's log names it as waiting
 for 1 more to complete a replica of 2) and nothing is admitted; the second completes the replica and both are
 admitted together at a step boundary: the group regroups to 4 workers through build_parallel and each joiner
@@ -43,6 +43,10 @@ SPLITS = {
     # split: (its --set values, the fault point, the member killed, the members that hold)
     "tp": (["parallel.tp=2", "dist.timeout_s=30"], "step.micro_batch", 1, (2, 3)),
     "pp": (["parallel.pp=2", "parallel.pp_microbatches=2", "dist.timeout_s=120"], "ledger.gathered", 0, (2,)),
+    # DiLoCo's replicas are the tp groups: the joiners receive their counterparts' parts of the outer state too
+    # (the global model's part and its momentum), or the replicas' outer steps would move different models.
+    "tp-diloco": (["parallel.tp=2", "dist.timeout_s=30", "comm.strategy=diloco", "diloco.sync_every=4"],
+                  "step.micro_batch", 1, (2, 3)),
 }
 
 

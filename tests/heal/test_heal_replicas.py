@@ -27,10 +27,17 @@ SETS = ["--set", f"train.max_steps={STEPS}", "--set", "train.auto_micro_batch=fa
         "--set", "dist.timeout_s=20", "--set", "checkpoint.every_steps=1000", "--set", "model.n_heads=2"]
 
 
-@pytest.mark.parametrize("split", ["tp", "pp", "cp"])
+DILOCO = ["--set", "comm.strategy=diloco", "--set", "diloco.sync_every=4"]
+
+
+@pytest.mark.parametrize("split", ["tp", "pp", "cp", "tp-diloco"])
 def test_a_killed_rank_takes_its_replica_out_and_the_other_replica_heals_in_place(tmp_path, split):
+    """tp-diloco: DiLoCo's replicas are the tp groups; the replica left goes back to the last outer step's model
+    (its inner steps since are dropped, as any DiLoCo heal does) and keeps its outer state (heal/replicas.py)."""
     run_dir = tmp_path / split
-    degrees = ["--set", f"parallel.{split}=2"] + (["--set", "parallel.pp_microbatches=2"] if split == "pp" else [])
+    dim = split.split("-")[0]
+    degrees = (["--set", f"parallel.{dim}=2"] + (["--set", "parallel.pp_microbatches=2"] if dim == "pp" else [])
+               + (DILOCO if split.endswith("diloco") else []))
     with Job("train", "configs/debug_lm.toml", "--nproc", "4", "--min-nproc", "2", "--heal",
              "--run-dir", str(run_dir), *SETS, *degrees) as job:
         job.wait_for(lambda: len(ledger_steps(run_dir)) >= 10, timeout=300, what="step 10")
@@ -45,9 +52,13 @@ def test_a_killed_rank_takes_its_replica_out_and_the_other_replica_heals_in_plac
     assert heal["replica"] == 0 and heal["replica_ranks"] == [0, 1], heal
     assert heal["lost_ranks"] == [0, 1] and heal["remaining_ranks"] == [2, 3] and heal["world_size"] == 2, heal
     assert heal["steps_lost"] == 0, heal
+    if split.endswith("diloco"):
+        assert 0 <= heal["inner_steps_dropped"] < 4, heal
     assert "a worker of its model-parallel replica was lost, so the replica left the job" in job.stderr
     done = summary(run_dir)
     assert done["heals"] == 1 and done["steps"] == STEPS and done["world_size"] == 2, done
+    if split.endswith("diloco"):  # the outer state went on through the heal (a fresh one counts from the heal)
+        assert done["outer_steps"] == STEPS // 4, done
     # Every step once, the data-parallel ranks 2 then 1 (the lost replica's share dealt to the one left),
     # and every sample of every epoch at most once (the last epoch is cut short by max_steps).
     steps = [r["step"] for r in ledger_steps(run_dir)]
