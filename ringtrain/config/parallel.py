@@ -209,11 +209,6 @@ def check_tensor_parallel_stages(config: Config, degrees: dict[str, int]) -> Non
     if model.n_heads % tp:
         raise ConfigError(f"{where}: tp does not divide model.n_heads ({model.n_heads}): each rank computes whole heads; "
                           f"set n_heads to a multiple of {tp}, or tp to a divisor of {model.n_heads}")
-    dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    if strategy_spec(config.comm.strategy).replicas_are_model_groups and dp > 1:
-        raise ConfigError(f"{where} and {dp} DiLoCo replicas: the pipeline's clip norm under tp adds "
-                          "every rank's squares over the replicas, which holds where they share one gradient, not "
-                          "where each DiLoCo replica holds its own; set tp = 1 or pp = 1")
 
 
 def check_pipeline_parallel(config: Config, degrees: dict[str, int]) -> None:

@@ -539,7 +539,8 @@ class PipelineStrategy(ReplicatedStrategy):
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The whole model's gradient norm: each rank's squares (the tied weight counted on the first stage
-        only), summed over the pipeline (replicas hold the same gradients). A gradient that is a DTensor
+        only), summed over the pipeline (replicas hold the same gradients; DiLoCo's each its own: summed over the
+        replica's ranks only). A gradient that is a DTensor
         replicated over some mesh dimensions (tensor parallelism's whole layers) is counted once: its squares
         divided by the ranks holding the same copy."""
         if self.zero is not None:  # each rank's shards of its stages (the tied copy's stretch left out), over all
@@ -557,6 +558,9 @@ class PipelineStrategy(ReplicatedStrategy):
         # Replicas hold the same gradients (the pipeline's ranks); shards hold parts of them (every rank).
         if self.tp == 1:
             dist.all_reduce(squares, group=None if self.shard else self.pp_group)  # (HSDP's replicas: _copies)
+        elif self.outer_loop.syncs_replicas:  # DiLoCo: each replica's own gradient, over its own tp x pp ranks
+            dist.all_reduce(squares, group=self.mesh["tp"].get_group())
+            dist.all_reduce(squares, group=self.pp_group)
         else:  # the pipeline's and its tensor-parallel ranks: every rank, each replica's sum once
             dist.all_reduce(squares)
             squares /= 1 if self.shard else self.grad_ranks  # (cp ranks, too, hold their replica's sum)

@@ -101,7 +101,9 @@ def test_a_layouts_options_train_as_one_worker(name):
 # worker's step). At H = 2 it can: with a replica its whole model-parallel group, dp 2 x (cp 2, tp 2 or pp 2) trains
 # as 2 DiLoCo workers that each hold the whole model (diloco-dp2), inner steps and all.
 H2 = ["diloco.sync_every=2"]
-REPLICAS = {"cp2": ["parallel.cp=2"], "tp2": ["parallel.tp=2"], "pp2-1f1b": ["parallel.pp=2"]}
+REPLICAS = {"cp2": ["parallel.cp=2"], "tp2": ["parallel.tp=2"], "pp2-1f1b": ["parallel.pp=2"],
+            # 8 ranks: each replica a pipeline split over tp, whose clip norm is summed over its own 4 ranks.
+            "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2"]}
 
 
 @functools.cache
@@ -112,6 +114,11 @@ def diloco_dp2_h2() -> Run:
 
 @pytest.mark.parametrize("split", REPLICAS)
 def test_a_diloco_replica_is_its_model_parallel_group(split):
-    run = train(f"diloco-dp2-{split}-h2", 4, [*SGD, "comm.strategy='diloco'", *H2, *REPLICAS[split]])
-    assert run.summary["world_size"] == 4
-    assert_same_run(run, diloco_dp2_h2())
+    size = 2 * (4 if split == "tp2-pp2-1f1b" else 2)
+    run, workers = train(f"diloco-dp2-{split}-h2", size, [*SGD, "comm.strategy='diloco'", *H2, *REPLICAS[split]]), diloco_dp2_h2()
+    assert run.summary["world_size"] == size
+    assert_same_run(run, workers)
+    # Each rank's gradient norm is its replica's own (replica r: ranks r * size / 2 ...), as DiLoCo worker r's.
+    for rank, result in enumerate(run.ranks):
+        expected = workers.ranks[rank // (size // 2)]["norms"]
+        assert result["norms"] == pytest.approx(expected, rel=RTOL), f"rank {rank}'s gradient norms"

@@ -127,7 +127,6 @@ def test_tensor_parallelism_takes_sharded_checkpoints():
 
 
 @pytest.mark.parametrize("parallel, strategy, sections, world_size, words", [
-    ({"pp": 2, "tp": 2}, "diloco", {}, 8, r"tp = 2 with pp = 2 and 2 DiLoCo replicas: the pipeline's clip norm"),
     ({"pp": 2, "pp_schedule": "zbv_zero_bubble", "stages_per_rank": 2}, "fsdp", {}, 4,
      r"pp = 2 with comm.strategy = 'fsdp' and pp_schedule = 'zbv_zero_bubble': the V puts the first and last stages"),
     ({"pp": 2, "tp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 4,
