@@ -288,12 +288,6 @@ def check_context_parallel(config: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"{where} with pp = {degrees['pp']}: inside pipeline stages the built-in transformer's "
                           "sequence is split (its first stage shards the tokens, its last gathers the logits), and the "
                           "stages of a model of your own are its own; set cp = 1 or pp = 1")
-    dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    split = " and ".join(f"{d} = {degrees[d]}" for d in ("tp", "pp") if degrees[d] > 1)
-    if split and spec.replicas_are_model_groups and dp > 1:
-        raise ConfigError(f"{where} with {split} and {dp} DiLoCo replicas: the split model averages its gradients over "
-                          "its data-parallel and context-parallel ranks in one group, where a DiLoCo replica must "
-                          "average over its cp ranks only; set cp = 1, or tp = 1 and pp = 1")
     if "cp" not in spec.beside:
         raise ConfigError(f"{where} with comm.strategy = '{strategy}': the ranks of a context-parallel group hold one "
                           f"replica's parts and sum their gradients, which {spec.summary} does not (its workers step "

@@ -113,7 +113,10 @@ class PipelineStrategy(ReplicatedStrategy):
         self.grad_ranks = self.dp * self.cp
         """The ranks the gradients are averaged over: the replicas and, with cp, each one's cp ranks (each holds its
         tokens' share: the step scales the loss by dp x cp, ``DistContext.gradient_ranks``, so the average over dp x
-        cp is the sum over cp and the mean over dp)."""
+        cp is the sum over cp and the mean over dp). DiLoCo's replicas step on their own: over their cp ranks only
+        (the loss's dp scale makes that average each replica's own mean)."""
+        if outer_loop.syncs_replicas:
+            self.grad_group, self.grad_ranks = (mesh.get_group("cp") if self.cp > 1 else None), self.cp
         self.sequence_parallel = sequence_parallel and self.tp > 1
         self.loss_parallel = loss_parallel and self.tp > 1
         """The last stage's own copy of the tied output layer split by vocabulary over tp, the loss computed on the
@@ -480,8 +483,8 @@ class PipelineStrategy(ReplicatedStrategy):
                 self._sum_vocabulary_split_tie(tied)
             else:
                 dist.all_reduce(_local(tied.grad), group=self._tie_group)  # under FSDP2: the same shard on both
-        # (FSDP2 reduce-scattered them in the schedule's last backward; DiLoCo's replicas step on their own.)
-        if self.grad_ranks > 1 and not self.shard and not self.outer_loop.syncs_replicas:
+        # (FSDP2 reduce-scattered them in the schedule's last backward; DiLoCo's replicas: over their cp ranks.)
+        if self.grad_ranks > 1 and not self.shard:
             grads = [_local(p.grad) for p in params]  # (with tp: each rank its slice, like its replicas')
             flat = torch.cat([g.reshape(-1) for g in grads])
             if self.algorithm == "torch":

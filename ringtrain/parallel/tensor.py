@@ -227,8 +227,12 @@ class TensorParallelStrategy(HoldsTensorSplit, ReplicatedStrategy):
         self.dp = self.dp_mesh.size()
         self.name = ("tp" if self.dp == 1 else "diloco+tp" if outer_loop.syncs_replicas else "fsdp+tp" if not replicas
                      else "ddp+tp" if self.dp_mesh.size(-1) == 1 else "hsdp+tp")  # (its shard groups' size)
-        self.data = FSDPStrategy(device, mesh=self.dp_mesh) if self.dp > 1 and not outer_loop.syncs_replicas else None
-        """The one data-parallel wrapper after the split (DiLoCo's replicas step on their own: none)."""
+        if outer_loop.syncs_replicas:  # DiLoCo's replicas step on their own: averaged over their cp ranks only
+            self.dp_mesh = mesh["cp"] if "cp" in mesh.mesh_dim_names else None
+        self.data = FSDPStrategy(device, mesh=self.dp_mesh) if self.dp_mesh is not None and self.dp_mesh.size() > 1 \
+            and (self.dp > 1 or outer_loop.syncs_replicas) else None
+        """The one data-parallel wrapper after the split (DiLoCo's replicas: FSDP2 over each one's cp ranks, which
+        read one sequence's parts, or none)."""
 
     def split(self, model: nn.Module) -> nn.Module:
         """The transform alone (``TensorSplit.apply``)."""

@@ -52,8 +52,8 @@ fails when the config refuses one of them). Manual and zero1-3 beside tp train i
 above 4, not in this table: hsdp beside tp or pp (tests/layouts/test_context_parallel.py, and
 ``test_hsdp_beside_a_pipeline_trains_as_one_worker`` in _pp.py; HSDP beside a tp-split pipeline:
 ``test_hsdp_beside_a_tensor_parallel_pipeline_trains_as_one_worker``), dp 2 x tp 2 x pp 2, DiLoCo replicas of a model split
-two ways and zero1-3 beside a pipeline split again by tp or cp (refused in one line), and cp 2 x tp 2 inside pp 2
-stages (tests/layouts/test_context_parallel.py).
+two ways (``test_a_diloco_replica_is_its_model_parallel_group``), zero1-3 beside a pipeline split again by tp or cp
+(refused in one line), and cp 2 x tp 2 inside pp 2 stages (tests/layouts/test_context_parallel.py).
 """
 
 from __future__ import annotations

@@ -102,8 +102,10 @@ def test_a_layouts_options_train_as_one_worker(name):
 # as 2 DiLoCo workers that each hold the whole model (diloco-dp2), inner steps and all.
 H2 = ["diloco.sync_every=2"]
 REPLICAS = {"cp2": ["parallel.cp=2"], "tp2": ["parallel.tp=2"], "pp2-1f1b": ["parallel.pp=2"],
-            # 8 ranks: each replica a pipeline split over tp, whose clip norm is summed over its own 4 ranks.
-            "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2"]}
+            # 8 ranks: each replica a pipeline split over tp, whose clip norm is summed over its own 4 ranks; a
+            # model split by cp and tp (or pp), whose gradients are averaged over the replica's cp ranks only.
+            "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2"], "cp2-tp2": ["parallel.cp=2", "parallel.tp=2"],
+            "cp2-pp2-1f1b": ["parallel.cp=2", "parallel.pp=2"]}
 
 
 @functools.cache
@@ -114,7 +116,7 @@ def diloco_dp2_h2() -> Run:
 
 @pytest.mark.parametrize("split", REPLICAS)
 def test_a_diloco_replica_is_its_model_parallel_group(split):
-    size = 2 * (4 if split == "tp2-pp2-1f1b" else 2)
+    size = 2 * 2 ** split.count("2")
     run, workers = train(f"diloco-dp2-{split}-h2", size, [*SGD, "comm.strategy='diloco'", *H2, *REPLICAS[split]]), diloco_dp2_h2()
     assert run.summary["world_size"] == size
     assert_same_run(run, workers)

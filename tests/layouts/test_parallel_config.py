@@ -236,8 +236,6 @@ def test_resolve_layout_on_its_own():
 @pytest.mark.parametrize("parallel, strategy, sections, world, says", [
     ({"cp": 2}, "diloco", {"diloco": {"inner": "worker"}}, 4, "a DiLoCo replica is then its model-parallel group"),
     ({"cp": 2}, "diloco", {"diloco": {"inner": "host"}}, 4, "leave diloco.inner unset ('auto')"),
-    ({"cp": 2, "pp": 2}, "diloco", {}, 8, "a DiLoCo replica must average over its cp ranks only"),
-    ({"cp": 2, "tp": 2}, "diloco", {}, 8, "with tp = 2 and 2 DiLoCo replicas"),
     ({"cp": 2}, "ddp", {"model": {"name": "transformer", "n_layers": 4, "dropout": 0.1}}, 2, "set model.dropout = 0"),
     ({"cp": 2}, "ddp", {"model": {"name": "mlp"}, "data": {"dataset": "digits"}}, 2, "not model.name = 'mlp'"),
 ])
