@@ -321,10 +321,6 @@ def check_parallel(config: Config, world_size: int) -> Layout:
     if tp == 1 and parallel.sequence_parallel:
         raise ConfigError("[parallel] sequence_parallel = true with tp = 1: the sequence is split over the "
                           "tensor-parallel ranks; set tp to 2 or more, or leave sequence_parallel unset")
-    if tp > 1 and parallel.sequence_parallel and (config.model.factory is not None or config.model.name != "transformer"):
-        raise ConfigError("[parallel] sequence_parallel = true: sequence parallelism is built for the built-in "
-                          "transformer (model.name = 'transformer'); a model of your own trains with tp and its plan, "
-                          "without it: leave sequence_parallel unset")
     if degrees["cp"] > 1:
         check_context_parallel(config, degrees)
     spec = strategy_spec(config.comm.strategy)

@@ -45,6 +45,7 @@ from ringtrain.parallel.fsdp import (FSDPStrategy, _broadcast_from_rank0, _full,
                                     load_dtensor_model_state, local_state_tensors, shard_blocks,
                                     shard_optimizer_state_like)
 from ringtrain.parallel.outer_loop import NO_OUTER_LOOP, OuterLoop
+from ringtrain.parallel.sequence_split import sequence_parallel_plan, shard_stream
 from ringtrain.parallel.tp_plan_check import check_colwise_partners
 
 __all__ = ["Conv1DColwise", "Conv1DRowwise", "TensorParallelStrategy", "TensorSplit", "apply_plan", "gpt2_plan", "huggingface_plan",
@@ -72,7 +73,8 @@ class TensorSplit:
         """A user's plan (``fit(tp_plan=...)``): module paths (``*`` for any one name) to "colwise", "rowwise" or
         a torch ParallelStyle. None: the model's own (the built-in transformer's, or a Hugging Face model's)."""
         self.sequence_parallel = sequence_parallel
-        """The built-in transformer's norms and residual stream split by sequence over tp (``parallelize_transformer``)."""
+        """The norms and residual stream split by sequence over tp: the built-in transformer's
+        (``parallelize_transformer``), or derived from another model's plan (``sequence_split.py``)."""
         self.loss_parallel = loss_parallel
         """The model's own output layer split by vocabulary (its logits ``Shard(-1)``), the loss on the shards."""
         self._fused_dims: dict[str, int] = {}
@@ -91,10 +93,6 @@ class TensorSplit:
         plan = None if builtin else user_plan(self.plan) if self.plan is not None else huggingface_plan(model, self.tp)
         if self.plan is not None:  # the user's: each colwise layer with its rowwise partner (tp_plan_check.py)
             check_colwise_partners(model, plan)
-        if self.sequence_parallel and not builtin:
-            raise ConfigError(f"[parallel] sequence_parallel = true: sequence parallelism is built for the built-in "
-                              f"transformer, not a {type(model).__name__} (its plan splits it without); leave "
-                              "sequence_parallel unset")
         if plan is None and not builtin:
             raise ConfigError(f"[parallel] tp = {self.tp}: {type(model).__name__} has no tensor-parallel plan (plans "
                               "are built in for ringtrain's transformer and Hugging Face models that declare one, "
@@ -111,9 +109,13 @@ class TensorSplit:
             if self.plan is None and _is_gpt2(model):
                 self._fused_dims = _GPT2_FUSED
                 _gpt2_heads_to_ranks(model, self.tp)
+            if self.sequence_parallel:  # the stream between the splits sharded by sequence (sequence_split.py)
+                plan = sequence_parallel_plan(plan)
             if self.loss_parallel:
-                plan = {**plan, **vocabulary_split_output(model)}
+                plan = {**plan, **vocabulary_split_output(model, self.sequence_parallel)}
             apply_plan(model, plan, self.mesh["tp"])
+            if self.sequence_parallel:
+                shard_stream(model, self.mesh["tp"])
         self.index_fused(model)
         self._waits.install()
         return model
@@ -166,9 +168,10 @@ class TensorSplit:
 
     def figures(self) -> dict[str, Any]:
         """With ``parallel.tp_algorithm = 'shm'``: how many of the split layers' all-reduces this rank ran on
-        ringtrain's shared memory so far (records and the summary)."""
+        ringtrain's shared memory so far (records and the summary), and every op it ran there by name
+        (``tp_shm_ops``: with sequence parallelism the all-gathers and reduce-scatters)."""
         ops = getattr(self._shm_group, "shm_ops", None)  # every op the backend ran on shm, by op
-        return {} if ops is None else {"tp_shm_all_reduces": ops["all_reduce"]}
+        return {} if ops is None else {"tp_shm_all_reduces": ops["all_reduce"], "tp_shm_ops": dict(ops)}
 
 
 class HoldsTensorSplit:
@@ -529,13 +532,13 @@ def huggingface_plan(model: nn.Module, tp: int) -> dict[str, Any] | None:
     return {prefix + path: style for path, style in plan.items()}
 
 
-def vocabulary_split_output(model: nn.Module) -> dict[str, Any]:
+def vocabulary_split_output(model: nn.Module, sequence_parallel: bool = False) -> dict[str, Any]:
     """The plan entry that splits a model's own output layer by vocabulary (``loss_parallel``): torch's
     ``ColwiseParallel`` with its logits left sharded on the last dimension (a DTensor), which torch's
     ``loss_parallel`` reads. The layer is the model's ``get_output_embeddings()`` (a Hugging Face model's
     ``lm_head``); a model without one, or whose output layer is tied to its input embeddings, is refused in one
     line."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     name = type(model).__name__
@@ -551,7 +554,8 @@ def vocabulary_split_output(model: nn.Module) -> dict[str, Any]:
                           "(tie_word_embeddings), which a vocabulary split would split too; build it with "
                           "tie_word_embeddings=False, or leave loss_parallel unset")
     path = next(path for path, module in model.named_modules() if module is output)
-    return {path: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return {path: ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                  output_layouts=Shard(-1), use_local_output=False)}
 
 
 def _is_gpt2(model: nn.Module) -> bool:

@@ -112,6 +112,29 @@ def test_loss_parallel_splits_llamas_output_layer_by_vocabulary_and_trains_as_on
 
 
 @pytest.mark.ranks
+@pytest.mark.timeout(600)  # as the test above
+@pytest.mark.parametrize("case, oracle", [("llama", "llama"), ("mixer", "mixer_whole"), ("gpt2", "gpt2")])
+def test_sequence_parallelism_derived_from_a_models_plan_trains_as_one_worker(tmp_path, case, oracle):
+    """parallel.sequence_parallel beside a model's own plan (parallel/sequence_split.py): the stream between its
+    splits sharded by sequence over the tp ranks, its norms on each rank's share of the tokens (their weights'
+    gradients summed over the tp ranks), trains as one worker does, the gradient clipped; with the vocabulary split
+    too for Llama. Llama's position ids and mask come from the stream's global shape."""
+    fit_in_ranks(tmp_path / "one", oracle, 1)
+    fit_in_ranks(tmp_path / "sp", case, 2, parallel={"tp": 2, "sequence_parallel": True, "tp_algorithm": "shm"})
+    assert_same_run(tmp_path / "sp", tmp_path / "one")
+    # The stream was cut: each column split gathered the sequence and each row split reduce-scattered into it
+    # (the shared-memory backend counts DTensor's collectives on the tp ranks by op).
+    ops = summary(tmp_path / "sp")["tp_shm_ops"]
+    print(f"{case}: tp collectives on shm {ops}")
+    assert ops.get("all_gather", 0) >= STEPS and ops.get("reduce_scatter", 0) >= STEPS, ops
+    if case == "llama":
+        fit_in_ranks(tmp_path / "ce_one", "llama", 1, loss="cross_entropy")
+        fit_in_ranks(tmp_path / "ce_sp_lp", "llama", 2, loss="cross_entropy",
+                     parallel={"tp": 2, "sequence_parallel": True, "loss_parallel": True})
+        assert_same_run(tmp_path / "ce_sp_lp", tmp_path / "ce_one")
+
+
+@pytest.mark.ranks
 def test_huggingface_gpt2_splits_its_conv1d_layers_and_trains_as_one_worker(tmp_path):
     """GPT-2's layers are Conv1Ds (weights stored (in, out)) and its c_attn fuses q | k | v by columns: ringtrain's
     plan splits them; the checkpoint holds the unsplit model, columns in their own order."""
