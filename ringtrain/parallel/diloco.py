@@ -72,7 +72,7 @@ from torch import nn
 from ringtrain import comm
 from ringtrain.comm import codec, shm
 from ringtrain.comm.groups import host_id, resolve_group
-from ringtrain.comm.objects import all_gather_json, broadcast_weights_only
+from ringtrain.comm.objects import all_gather_json, broadcast_weights_only, every_rank
 from ringtrain.errors import ConfigError
 from ringtrain.layout import MODEL_DIMS
 from ringtrain.monitor.comm_timer import CommTimer
@@ -691,12 +691,99 @@ class OuterState:
         s._dropped = {int(index) for index in state.get("dropped", [])}
 
 
+    # --- the sharded form (checkpoint/front.py's ShardedPart) --------------------------------------------
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The counts and the schedule's place (the same on every rank: rank 0's go into ``extra.pt``), and the
+        tensors, through DCP: the global parameters, the outer momentum and the means in flight under shared keys
+        (the same on every rank: written once), beside a split model under ``rank_R`` (each rank's parts); each
+        rank's error feedback (compressed dtypes) under ``rank_R``."""
+        s = self.strategy
+        momentum = [s.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in s.global_params]
+        plain = {"outer_steps": s.outer_steps, "bytes_sent": s.bytes_sent, "step": s._step,
+                 "synced_steps": [f.synced_step for f in s.fragments], "dropped": sorted(s._dropped),
+                 "in_flight": [f.in_flight for f in s.fragments], "momentum": [m is not None for m in momentum],
+                 "errors": s.dtype != "fp32", "error_before": [f.error_before is not None for f in s.fragments],
+                 "world_size": _world_size(), "split_model": s._attached}
+        outer = {"global": dict(enumerate_str(s.global_params)),
+                 "momentum": {str(i): m for i, m in enumerate(momentum) if m is not None},
+                 "mean": {str(f.index): s._mean(f) for f in s.fragments if f.in_flight}}
+        own: dict[str, Any] = {}
+        if s.dtype != "fp32":
+            own = {"error": {str(f.index): f.error for f in s.fragments},
+                   "error_before": {str(f.index): f.error_before for f in s.fragments if f.error_before is not None}}
+        rank = f"rank_{_rank()}"
+        return plain, ({rank: {**outer, **own}} if s._attached else {**outer, rank: own})
+
+    def load_sharded_state_dict(self, plain: dict[str, Any], shards: Any) -> None:
+        """Read back ``sharded_state_dict``'s form (``shards``: the checkpoint under this part's name). Beside a
+        split model each rank reads its own parts, which only the layout that wrote them has: another layout is
+        refused in one line. Replicated, the outer state loads at any world size; each rank's error feedback at
+        the world size that saved it (elsewhere it starts from zero: ``ShardedTensors`` said the workers start
+        from the checkpoint's model)."""
+        s = self.strategy
+        in_flight = plain["in_flight"]
+        if len(in_flight) != len(s.fragments):
+            raise ValueError(f"this checkpoint's DiLoCo state has {len(in_flight)} fragments and the run "
+                             f"{len(s.fragments)}; resume with diloco.fragments = {len(in_flight)}")
+        world, saved_world = _world_size(), int(plain["world_size"])
+        means = {str(f.index): torch.empty(f.numel, dtype=torch.float32, device=s.device)
+                 for f, flying in zip(s.fragments, in_flight) if flying}
+        momentum = {str(i): torch.empty_like(g) for i, (g, has) in enumerate(zip(s.global_params, plain["momentum"]))
+                    if has}
+        outer = {"global": dict(enumerate_str(s.global_params)), "momentum": momentum, "mean": means}
+        own: dict[str, Any] = {}
+        if s.dtype != "fp32" and plain.get("errors") and saved_world == world:
+            own = {"error": {str(f.index): f.error for f in s.fragments},
+                   "error_before": {str(f.index): torch.empty_like(f.error)
+                                    for f, has in zip(s.fragments, plain["error_before"]) if has}}
+        rank = f"rank_{_rank()}"
+        if s._attached or plain.get("split_model"):
+            mine = shards.part(rank)
+            fits = s._attached and bool(plain.get("split_model")) and saved_world == world and mine.holds({**outer, **own})
+            if not every_rank(fits):
+                raise ConfigError(
+                    f"checkpoint step {plain['step']} holds DiLoCo's outer state as {saved_world} ranks' own parts "
+                    f"of a model split by tensor or pipeline parallelism (the global model, the outer momentum), and "
+                    f"this run's {world} ranks hold other parts ({'another layout' if s._attached else 'the whole model'}"
+                    "), onto which they cannot map; resume it with the layout that saved it (the same [parallel] "
+                    "degrees, stages and number of workers), or start DiLoCo afresh")
+            mine.load({**outer, **own})
+        else:
+            shards.load({**outer, **({rank: own} if own else {})})
+        with torch.no_grad():
+            # The full form's loader does the rest, as a full checkpoint's (the globals are loaded in place).
+            OuterState.load_state_dict(self, {
+                "global_params": s.global_params, "outer_steps": plain["outer_steps"], "bytes_sent": plain["bytes_sent"],
+                "optimizer": {"state": {int(i): {"momentum_buffer": m} for i, m in momentum.items()}},
+                "in_flight": [means.get(str(f)) for f in range(len(s.fragments))], "step": plain["step"],
+                "synced_steps": plain["synced_steps"], "dropped": plain["dropped"]})
+            if s.dtype != "fp32" and not own:
+                for fragment in s.fragments:  # no error feedback for this run's ranks: it starts from nothing
+                    fragment.error.zero_()
+            for fragment in s.fragments:
+                before = own.get("error_before", {}).get(str(fragment.index))
+                fragment.error_before = before if fragment.in_flight else None
+
+
+def enumerate_str(tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(str(i), tensor)``: a list as DCP's keys."""
+    return ((str(i), t) for i, t in enumerate(tensors))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 class SplitOuterState(OuterState):
-    """DiLoCo's outer state beside a split model (tp, pp), as a full checkpoint's part. Each rank holds its parts of
-    the global model and of the outer momentum, and each replica its own inner optimizer state; a full checkpoint
-    (the unsplit model, rank 0's replica's) holds none of them. So it records the counts only, and a resume from
-    it refuses in one line rather than step from a wrong anchor. A checkpoint another strategy wrote (no outer
-    state) is the paper's warm start, as ``OuterState``'s."""
+    """DiLoCo's outer state beside a split model (tp, pp). Each rank holds its parts of the global model and of the
+    outer momentum, and each replica its own inner optimizer state: a sharded checkpoint holds them (``OuterState``'s
+    sharded form, each rank's under keys of its own). A full checkpoint holds rank 0's replica only (the unsplit
+    model): its part records the counts, and a resume from it refuses in one line rather than step from a wrong
+    anchor. A checkpoint another strategy wrote (no outer state) is the paper's warm start, as ``OuterState``'s."""
 
     def state_dict(self) -> dict[str, Any]:
         s = self.strategy
@@ -704,11 +791,11 @@ class SplitOuterState(OuterState):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise ConfigError(
-            f"this checkpoint (step {state.get('step')}) was written by DiLoCo beside tensor or pipeline parallelism: "
-            "its outer state (the global model, the outer momentum) and each replica's inner optimizer state are "
-            "every rank's own parts, which a full checkpoint does not hold (sharded DiLoCo checkpoints are not "
-            "built yet); resume it under comm.strategy = 'ddp' or 'fsdp' (its model and optimizer state load), or "
-            "start a new run")
+            f"checkpoint step {state.get('step')} is a full checkpoint of DiLoCo beside tensor or pipeline "
+            "parallelism: a full checkpoint holds rank 0's replica only, and DiLoCo's outer state (the global model, "
+            "the outer momentum) and each replica's inner optimizer state are every rank's own parts; write sharded "
+            "checkpoints (checkpoint.sharded = true), which hold them, or resume this one under comm.strategy = "
+            "'ddp' or 'fsdp' (its model and optimizer state load)")
 
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DiLoCoStrategy:
