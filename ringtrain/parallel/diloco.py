@@ -746,7 +746,7 @@ class OuterState:
                     f"of a model split by tensor or pipeline parallelism (the global model, the outer momentum), and "
                     f"this run's {world} ranks hold other parts ({'another layout' if s._attached else 'the whole model'}"
                     "), onto which they cannot map; resume it with the layout that saved it (the same [parallel] "
-                    "degrees, stages and number of workers), or start DiLoCo afresh")
+                    "degrees, stages and number of workers), or start a new run")
             mine.load({**outer, **own})
         else:
             shards.load({**outer, **({rank: own} if own else {})})
