@@ -34,8 +34,9 @@ Beside cp (``model_groups``): each cp group, its ranks one model reading one seq
 leader exchanging, as 'host' replicas. Beside tp or pp the split model's strategy runs the inner steps with the
 group's own collectives and averages nothing over dp; it builds with this strategy as its ``outer_loop`` and
 ``attach``es it to this rank's parts (DTensors' local shards, its stages' parameters) and the layout's dp group:
-every rank exchanges its own part with its counterparts. A full checkpoint cannot hold those parts' outer state
-(``SplitOuterState``: a resume refuses in one line).
+every rank exchanges its own part with its counterparts. Its outer state is those parts: a sharded checkpoint holds
+them, each rank's under keys of its own, and resumes at the layout that wrote them; a full checkpoint (rank 0's
+replica) cannot (``SplitOuterState``: a resume refuses in one line).
 
 The run's last step syncs every fragment at once (a pending exchange is superseded: the pseudo-gradient taken
 then covers every inner step since the fragment's last outer step), so a run ends with one model everywhere.
@@ -48,9 +49,12 @@ then covers every inner step since the fragment's last outer step), so a run end
     ...     strategy.outer_loop.outer_step()         # one all-reduce of the pseudo-gradients
 
 What a checkpoint holds beyond the model and optimizer (rank 0's): ``outer`` (``stateful_parts``: the global
-parameters, the outer optimizer's momentum, the count of outer steps, identical on every rank) and, through
-``has_rank_state`` (``train/comm_state.py``), every rank's own parameters and inner optimizer state, which
-differ between outer steps: a checkpoint taken inside an interval resumes bit for bit.
+parameters, the outer optimizer's momentum, the count of outer steps, identical on every rank) and every rank's own
+parameters and inner optimizer state, which differ between outer steps: a checkpoint taken inside an interval
+resumes bit for bit. A full checkpoint gathers them to rank 0 (``has_rank_state``, ``train/comm_state.py``); a
+sharded one has each rank write its own through DCP under keys only it holds (``train/stateful.ShardedTensors``
+for the model and inner optimizer, ``OuterState.sharded_state_dict`` for the error feedback) and the outer state
+once. At another world size the workers start from the checkpoint's model, with one warning.
 
 Buffers (BatchNorm statistics) are not averaged: they follow rank 0 at each outer step (one broadcast, counted
 in the bytes). Evaluation scores the global model (``evaluation_weights``: ringtrain train's evaluations and a
@@ -595,7 +599,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
     # --- state ----------------------------------------------------------------------------------------
     def stateful_parts(self) -> dict[str, Any]:
         """The checkpoint's parts beyond the model and optimizer: the outer state, the same on every rank (beside a
-        split model each rank's parts of it, which a full checkpoint cannot hold: ``SplitOuterState``)."""
+        split model each rank's parts of it, which only a sharded checkpoint holds: ``SplitOuterState``)."""
         return {"outer": SplitOuterState(self) if self._attached else OuterState(self)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -690,7 +694,6 @@ class OuterState:
             fragment.synced_step = int(synced)
         s._dropped = {int(index) for index in state.get("dropped", [])}
 
-
     # --- the sharded form (checkpoint/front.py's ShardedPart) --------------------------------------------
     def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The counts and the schedule's place (the same on every rank: rank 0's go into ``extra.pt``), and the
@@ -704,7 +707,7 @@ class OuterState:
                  "in_flight": [f.in_flight for f in s.fragments], "momentum": [m is not None for m in momentum],
                  "errors": s.dtype != "fp32", "error_before": [f.error_before is not None for f in s.fragments],
                  "world_size": _world_size(), "split_model": s._attached}
-        outer = {"global": dict(enumerate_str(s.global_params)),
+        outer = {"global": dict(_keyed(s.global_params)),
                  "momentum": {str(i): m for i, m in enumerate(momentum) if m is not None},
                  "mean": {str(f.index): s._mean(f) for f in s.fragments if f.in_flight}}
         own: dict[str, Any] = {}
@@ -728,9 +731,9 @@ class OuterState:
         world, saved_world = _world_size(), int(plain["world_size"])
         means = {str(f.index): torch.empty(f.numel, dtype=torch.float32, device=s.device)
                  for f, flying in zip(s.fragments, in_flight) if flying}
-        momentum = {str(i): torch.empty_like(g) for i, (g, has) in enumerate(zip(s.global_params, plain["momentum"]))
-                    if has}
-        outer = {"global": dict(enumerate_str(s.global_params)), "momentum": momentum, "mean": means}
+        momentum = {str(i): torch.empty_like(g)
+                    for i, (g, has) in enumerate(zip(s.global_params, plain["momentum"], strict=True)) if has}
+        outer = {"global": dict(_keyed(s.global_params)), "momentum": momentum, "mean": means}
         own: dict[str, Any] = {}
         if s.dtype != "fp32" and plain.get("errors") and saved_world == world:
             own = {"error": {str(f.index): f.error for f in s.fragments},
@@ -739,21 +742,24 @@ class OuterState:
         rank = f"rank_{_rank()}"
         if s._attached or plain.get("split_model"):
             mine = shards.part(rank)
-            fits = s._attached and bool(plain.get("split_model")) and saved_world == world and mine.holds({**outer, **own})
-            if not every_rank(fits):
+            fits = (s._attached and bool(plain.get("split_model")) and saved_world == world
+                    and mine.holds({**outer, **own}))
+            if not every_rank(fits):  # every rank decides alike: none waits in a load the others left
+                held = "another layout" if s._attached else "the whole model"
                 raise ConfigError(
                     f"checkpoint step {plain['step']} holds DiLoCo's outer state as {saved_world} ranks' own parts "
                     f"of a model split by tensor or pipeline parallelism (the global model, the outer momentum), and "
-                    f"this run's {world} ranks hold other parts ({'another layout' if s._attached else 'the whole model'}"
-                    "), onto which they cannot map; resume it with the layout that saved it (the same [parallel] "
-                    "degrees, stages and number of workers), or start a new run")
+                    f"this run's {world} ranks hold other parts ({held}), onto which they cannot map; resume it with "
+                    "the layout that saved it (the same [parallel] degrees, stages and number of workers), or start "
+                    "a new run")
             mine.load({**outer, **own})
         else:
             shards.load({**outer, **({rank: own} if own else {})})
         with torch.no_grad():
             # The full form's loader does the rest, as a full checkpoint's (the globals are loaded in place).
             OuterState.load_state_dict(self, {
-                "global_params": s.global_params, "outer_steps": plain["outer_steps"], "bytes_sent": plain["bytes_sent"],
+                "global_params": s.global_params, "outer_steps": plain["outer_steps"],
+                "bytes_sent": plain["bytes_sent"],
                 "optimizer": {"state": {int(i): {"momentum_buffer": m} for i, m in momentum.items()}},
                 "in_flight": [means.get(str(f)) for f in range(len(s.fragments))], "step": plain["step"],
                 "synced_steps": plain["synced_steps"], "dropped": plain["dropped"]})
@@ -765,7 +771,7 @@ class OuterState:
                 fragment.error_before = before if fragment.in_flight else None
 
 
-def enumerate_str(tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def _keyed(tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(str(i), tensor)``: a list as DCP's keys."""
     return ((str(i), t) for i, t in enumerate(tensors))
 
