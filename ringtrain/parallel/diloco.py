@@ -699,13 +699,14 @@ class OuterState:
         """The counts and the schedule's place (the same on every rank: rank 0's go into ``extra.pt``), and the
         tensors, through DCP: the global parameters, the outer momentum and the means in flight under shared keys
         (the same on every rank: written once), beside a split model under ``rank_R`` (each rank's parts); each
-        rank's error feedback (compressed dtypes) under ``rank_R``."""
+        rank's error feedback (compressed dtypes) under ``rank_R``. Which momentum buffers and error feedback
+        before an exchange exist is read back from the keys stored (beside a pipeline each rank has its own
+        count of tensors: rank 0's plain values cannot say)."""
         s = self.strategy
         momentum = [s.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in s.global_params]
         plain = {"outer_steps": s.outer_steps, "bytes_sent": s.bytes_sent, "step": s._step,
                  "synced_steps": [f.synced_step for f in s.fragments], "dropped": sorted(s._dropped),
-                 "in_flight": [f.in_flight for f in s.fragments], "momentum": [m is not None for m in momentum],
-                 "errors": s.dtype != "fp32", "error_before": [f.error_before is not None for f in s.fragments],
+                 "in_flight": [f.in_flight for f in s.fragments], "errors": s.dtype != "fp32",
                  "world_size": _world_size(), "split_model": s._attached}
         outer = {"global": dict(_keyed(s.global_params)),
                  "momentum": {str(i): m for i, m in enumerate(momentum) if m is not None},
@@ -729,19 +730,20 @@ class OuterState:
             raise ValueError(f"this checkpoint's DiLoCo state has {len(in_flight)} fragments and the run "
                              f"{len(s.fragments)}; resume with diloco.fragments = {len(in_flight)}")
         world, saved_world = _world_size(), int(plain["world_size"])
+        rank = f"rank_{_rank()}"
+        split = s._attached or bool(plain.get("split_model"))
+        mine = shards.part(rank)
+        stored, own_stored = (shards if not split else mine).stored, mine.stored
         means = {str(f.index): torch.empty(f.numel, dtype=torch.float32, device=s.device)
                  for f, flying in zip(s.fragments, in_flight) if flying}
-        momentum = {str(i): torch.empty_like(g)
-                    for i, (g, has) in enumerate(zip(s.global_params, plain["momentum"], strict=True)) if has}
+        momentum = {i: torch.empty_like(g) for i, g in _keyed(s.global_params) if f"momentum.{i}" in stored}
         outer = {"global": dict(_keyed(s.global_params)), "momentum": momentum, "mean": means}
         own: dict[str, Any] = {}
         if s.dtype != "fp32" and plain.get("errors") and saved_world == world:
             own = {"error": {str(f.index): f.error for f in s.fragments},
-                   "error_before": {str(f.index): torch.empty_like(f.error)
-                                    for f, has in zip(s.fragments, plain["error_before"]) if has}}
-        rank = f"rank_{_rank()}"
-        if s._attached or plain.get("split_model"):
-            mine = shards.part(rank)
+                   "error_before": {str(f.index): torch.empty_like(f.error) for f in s.fragments
+                                    if f"error_before.{f.index}" in own_stored}}
+        if split:
             fits = (s._attached and bool(plain.get("split_model")) and saved_world == world
                     and mine.holds({**outer, **own}))
             if not every_rank(fits):  # every rank decides alike: none waits in a load the others left

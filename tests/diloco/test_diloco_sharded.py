@@ -109,43 +109,54 @@ def test_a_sharded_diloco_checkpoint_resumes_at_another_world_size_from_rank_0s_
     assert len(warnings) == 1 and "for 2 workers" in warnings[0] and "\n" not in warnings[0], at_one["notices"]
 
 
-# --- beside tensor parallelism: a replica is a tp group, each rank's outer state its parts ---------------------
+# --- beside a split model: a replica is a model-parallel group -------------------------------------------------
 SPLIT = [*JOB, "model.n_layers=2", "train.max_steps=6", "checkpoint.every_steps=3", "checkpoint.sharded=true",
-         "train.optimizer='adamw'", "train.lr=0.003", "comm.strategy='diloco'", "diloco.sync_every=2", "parallel.tp=2"]
+         "train.optimizer='adamw'", "train.lr=0.003", "comm.strategy='diloco'", "diloco.sync_every=2"]
+LAYOUTS = {"tp": ["parallel.tp=2"], "pp": ["parallel.pp=2", "parallel.pp_schedule='1f1b'"],
+           "cp": ["parallel.cp=2", "model.dropout=0"]}
 
 
 def split_train(rank: int, world_size: int, run_dir: str, overrides: list[str], resume: bool):
     trainer = build_test_trainer(rank, world_size, CONFIG, [*SPLIT, *overrides], run_dir)
     trainer.resume(ResumePlan(resume=resume, required=resume))
     outer = trainer.parts.strategy.outer_loop
-    own = [p.detach().numpy().copy() for p in outer._params]  # this rank's parts (the DTensors' local shards)
+    own = [p.detach().numpy().copy() for p in outer._params]  # this rank's parts (a tp shard, its stages' tensors)
     resumed_at = trainer.state.step
     trainer.fit()
     full = trainer.parts.strategy.full_named_parameters(trainer.model)  # a collective: every rank
-    return {"resumed_at": resumed_at, "own": own, "outer_steps": outer.outer_steps,
+    warnings = [n["message"] for n in trainer.notices if n.get("type") == "warning"]
+    return {"resumed_at": resumed_at, "own": own, "outer_steps": outer.outer_steps, "notices": warnings,
             "params": {k: v.detach().numpy().copy() for k, v in full.items()}}
 
 
 @pytest.mark.ranks
-def test_a_sharded_diloco_checkpoint_beside_tp_resumes_bit_for_bit_and_another_layout_is_one_line(tmp_path):
-    """dp 2 x tp 2 (two replicas, each a tp group), the checkpoint at step 3 between the outer steps at 2 and 4:
-    each rank reads its own parts of the global model, the outer momentum and its replica's model and AdamW
-    state back, and ends on the uninterrupted run's bits. Resumed by 2 ranks (tp 2 alone) the parts cannot map:
-    one line saying why."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_sharded_diloco_checkpoint_beside_a_split_model_resumes_bit_for_bit(tmp_path, layout):
+    """dp 2 x (tp 2, pp 2 or cp 2): two replicas, each a model-parallel group; the checkpoint at step 3 between the
+    outer steps at 2 and 4. Each rank reads its own state back (beside tp and pp its parts of the global model and
+    the outer momentum too; beside cp the outer state is shared) and ends on the uninterrupted run's bits. Resumed
+    by 2 ranks (the model-parallel group alone): beside tp and pp the parts cannot map, one line saying why; beside
+    cp every rank holds the whole model, so it resumes from rank 0's replica with one warning."""
+    flags = LAYOUTS[layout]
     straight, resumed_dir, other = tmp_path / "straight", tmp_path / "resumed", tmp_path / "other"
-    ref = run_distributed(split_train, 4, str(straight), [], False, timeout_s=240)
+    ref = run_distributed(split_train, 4, str(straight), flags, False, timeout_s=240)
     copy_checkpoint(straight, 3, resumed_dir)
     copy_checkpoint(straight, 3, other)
-    got = run_distributed(split_train, 4, str(resumed_dir), [], True, timeout_s=240)
+    got = run_distributed(split_train, 4, str(resumed_dir), flags, True, timeout_s=240)
     assert [r["resumed_at"] for r in got] == [3] * 4
-    # Ranks 0 and 2 hold the same tp shard in different replicas: apart between outer steps, each got its own.
+    # Ranks 0 and 2 hold the same part in different replicas: apart between outer steps, each got its own.
     assert any(not np.array_equal(a, b) for a, b in zip(got[0]["own"], got[2]["own"]))
     ref_losses, got_losses = _losses(straight), _losses(resumed_dir)
     assert [got_losses[s] for s in (4, 5, 6)] == [ref_losses[s] for s in (4, 5, 6)]
     assert not same(ref[0]["params"], got[0]["params"]), "the parameters differ after the sharded resume"
     assert got[0]["outer_steps"] == ref[0]["outer_steps"] == 3
+    assert not any(r["notices"] for r in got), [r["notices"] for r in got]
+    if layout == "cp":
+        [alone, _] = run_distributed(split_train, 2, str(other), flags, True, timeout_s=240)
+        assert alone["resumed_at"] == 3 and len(alone["notices"]) == 1 and "for 4 workers" in alone["notices"][0]
+        return
     with pytest.raises(DistributedTestError) as refused:
-        run_distributed(split_train, 2, str(other), [], True, timeout_s=240)
+        run_distributed(split_train, 2, str(other), flags, True, timeout_s=240)
     line = str(refused.value).split("ConfigError: ")[-1].strip()
     assert "\n" not in line and line.startswith("checkpoint step 3 holds DiLoCo's outer state as 4 ranks' own"), line
     assert "this run's 2 ranks hold other parts" in line and "resume it with the layout that saved it" in line, line
