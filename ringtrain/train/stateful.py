@@ -110,8 +110,8 @@ class ShardedTensors:
                 own.load(mine)
                 return
             self.warn(f"the checkpoint holds each worker's own parameters and optimizer state for {saved_ranks} "
-                      f"workers with other parts than this run's {self.world_size}: every worker starts from rank 0's "
-                      "(DiLoCo's workers from the checkpoint's model)")
+                      f"workers, which do not map onto this run's {self.world_size}: every worker starts from the "
+                      "checkpoint's model and optimizer state (rank 0's replica's)")
             shards.load(state)
 
         self.strategy.load_checkpoint_state(self.model, self.optimizer, load)
@@ -143,7 +143,7 @@ class CommState:
     collective: every rank calls state_dict), each rank takes its own on load. In a sharded checkpoint of a
     strategy whose replicas differ between syncs (DiLoCo) the per-rank state is not gathered: each rank writes its
     own parameters and optimizer state through DCP (``ShardedTensors``) and its error feedback with the outer
-    state (``diloco.OuterState``)."""
+    state (``parallel/diloco_state.py``'s ``OuterState``)."""
 
     def __init__(self, strategy: ReplicatedStrategy, rank: int, world_size: int, warn: Callable[[str], None]):
         self.strategy, self.rank, self.world_size, self.warn = strategy, rank, world_size, warn

@@ -25,7 +25,7 @@ def test_a_layout_trains_as_one_worker(cell: Cell):
 def test_a_full_diloco_checkpoint_beside_a_split_model_refuses_to_resume_in_one_line():
     """Its outer state is every rank's parts, which a full checkpoint (rank 0's replica) does not hold: a resume
     refuses rather than step from a wrong anchor, and names the sharded checkpoints that hold them
-    (diloco.SplitOuterState; tests/diloco/test_diloco_sharded.py resumes those)."""
+    (parallel/diloco_state.SplitOuterState; tests/diloco/test_diloco_sharded.py resumes those)."""
     cell = Cell("diloco", 2, tp=2)
     run_dir = root() / "diloco-dp2-tp2-resumed"
     shutil.copytree(cell_run(cell).run_dir / "checkpoints", run_dir / "checkpoints")
