@@ -127,5 +127,5 @@ register(StrategySpec(
 register(StrategySpec(
     "diloco", "ringtrain.parallel.diloco:from_config", "dp_replicate",
     "DiLoCo: local steps, an outer step every sync_every", algorithms=_OWN,
-    beside=frozenset({"tp", "pp", "cp"}), heals=True, module_is_users=True, leaves_group=True, replicas_are_model_groups=True, sharded_checkpoints=False,
+    beside=frozenset({"tp", "pp", "cp"}), heals=True, module_is_users=True, leaves_group=True, replicas_are_model_groups=True,
     section="diloco"))

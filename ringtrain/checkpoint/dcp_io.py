@@ -31,15 +31,30 @@ __all__ = ["ReusedStager", "SafeFileSystemReader", "TensorsOnlyLoadPlanner"]
 class ReusedStager(BlockingAsyncStager):
     """Stages a background save by copying into buffers kept from the last save: no allocation and no page
     faults on the training thread after the first save (torch's own cache pins its buffers, which needs
-    CUDA). Safe because ``save`` waits for the previous background write before staging the next."""
+    CUDA). Safe because ``save`` waits for the previous background write before staging the next. A state of
+    another shape than the last (DiLoCo's outer momentum, once its first outer step made it; an exchange in
+    flight) gets new buffers."""
 
     def __init__(self):
         super().__init__(cache_staged_state_dict=True)
+        self._shape: list | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self.state_dict_cache is None:
+        shape = _shape_of(state_dict)
+        if self.state_dict_cache is None or shape != self._shape:
             self.state_dict_cache = _create_cpu_state_dict(_unshared(state_dict))
+            self._shape = shape
         return _copy_state_dict(state_dict, self.state_dict_cache)
+
+
+def _shape_of(state: Any, path: str = "") -> list:
+    """The keys, types, shapes and dtypes of ``state``'s tensors (nested dicts): what its staging buffers must fit."""
+    if isinstance(state, dict):
+        return [entry for key, value in state.items() for entry in _shape_of(value, f"{path}.{key}")]
+    if isinstance(state, torch.Tensor):
+        local = state.local_shards()[0].tensor.shape if hasattr(state, "local_shards") and state.local_shards() else None
+        return [(path, type(state).__name__, tuple(state.shape), local, state.dtype)]
+    return [(path, type(state).__name__)]
 
 
 def _unshared(state: Any) -> Any:

@@ -9,7 +9,9 @@ and the heal's state transfer use that dict (torchtitan's ``CheckpointManager(st
   manifest, weights-only load);
 - sharded: the parts that hold tensors in a strategy's own layout (``Tensors``: the model and optimizer of a
   zero or FSDP run) go through DCP, each rank its shard (``ShardedCheckpointer``), the rest beside them in
-  rank 0's weights-only ``extra.pt``.
+  rank 0's weights-only ``extra.pt``; a part with a sharded form of its own (``ShardedPart``: DiLoCo's outer
+  state) puts its tensors through DCP under its name, each rank's own under keys of its own, and its plain
+  values in ``extra.pt``.
 
 ``newest()`` is the newest checkpoint of either form that verifies (broken newer ones skipped, each with a
 warning), the same on every rank (one all-gather of the step picked)::
@@ -29,12 +31,12 @@ from typing import Any, Protocol
 
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.manifest import read_manifest
-from ringtrain.checkpoint.sharded import PendingSave, ShardedCheckpointer, checkpoint_step_of
+from ringtrain.checkpoint.sharded import PendingSave, ShardedCheckpointer, StoredShards, checkpoint_step_of
 from ringtrain.checkpoint.sharded import committed as committed_sharded
 from ringtrain.checkpoint.sharded import verify as verify_sharded
 from ringtrain.errors import CorruptCheckpoint
 
-__all__ = ["CheckpointFront", "Found", "Stateful", "Tensors", "load_parts", "newest_verified"]
+__all__ = ["CheckpointFront", "Found", "Stateful", "ShardedPart", "Tensors", "load_parts", "newest_verified"]
 
 
 class Stateful(Protocol):
@@ -48,10 +50,24 @@ class Tensors(Protocol):
     optimizer): ``names`` are the parts' names in the dict, whose full forms these replace."""
 
     names: tuple[str, ...]
+    lowest_rank: bool
+    """A key several ranks hold is written by the lowest of them (their copies may differ: DiLoCo's replicas)."""
 
     def sharded_state(self) -> dict[str, Any]: ...
 
-    def load_sharded_state(self, load: Callable[[dict[str, Any]], None]) -> None: ...
+    def load_sharded_state(self, shards: StoredShards) -> None: ...
+
+
+class ShardedPart(Stateful, Protocol):
+    """A part whose sharded form is not its full one: ``sharded_state_dict()`` returns its plain values (rank
+    0's go into ``extra.pt``: they must be the same on every rank) and its tensors (through DCP under the part's
+    name: a key only one rank holds is that rank's own, a key every rank holds is written once);
+    ``load_sharded_state_dict(plain, shards)`` gets them back (``shards``: the view under its name; a collective,
+    every rank reads the same number of times)."""
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def load_sharded_state_dict(self, plain: dict[str, Any], shards: StoredShards) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -95,9 +111,16 @@ class CheckpointFront:
         asked) or full (rank 0 writes ``{name: part.state_dict()}``; every rank calls state_dict, which may
         gather). Returns the sharded save in flight (``wait``), else None."""
         if self.shards is not None and tensors is not None:
-            extra = {name: part.state_dict() for name, part in parts.items() if name not in tensors.names}
-            return self.shards.save(step, tensors.sharded_state(), async_save=self.background,
-                                    extra=extra if self.rank == 0 else None, **manifest_fields)
+            state, extra = tensors.sharded_state(), {}
+            for name, part in parts.items():
+                if name in tensors.names:
+                    continue
+                if hasattr(part, "sharded_state_dict"):
+                    extra[name], state[name] = part.sharded_state_dict()
+                else:
+                    extra[name] = part.state_dict()
+            return self.shards.save(step, state, async_save=self.background, extra=extra if self.rank == 0 else None,
+                                    lowest_rank=getattr(tensors, "lowest_rank", False), **manifest_fields)
         state = {name: part.state_dict() for name, part in parts.items()}
         self.full.save(step, state, **manifest_fields)
         return None
@@ -123,22 +146,28 @@ class CheckpointFront:
             if tensors is None:
                 raise CorruptCheckpoint(f"checkpoint {found.path.name} is sharded, but this run has no sharded "
                                         "parts to load it into")
-            shards = self.shards or self._shards()  # saved sharded, resumed by a run that saves full ones
-            saved = shards.load_extra(found.path)
-            tensors.load_sharded_state(lambda state: shards.load(found.path, state))
-        else:
-            saved = self.full.load(found.path)
-        load_parts(parts, saved, skip=tensors.names if tensors is not None and found.sharded else ())
+            checkpointer = self.shards or self._shards()  # saved sharded, resumed by a run that saves full ones
+            saved = checkpointer.load_extra(found.path)
+            shards = StoredShards(checkpointer, found.path)
+            tensors.load_sharded_state(shards)
+            load_parts(parts, saved, skip=tensors.names, shards=shards)
+            return saved
+        saved = self.full.load(found.path)
+        load_parts(parts, saved)
         return saved
 
 
-def load_parts(parts: dict[str, Stateful], saved: dict[str, Any], skip: Iterable[str] = ()) -> None:
+def load_parts(parts: dict[str, Stateful], saved: dict[str, Any], skip: Iterable[str] = (),
+               shards: StoredShards | None = None) -> None:
     """Load each part ``saved`` holds (but those in ``skip``); a part it lacks is left alone, or told so when it
-    asks (``absent_from_checkpoint()``: a strategy's own state in a checkpoint another strategy wrote)."""
+    asks (``absent_from_checkpoint()``: a strategy's own state in a checkpoint another strategy wrote). From a
+    sharded checkpoint (``shards``), a ``ShardedPart`` loads its sharded form."""
     for name, part in parts.items():
         if name in skip:
             continue
-        if name in saved:
+        if name in saved and shards is not None and hasattr(part, "load_sharded_state_dict"):
+            part.load_sharded_state_dict(saved[name], shards.part(name))
+        elif name in saved:
             part.load_state_dict(saved[name])
         elif hasattr(part, "absent_from_checkpoint"):
             part.absent_from_checkpoint()

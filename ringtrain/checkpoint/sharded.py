@@ -66,7 +66,8 @@ from ringtrain.decode_limits import MAX_PICKLE_BYTES, Refused, load_weights_only
 from ringtrain.errors import CheckpointError, CorruptCheckpoint, RingtrainError, UnsafeCheckpoint
 from ringtrain.testing import faults
 
-__all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "verify", "check_loadable", "SafeFileSystemReader", "checkpoint_step_of", "committed"]
+__all__ = ["ShardedCheckpointer", "SaveReport", "PendingSave", "StoredShards", "verify", "check_loadable",
+           "SafeFileSystemReader", "checkpoint_step_of", "committed"]
 
 _NAME = re.compile(r"^step_(\d{8})\.dcp$")
 _DONE = ".done-rank-{rank}.json"
@@ -142,12 +143,14 @@ class ShardedCheckpointer:
 
     # --- save ------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], async_save: bool = False, extra: dict[str, Any] | None = None,
-             **manifest_fields: Any) -> PendingSave:
+             lowest_rank: bool = False, **manifest_fields: Any) -> PendingSave:
         """Save ``state`` (nested dicts of tensors / DTensors) as step ``step``. Every rank calls it. A
         background save returns once the state is staged in memory; the previous one must have finished
         (waited for here), so at most one is in flight. ``extra`` (rank 0's: counters, the sampler, the
         config; tensors, numbers, strings and containers) goes beside the shards as ``extra.pt``, read back
-        weights-only (``load_extra``) and covered by the same manifest."""
+        weights-only (``load_extra``) and covered by the same manifest. A key several ranks hold is written
+        once, by the rank DCP balances the writes onto; ``lowest_rank``: by the lowest of them (where the ranks'
+        copies may differ, DiLoCo's replicas between outer steps: rank 0's replica's, as a full checkpoint's)."""
         faults.point("checkpoint.sharded.enter", step=step)
         self.wait()
         path = self.path_for(step)
@@ -165,11 +168,12 @@ class ShardedCheckpointer:
         dcp, dcp_io = _dcp()
         writer = dcp.FileSystemWriter(path, sync_files=True)
         tensors = _only_tensors(state)
+        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True) if lowest_rank else None
         if async_save:
             if self._stager is None:
                 self._stager = dcp_io.ReusedStager()
             response = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
-                                      async_stager=self._stager)
+                                      async_stager=self._stager, planner=planner)
             staged = time.perf_counter()
             report.blocked_s = staged - start
             future = response if isinstance(response, Future) else response.upload_completion
@@ -185,7 +189,7 @@ class ShardedCheckpointer:
 
             future.add_done_callback(lambda done: threading.Thread(target=finish, args=(done,), daemon=True).start())
         else:
-            dcp.save(tensors, storage_writer=writer, process_group=self.group)
+            dcp.save(tensors, storage_writer=writer, process_group=self.group, planner=planner)
             self._commit(path, step, manifest_fields, report)
             report.blocked_s = time.perf_counter() - start
             pending.future.set_result(report)
@@ -243,11 +247,13 @@ class ShardedCheckpointer:
         fsync_dir(self.directory)
 
     # --- load ------------------------------------------------------------------------------------
-    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: str | Path, state: dict[str, Any], manifest: dict[str, Any] | None = None) -> dict[str, Any]:
         """Verify ``path`` and load it into ``state`` in place (its tensors' layout decides the resharding);
-        returns the manifest. Every rank calls it."""
+        returns the manifest. Every rank calls it. ``manifest``: ``verify``'s answer for ``path`` already (a
+        checkpoint loaded in parts, ``StoredShards``: its files are hashed once)."""
         path = Path(path)
-        manifest = verify(path)  # corruption (torn, truncated, bit rot); not tampering: see dcp_metadata
+        if manifest is None:
+            manifest = verify(path)  # corruption (torn, truncated, bit rot); not tampering: see dcp_metadata
         dcp, dcp_io = _dcp()
         reader = dcp_io.SafeFileSystemReader(path, listed=manifest["files"])
         reader.read_metadata()  # UnsafeCheckpoint here, in one line, before DCP opens any shard
@@ -266,6 +272,67 @@ class ShardedCheckpointer:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+
+class StoredShards:
+    """One verified sharded checkpoint as the parts that load from it see it: what it stores (``stored``: DCP's
+    flattened keys under this view's prefix and their shapes, from its checked ``.metadata``) and ``load(state)``,
+    its tensors in place into ``state`` (nested under the prefix). A part checks that the keys it would read are
+    there, in its shapes, before it asks for them (DCP's own refusal of a missing key is a traceback per rank).
+
+        shards = StoredShards(checkpointer, path)      # verified once
+        outer = shards.part("outer")
+        outer.stored                                    # {"global.0": (16, 8), ...}
+        outer.load({"global": {"0": tensor}})           # collective: every rank calls it
+    """
+
+    def __init__(self, checkpointer: ShardedCheckpointer, path: str | Path, manifest: dict[str, Any] | None = None,
+                 prefix: tuple[str, ...] = (), _keys: dict[str, tuple[int, ...]] | None = None):
+        self.checkpointer, self.path = checkpointer, Path(path)
+        self.manifest = manifest if manifest is not None else verify(self.path)
+        self.prefix = prefix
+        self._keys = _keys
+
+    def part(self, name: str) -> StoredShards:
+        """The view of what is stored under ``name`` (a dict in the saved state)."""
+        return StoredShards(self.checkpointer, self.path, self.manifest, (*self.prefix, name), self._all_keys())
+
+    def _all_keys(self) -> dict[str, tuple[int, ...]]:
+        if self._keys is None:  # read once, through the checked reader (``dcp_io``)
+            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+            _, dcp_io = _dcp()
+            metadata = dcp_io.SafeFileSystemReader(self.path, listed=self.manifest["files"]).read_metadata()
+            self._keys = {key: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()
+                          if isinstance(entry, TensorStorageMetadata)}
+        return self._keys
+
+    @property
+    def stored(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor stored under this view's prefix: its flattened key (after the prefix) and its shape."""
+        head = "".join(f"{name}." for name in self.prefix)
+        return {key[len(head):]: size for key, size in self._all_keys().items() if key.startswith(head)}
+
+    def holds(self, state: dict[str, Any], exactly: bool = False) -> bool:
+        """Whether every tensor of ``state`` (nested dicts) is stored under this view, in its shape (a DTensor's
+        whole shape); ``exactly``: and nothing else is."""
+        want, stored = _flat_shapes(state), self.stored
+        return want == stored if exactly else all(stored.get(key) == shape for key, shape in want.items())
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Fill ``state``'s tensors in place from the checkpoint (resharded as their layout says). Collective."""
+        for name in reversed(self.prefix):
+            state = {name: state}
+        self.checkpointer.load(self.path, state, manifest=self.manifest)
+
+
+def _flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``state``'s tensors as DCP stores them: flattened keys (dict keys joined by '.') and shapes (a DTensor's
+    whole shape); what ``StoredShards.stored`` answers for the same state once saved."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(_only_tensors(state))
+    return {key: tuple(value.shape) for key, value in flat.items() if isinstance(value, torch.Tensor)}
 
 
 def check_loadable(path: str | Path) -> dict[str, Any]:

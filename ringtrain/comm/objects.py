@@ -37,7 +37,7 @@ from ringtrain.comm.errors import PeerDataError
 from ringtrain.decode_limits import Refused, check_json, load_weights_only
 
 __all__ = ["all_gather_bytes", "gather_bytes", "broadcast_bytes", "all_gather_json", "gather_json", "gather_ints",
-           "gather_weights_only", "broadcast_weights_only", "decode_json"]
+           "gather_weights_only", "broadcast_weights_only", "decode_json", "every_rank"]
 
 _INT = "q"  # int64, little-endian on the wire
 _LITTLE = sys.byteorder == "little"
@@ -94,6 +94,14 @@ def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[
     """Every rank's ``value`` (JSON: None, bools, numbers, strings, lists, dicts with string keys; tuples
     arrive as lists), in rank order."""
     return [decode_json(data, _global(group, r)) for r, data in enumerate(all_gather_bytes(_encode(value), group))]
+
+
+def every_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (every rank gets the same answer; a collective where
+    the group has more than one rank, none without a group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return bool(flag)
+    return all(all_gather_json(bool(flag), group))
 
 
 def gather_json(value: Any, dst: int = 0, group: dist.ProcessGroup | None = None) -> list[Any] | None:

@@ -593,10 +593,13 @@ class Config(Section):
             if "diloco" in self.model_fields_set and self.diloco.model_fields_set:
                 raise ValueError(f"[diloco] is set but comm.strategy = '{self.comm.strategy}'; set comm.strategy = "
                                  "'diloco' to train with it, or remove [diloco]")
-            return self
-        if not strategy_spec(self.comm.strategy).sharded_checkpoints and (self.checkpoint.sharded or self.checkpoint.async_):
-            raise ValueError("comm.strategy = 'diloco' writes full checkpoints only (each worker's own parameters "
-                             "and the outer state); set checkpoint.sharded = false and checkpoint.async = false")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_checkpoints_fit(self) -> Config:
+        if (self.checkpoint.sharded or self.checkpoint.async_) and not strategy_spec(self.comm.strategy).sharded_checkpoints:
+            raise ValueError(f"comm.strategy = '{self.comm.strategy}' writes full checkpoints only; set "
+                             "checkpoint.sharded = false and checkpoint.async = false")
         return self
 
     @model_validator(mode="after")

@@ -34,8 +34,9 @@ Beside cp (``model_groups``): each cp group, its ranks one model reading one seq
 leader exchanging, as 'host' replicas. Beside tp or pp the split model's strategy runs the inner steps with the
 group's own collectives and averages nothing over dp; it builds with this strategy as its ``outer_loop`` and
 ``attach``es it to this rank's parts (DTensors' local shards, its stages' parameters) and the layout's dp group:
-every rank exchanges its own part with its counterparts. A full checkpoint cannot hold those parts' outer state
-(``SplitOuterState``: a resume refuses in one line).
+every rank exchanges its own part with its counterparts. Its outer state is those parts: a sharded checkpoint holds
+them, each rank's under keys of its own, and resumes at the layout that wrote them; a full checkpoint (rank 0's
+replica) cannot (``diloco_state.SplitOuterState``: a resume refuses in one line).
 
 The run's last step syncs every fragment at once (a pending exchange is superseded: the pseudo-gradient taken
 then covers every inner step since the fragment's last outer step), so a run ends with one model everywhere.
@@ -48,9 +49,12 @@ then covers every inner step since the fragment's last outer step), so a run end
     ...     strategy.outer_loop.outer_step()         # one all-reduce of the pseudo-gradients
 
 What a checkpoint holds beyond the model and optimizer (rank 0's): ``outer`` (``stateful_parts``: the global
-parameters, the outer optimizer's momentum, the count of outer steps, identical on every rank) and, through
-``has_rank_state`` (``train/comm_state.py``), every rank's own parameters and inner optimizer state, which
-differ between outer steps: a checkpoint taken inside an interval resumes bit for bit.
+parameters, the outer optimizer's momentum, the count of outer steps, identical on every rank) and every rank's own
+parameters and inner optimizer state, which differ between outer steps: a checkpoint taken inside an interval
+resumes bit for bit. A full checkpoint gathers them to rank 0 (``has_rank_state``, ``train/comm_state.py``); a
+sharded one has each rank write its own through DCP under keys only it holds (``train/stateful.ShardedTensors``
+for the model and inner optimizer, ``diloco_state.OuterState.sharded_state_dict`` for the error feedback) and the outer state
+once. At another world size the workers start from the checkpoint's model, with one warning.
 
 Buffers (BatchNorm statistics) are not averaged: they follow rank 0 at each outer step (one broadcast, counted
 in the bytes). Evaluation scores the global model (``evaluation_weights``: ringtrain train's evaluations and a
@@ -80,6 +84,7 @@ from ringtrain.testing import faults
 from ringtrain.parallel.base import ReplicatedStrategy, optimizer_tensors
 from ringtrain.parallel.buckets import broadcast_from_rank0, live_group
 from ringtrain.parallel.ddp import DDPStrategy
+from ringtrain.parallel.diloco_state import OuterState, SplitOuterState
 from ringtrain.parallel.outer_loop import OuterLoop
 
 __all__ = ["from_config", "DiLoCoStrategy", "OuterState", "split_fragments", "replicas_of", "model_groups", "SplitOuterState",
@@ -595,7 +600,7 @@ class DiLoCoStrategy(ReplicatedStrategy):
     # --- state ----------------------------------------------------------------------------------------
     def stateful_parts(self) -> dict[str, Any]:
         """The checkpoint's parts beyond the model and optimizer: the outer state, the same on every rank (beside a
-        split model each rank's parts of it, which a full checkpoint cannot hold: ``SplitOuterState``)."""
+        split model each rank's parts of it, which only a sharded checkpoint holds: ``SplitOuterState``)."""
         return {"outer": SplitOuterState(self) if self._attached else OuterState(self)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -634,81 +639,6 @@ class DiLoCoStrategy(ReplicatedStrategy):
             if fragment.error is not None:
                 yield fragment.error
         yield from optimizer_tensors(self.outer_optimizer)
-
-
-class OuterState:
-    """The global parameters, the outer optimizer's state, the counts of outer steps and bytes, and the mean
-    pseudo-gradients exchanged but not applied yet (a delay), as a checkpoint part: the same on every rank."""
-
-    def __init__(self, strategy: DiLoCoStrategy):
-        self.strategy = strategy
-
-    def state_dict(self) -> dict[str, Any]:
-        s = self.strategy
-        return {"global_params": [g.detach().clone() for g in s.global_params],
-                "optimizer": s.outer_optimizer.state_dict(), "outer_steps": s.outer_steps,
-                "bytes_sent": s.bytes_sent,
-                "in_flight": [s._mean(f).clone() if f.in_flight else None for f in s.fragments],
-                # The schedule's place: the last step, each fragment's last outer step, the exchanges a failed
-                # group took with it (a heal's new group, and a member that receives this state, skip them alike).
-                "step": s._step, "synced_steps": [f.synced_step for f in s.fragments], "dropped": sorted(s._dropped)}
-
-    def absent_from_checkpoint(self) -> None:
-        """The checkpoint loaded was saved by another strategy (a DDP run continued with DiLoCo, the paper's warm
-        start): the outer loop starts at the model just loaded, with no momentum and no outer step yet."""
-        s = self.strategy
-        with torch.no_grad():
-            for global_, param in zip(s.global_params, s._params, strict=True):
-                global_.copy_(param)
-        s.outer_optimizer.state.clear()
-        s.outer_steps = s.bytes_sent = 0
-        for fragment in s.fragments:
-            fragment.in_flight, fragment.mean, fragment.work, fragment.error_before = False, None, None, None
-            if fragment.error is not None:
-                fragment.error.zero_()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        s = self.strategy
-        with torch.no_grad():
-            for global_, saved in zip(s.global_params, state["global_params"], strict=True):
-                global_.copy_(saved)
-        # The momentum only: outer_lr and outer_momentum follow this run's config.
-        current = s.outer_optimizer.state_dict()["param_groups"]
-        s.outer_optimizer.load_state_dict({"state": state["optimizer"]["state"], "param_groups": current})
-        s.outer_steps = int(state["outer_steps"])
-        # A checkpoint from before streaming: one fragment, fp32, nothing in flight.
-        s.bytes_sent = int(state.get("bytes_sent", s.outer_steps * s.payload_bytes))
-        in_flight = state.get("in_flight", [None] * len(s.fragments))
-        if len(in_flight) != len(s.fragments):
-            raise ValueError(f"this checkpoint's DiLoCo state has {len(in_flight)} fragments and the run "
-                             f"{len(s.fragments)}; resume with diloco.fragments = {len(in_flight)}")
-        for fragment, mean in zip(s.fragments, in_flight):
-            fragment.work = None
-            fragment.in_flight, fragment.mean = mean is not None, None if mean is None else mean.clone()
-        s._step = int(state.get("step", 0))
-        for fragment, synced in zip(s.fragments, state.get("synced_steps") or [0] * len(s.fragments)):
-            fragment.synced_step = int(synced)
-        s._dropped = {int(index) for index in state.get("dropped", [])}
-
-
-class SplitOuterState(OuterState):
-    """DiLoCo's outer state beside a split model (tp, pp), as a full checkpoint's part. Each rank holds its parts of
-    the global model and of the outer momentum, and each replica its own inner optimizer state; a full checkpoint
-    (the unsplit model, rank 0's replica's) holds none of them. So it records the counts only, and a resume from
-    it refuses in one line rather than step from a wrong anchor. A checkpoint another strategy wrote (no outer
-    state) is the paper's warm start, as ``OuterState``'s."""
-
-    def state_dict(self) -> dict[str, Any]:
-        s = self.strategy
-        return {"split_model": True, "outer_steps": s.outer_steps, "step": s._step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise ConfigError(
-            f"this checkpoint (step {state.get('step')}) was written by DiLoCo beside tensor or pipeline parallelism: "
-            "its outer state (the global model, the outer momentum) and each replica's inner optimizer state are "
-            "every rank's own parts, which a full checkpoint does not hold (sharded DiLoCo checkpoints are not "
-            "built yet); resume it under comm.strategy = 'ddp' or 'fsdp' (its model and optimizer state load), or "
-            "start a new run")
 
 
 def from_config(comm, device: torch.device, *, spec, diloco=None, heal: bool = False, mesh=None) -> DiLoCoStrategy:

@@ -48,7 +48,8 @@ class CheckpointSeams:
         load_parts(self.checkpoint_parts(), state)
 
     def _tensors(self) -> ShardedTensors:
-        return ShardedTensors(self.parts.strategy, self.model, self.parts.optimizer)
+        return ShardedTensors(self.parts.strategy, self.model, self.parts.optimizer, self.ctx.rank,
+                              self.ctx.world_size, self._warn)
 
     def _checkpoint_front(self) -> CheckpointFront:
         ckpt = self.config.checkpoint

@@ -489,12 +489,16 @@ class Session:
         parts.update(comm=CommState(self.strategy, self.rank, self.world_size, self._warn), **self.registered)
         return parts
 
+    def _tensors(self) -> ShardedTensors:
+        """The model's and optimizer's tensors as a sharded checkpoint holds them (each rank's own too under DiLoCo)."""
+        return ShardedTensors(self.strategy, self.model, self.optimizer, self.rank, self.world_size, self._warn)
+
     def save(self) -> None:
         """Checkpoint the step reached (every rank calls it; verified; sharded as configured). Done for you every
         ``[checkpoint] every_steps``, at the end, and on a stop."""
         self._wait_save()
-        self._pending = self.checkpoints.save(self.state.step, self.parts(), ShardedTensors(
-            self.strategy, self.model, self.optimizer), config_sha256=self.config.digest())
+        self._pending = self.checkpoints.save(self.state.step, self.parts(), self._tensors(),
+                                              config_sha256=self.config.digest())
         if not self.config.checkpoint.async_:
             self._wait_save()
         self._saved_step, self._save_due = self.state.step, False
@@ -517,7 +521,7 @@ class Session:
                 exit_with(ConfigError(f"resume: no valid checkpoint in {self.checkpoints.directory}; start afresh "
                                        "without resume"), self.ctx.env)
             return
-        self.checkpoints.load(found, self.parts(), ShardedTensors(self.strategy, self.model, self.optimizer))
+        self.checkpoints.load(found, self.parts(), self._tensors())
         self._resumed = found.path
         self.print(f"ringtrain: resumed from {found.path.name} (step {self.state.step})", file=sys.stderr)
 

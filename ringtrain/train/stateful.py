@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringtrain.checkpoint.sharded import StoredShards
+from ringtrain.comm.objects import every_rank
 from ringtrain.config import Config
 from ringtrain.errors import CheckpointError
 from ringtrain.parallel.base import ReplicatedStrategy
@@ -72,18 +74,54 @@ class OptimizerState:
 
 class ShardedTensors:
     """The model's and optimizer's tensors in the layout the strategy holds them (replicated tensors, DTensor
-    shards, zero's stretches), for sharded checkpoints: they replace the parts named ``model`` and ``optimizer``."""
+    shards, zero's stretches), for sharded checkpoints: they replace the parts named ``model`` and ``optimizer``.
+
+    Where the data-parallel replicas differ between syncs (DiLoCo's outer loop, ``outer_loop.syncs_replicas``):
+    the shared keys hold rank 0's replica's copy (``lowest_rank``: as a full checkpoint's model), and each rank
+    writes its own too, as local tensors under ``replica.rank_R`` (a key only it holds). A resume at the layout
+    that saved it reads each rank's own back (bit for bit); at another (another world size, other parts) every
+    rank takes the shared copy, with one warning, as ``CommState`` does for a full checkpoint."""
 
     names = ("model", "optimizer")
 
-    def __init__(self, strategy: ReplicatedStrategy, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, strategy: ReplicatedStrategy, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 rank: int = 0, world_size: int = 1, warn: Callable[[str], None] | None = None):
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.rank, self.world_size, self.warn = rank, world_size, warn or (lambda message: None)
+        self.lowest_rank = strategy.outer_loop.syncs_replicas
 
     def sharded_state(self) -> dict[str, Any]:
-        return self.strategy.checkpoint_state(self.model, self.optimizer)
+        state = self.strategy.checkpoint_state(self.model, self.optimizer)
+        if self.lowest_rank:
+            state["replica"] = {f"rank_{self.rank}": _local(state)}
+        return state
 
-    def load_sharded_state(self, load: Callable[[dict[str, Any]], None]) -> None:
+    def load_sharded_state(self, shards: StoredShards) -> None:
+        if not self.lowest_rank:
+            self.strategy.load_checkpoint_state(self.model, self.optimizer, shards.load)
+            return
+        replicas = shards.part("replica")
+        own = replicas.part(f"rank_{self.rank}")
+
+        def load(state: dict[str, Any]) -> None:
+            mine = _local(state)  # views of the state's tensors: filling them fills the state
+            saved_ranks = len({key.split(".", 1)[0] for key in replicas.stored})
+            if every_rank(saved_ranks == self.world_size and own.holds(mine, exactly=True)):
+                own.load(mine)
+                return
+            self.warn(f"the checkpoint holds each worker's own parameters and optimizer state for {saved_ranks} "
+                      f"workers, which do not map onto this run's {self.world_size}: every worker starts from the "
+                      "checkpoint's model and optimizer state (rank 0's replica's)")
+            shards.load(state)
+
         self.strategy.load_checkpoint_state(self.model, self.optimizer, load)
+
+
+def _local(state: Any) -> Any:
+    """``state`` (nested dicts) with every DTensor as its local tensor (a view of it): what this rank holds."""
+    if isinstance(state, dict):
+        return {key: _local(value) for key, value in state.items()}
+    return state.to_local() if hasattr(state, "to_local") else state
 
 
 class ScheduleState:
@@ -102,13 +140,26 @@ class ScheduleState:
 
 class CommState:
     """Per-rank state of the gradient sync (PowerSGD's error feedback): gathered to rank 0 on save (a
-    collective: every rank calls state_dict), each rank takes its own on load."""
+    collective: every rank calls state_dict), each rank takes its own on load. In a sharded checkpoint of a
+    strategy whose replicas differ between syncs (DiLoCo) the per-rank state is not gathered: each rank writes its
+    own parameters and optimizer state through DCP (``ShardedTensors``) and its error feedback with the outer
+    state (``parallel/diloco_state.py``'s ``OuterState``)."""
 
     def __init__(self, strategy: ReplicatedStrategy, rank: int, world_size: int, warn: Callable[[str], None]):
         self.strategy, self.rank, self.world_size, self.warn = strategy, rank, world_size, warn
 
     def state_dict(self) -> dict[str, Any]:
         return {"ranks": gather_rank_states(self.strategy), "world_size": self.world_size}
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.strategy.outer_loop.syncs_replicas:
+            return {"ranks": None, "world_size": self.world_size, "in_shards": True}, {}
+        return self.state_dict(), {}
+
+    def load_sharded_state_dict(self, plain: dict[str, Any], shards: StoredShards) -> None:
+        if self.strategy.outer_loop.syncs_replicas:
+            return  # each rank's own came with the model and optimizer (``ShardedTensors``), and its warning
+        self.load_state_dict(plain)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.strategy.has_rank_state:

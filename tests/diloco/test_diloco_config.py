@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ringtrain.cli import main
-from ringtrain.config import Config, DiLoCoConfig, load_config_dict
+from ringtrain.config import Config, DiLoCoConfig, load_config, load_config_dict
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +27,9 @@ REFUSED = [
     ([*DILOCO, "diloco.outer_lr=0"], ["diloco.outer_lr", "greater than 0"]),
     (["diloco.sync_every=5"], ["[diloco] is set but comm.strategy = 'ddp'", "comm.strategy = 'diloco'"]),
     ([*DILOCO, "diloco.inner='hosts'"], ["diloco.inner", "'auto'", "'worker'", "'host'"]),
-    ([*DILOCO, "checkpoint.sharded=true"], ["diloco", "checkpoint.sharded = false"]),
+    # Sharded checkpoints run (issue 40); under --heal every strategy that heals without a reload writes full ones.
+    ([*DILOCO, "dist.heal=true", "checkpoint.sharded=true"],
+     ["dist.heal = true writes full checkpoints", "checkpoint.sharded = false"]),
     ([*DILOCO, "comm.algorithm='powersgd'"], ["algorithm 'powersgd'", "strategy 'diloco'"]),
 ]
 
@@ -44,6 +46,12 @@ def test_a_diloco_config_that_does_not_fit_is_one_line_exit_2_before_any_worker(
     for words in expected:
         assert words in lines[0], f"{words!r} missing from: {lines[0]}"
     assert not run_dir.exists(), "the launcher must not have started (it creates the run directory)"
+
+
+@pytest.mark.parametrize("flag", ["checkpoint.sharded=true", "checkpoint.async=true"])
+def test_diloco_takes_sharded_and_background_checkpoints(flag):
+    config = load_config(DEFAULT, [*DILOCO, flag])
+    assert config.comm.strategy == "diloco" and (config.checkpoint.sharded or config.checkpoint.async_)
 
 
 def test_the_defaults_are_the_papers_outer_optimizer_with_h_50():

@@ -22,11 +22,13 @@ def test_a_layout_trains_as_one_worker(cell: Cell):
     assert_trains_as_one_worker(cell)
 
 
-def test_a_diloco_checkpoint_beside_a_split_model_refuses_to_resume_in_one_line():
-    """Its outer state is every rank's parts, which a full checkpoint does not hold: a resume refuses rather than
-    step from a wrong anchor (diloco.SplitOuterState)."""
+def test_a_full_diloco_checkpoint_beside_a_split_model_refuses_to_resume_in_one_line():
+    """Its outer state is every rank's parts, which a full checkpoint (rank 0's replica) does not hold: a resume
+    refuses rather than step from a wrong anchor, and names the sharded checkpoints that hold them
+    (parallel/diloco_state.SplitOuterState; tests/diloco/test_diloco_sharded.py resumes those)."""
     cell = Cell("diloco", 2, tp=2)
     run_dir = root() / "diloco-dp2-tp2-resumed"
     shutil.copytree(cell_run(cell).run_dir / "checkpoints", run_dir / "checkpoints")
-    with pytest.raises(DistributedTestError, match="written by DiLoCo beside tensor or pipeline parallelism"):
+    refusal = "full checkpoint of DiLoCo beside tensor or pipeline parallelism: a full checkpoint holds rank 0.s replica only"
+    with pytest.raises(DistributedTestError, match=f"{refusal}.*checkpoint.sharded = true"):
         train("", 4, [*SGD, *cell.overrides(), "train.max_steps=7"], resume=True, run_dir=run_dir)
