@@ -486,7 +486,8 @@ class Session:
         parts.update(train_state=self.state, precision=self.precision)
         if self.scheduler is not None:  # yours is carried; [train]'s follows this run's config (as ringtrain train)
             parts["scheduler"] = ScheduleState(self.scheduler, self.state) if self._made_scheduler else self.scheduler
-        parts.update(comm=CommState(self.strategy, self.rank, self.world_size, self._warn), **self.registered)
+        parts.update(comm=CommState(self.strategy, self.rank, self.world_size, self._warn),
+                     **self.strategy.stateful_parts(), **self.registered)  # DiLoCo's outer state, as ringtrain train's
         return parts
 
     def _tensors(self) -> ShardedTensors:

@@ -1,7 +1,8 @@
 """A Session loop (your own loop) under comm.strategy = 'diloco' ends on one model on every rank (issue 24): at
 the planned last step, whose outer step the session asks for as ``ringtrain train`` does, and when the loop
 leaves early (``finish`` syncs what the workers learned since their last outer step). Before, both ended in
-ReplicasDiverged: 15 steps with H = 4 left the ranks three inner steps apart."""
+ReplicasDiverged: 15 steps with H = 4 left the ranks three inner steps apart. Its checkpoints hold the outer state
+(before, a Session's held none: its resume started the outer momentum afresh)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ SCRIPT = textwrap.dedent('''
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = ringtrain.Session({"train": {"global_batch_size": 16, "local_batch_size": 8},
                                  "comm": {"strategy": "diloco"}, "diloco": {"sync_every": 4},
-                                 "run_dir": sys.argv[1]})
+                                 "checkpoint": {"every_steps": 5, "keep_last": 10}, "run_dir": sys.argv[1]})
     val = session.eval_loader(data, 64)  # before setup(), as the examples do
     model, optimizer, loader = session.setup(model, optimizer, data=data)
     stop_at = int(sys.argv[2])
@@ -72,3 +73,9 @@ def test_a_diloco_session_ends_on_one_model_at_its_planned_end_and_when_its_loop
         assert summary["outer_steps"] == outer_steps, (name, summary["outer_steps"])
         # Evaluation between outer steps scores the global model on every rank, then gives back each its own.
         assert "workers apart: True scored one model: True own weights back: True" in result.stdout, result.stdout
+    # Its checkpoints hold DiLoCo's outer state, as ringtrain train's do (a resume goes on from the outer momentum).
+    from ringtrain.checkpoint.manager import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "planned-end" / "checkpoints", is_writer=False)
+    outer = manager.load(manager.path_for(5))["outer"]
+    assert outer["outer_steps"] == 1 and outer["optimizer"]["state"], outer.keys()
