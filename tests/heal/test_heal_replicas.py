@@ -16,9 +16,9 @@ from ringtrain.data.ledger import check_ledger
 from tests.jobs import Job, ledger_steps, records
 from tests.runs import summary
 
-# Alone still: 4 workers of a transformer whose tp/pp collectives wait dist.timeout_s (20 s) for a peer, and a
-# kill timed from the test at step 10 of 24; neither has been run beside busy processes yet.
-pytestmark = [pytest.mark.job, pytest.mark.exclusive]
+# In the shared phase: its four jobs passed 3 times of 3 beside two busy loops and other tests' workers (2-core
+# machine; 154-242 s a run of all four).
+pytestmark = pytest.mark.job
 
 STEPS = 24
 SETS = ["--set", f"train.max_steps={STEPS}", "--set", "train.auto_micro_batch=false", "--set", "train.precision=fp32",
