@@ -309,10 +309,6 @@ def runs_in_ringtrain(tp: int, pp: int, dp: int, data: str, cp: int = 1) -> bool
         # planner enumerates: cp layouts are listed without sp, and with one dp dimension.
         if "cp" not in spec.beside:
             return False
-    # DiLoCo's replicas split in two model dimensions: the split model's one gradient group (and the pipeline's clip
-    # norm under tp) spans the replicas, which step on their own.
-    if spec.replicas_are_model_groups and dp > 1 and sum(d > 1 for d in (tp, pp, cp)) > 1:
-        return False
     # ringtrain's ZeRO wraps a pipeline's stages over the dp ranks only: not beside tp's DTensors or cp's shares.
     if "stage" in spec.options and pp > 1 and (tp > 1 or cp > 1):
         return False
