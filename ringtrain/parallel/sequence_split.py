@@ -38,13 +38,14 @@ __all__ = ["sequence_parallel_plan", "shard_stream"]
 def sequence_parallel_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
     """``plan`` (module paths to 'colwise', 'rowwise' or torch's ColwiseParallel / RowwiseParallel, as made by
     ``tensor.gpt2_plan``) with the stream sharded by sequence between the splits."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     derived = {}
     for path, style in plan.items():
         kind = style if isinstance(style, str) else "colwise" if isinstance(style, ColwiseParallel) and _default(
-            style) else "rowwise" if isinstance(style, RowwiseParallel) and _default(style) else None
+            style, Replicate(), Shard(-1)) else "rowwise" if isinstance(style, RowwiseParallel) and _default(
+            style, Shard(-1), Replicate()) else None
         if kind is None:
             raise ConfigError(f"[parallel] sequence_parallel = true: tp_plan[{path!r}] is a {type(style).__name__} that "
                               "sets its own input and output layouts, which sequence parallelism cannot derive; give "
@@ -58,12 +59,10 @@ def sequence_parallel_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
     return derived
 
 
-def _default(style: Any) -> bool:
-    """A column or row split with torch's default layouts (the plain 'colwise' / 'rowwise')."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    layouts = (style.input_layouts, style.output_layouts)
-    return all(layout in ((Replicate(),), (Shard(-1),)) for layout in layouts) and style.use_local_output
+def _default(style: Any, given: Any, made: Any) -> bool:
+    """A column or row split with torch's default layouts (the plain 'colwise' / 'rowwise': its input ``given``,
+    its output ``made``)."""
+    return style.input_layouts == (given,) and style.output_layouts == (made,) and style.use_local_output
 
 
 def shard_stream(model: nn.Module, mesh: Any) -> None:

@@ -55,3 +55,22 @@ def test_rank_order_gives_each_rank_its_own_q_k_v_and_goes_back(dim):
     first = ranked.narrow(dim, 0, 3 * width // tp).flatten().unique().tolist()
     assert first == [0, 1, 4, 5, 8, 9]  # q_0, k_0, v_0
     assert torch.equal(_to_natural(ranked, tp, dim), full)
+
+
+def test_sequence_parallelism_derives_a_plans_layouts_and_refuses_a_style_that_sets_its_own():
+    """parallel/sequence_split.py: 'colwise' gathers the sequence before the split, 'rowwise' reduce-scatters into
+    it (GPT-2's Conv1D styles keep their class); a ParallelStyle with layouts of its own is one line naming it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ringtrain.parallel.sequence_split import sequence_parallel_plan
+    from ringtrain.parallel.tensor import Conv1DColwise
+
+    derived = sequence_parallel_plan({"a.up": "colwise", "a.down": "rowwise", "a.qkv": Conv1DColwise()})
+    assert isinstance(derived["a.up"], ColwiseParallel) and derived["a.up"].input_layouts == (Shard(1),)
+    assert isinstance(derived["a.down"], RowwiseParallel) and derived["a.down"].output_layouts == (Shard(1),)
+    assert type(derived["a.qkv"]) is Conv1DColwise and derived["a.qkv"].input_layouts == (Shard(1),)
+    with pytest.raises(ConfigError, match=r"^\[parallel\] sequence_parallel = true: tp_plan\['a.out'\] is a "
+                                          r"ColwiseParallel that sets its own input and output layouts.*leave "
+                                          r"sequence_parallel unset$"):
+        sequence_parallel_plan({"a.out": ColwiseParallel(output_layouts=Replicate())})
